@@ -1,0 +1,336 @@
+"""The agent loop: sample every interval, build heartbeats, publish them in one round trip.
+
+One loop serves one node (``pulse agent``) or many simulated ones (``pulse simulate``). The GPU
+sample is taken on the heartbeat's own schedule; IPMI runs in its own task on its own interval
+under a timeout, so a slow or hung BMC never delays a heartbeat: the heartbeat carries the latest
+power reading and says whether it is current (``ok``), ``stale`` or ``unavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import shutil
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import redis.asyncio as aioredis
+
+from agent.publisher import HeartbeatPublisher
+from agent.simulated import FaultSpec, SimulatedNode
+from clusterpulse import wire
+from clusterpulse.retry import Backoff
+from clusterpulse.settings import Settings
+
+log = logging.getLogger("pulse.agent")
+
+
+class GpuSource(Protocol):
+    name: str
+
+    def open(self) -> None: ...
+
+    def sample(self) -> list[wire.GpuSample]: ...
+
+    def close(self) -> None: ...
+
+
+class PowerReader(Protocol):
+    async def read(self) -> Any: ...
+
+
+@dataclass
+class PowerState:
+    """The latest IPMI reading and how current it is."""
+
+    psus: list[wire.PsuSample] = field(default_factory=list)
+    fans: list[wire.FanSample] = field(default_factory=list)
+    read_at: float | None = None  # monotonic
+    unavailable: bool = False
+
+
+@dataclass
+class NodeAgent:
+    """Everything needed to build one node's heartbeat."""
+
+    node: str
+    gpu: GpuSource | None
+    gpu_source: Literal["nvml", "simulated", "none"]
+    interval_s: float
+    labels: dict[str, str] = field(default_factory=dict)
+    sim: SimulatedNode | None = None
+    power: PowerState = field(default_factory=PowerState)
+    ipmi_stale_after_s: float = 90.0
+    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    seq: int = 0
+
+    @property
+    def silent(self) -> bool:
+        return self.sim is not None and "silent" in self.sim.faults
+
+    def heartbeat(self, gpus: list[wire.GpuSample]) -> wire.Heartbeat:
+        ipmi: Literal["ok", "stale", "unavailable", "simulated"]
+        if self.sim is not None:
+            psus, fans = self.sim.power()
+            ipmi = "simulated"
+        else:
+            psus, fans = self.power.psus, self.power.fans
+            if self.power.read_at is None:
+                ipmi = "unavailable"
+            elif time.monotonic() - self.power.read_at > self.ipmi_stale_after_s:
+                ipmi = "stale"
+            else:
+                ipmi = "ok"
+        self.seq += 1
+        return wire.Heartbeat(
+            v=wire.PROTOCOL_VERSION,
+            node=self.node,
+            boot_id=self.boot_id,
+            seq=self.seq,
+            sent_at=time.time(),
+            interval_s=self.interval_s,
+            gpu_source=self.gpu_source,
+            ipmi=ipmi,
+            labels=self.labels,
+            gpus=gpus,
+            psus=psus,
+            fans=fans,
+        )
+
+
+def apply_faults(agents: Sequence[NodeAgent], faults: Sequence[FaultSpec], elapsed_s: float) -> None:
+    """Set each simulated node's active faults from the schedule (level-triggered, idempotent)."""
+    by_node: dict[str, set[str]] = {a.node: set() for a in agents if a.sim is not None}
+    for f in faults:
+        if f.active(elapsed_s):
+            for node in [f.node] if f.node is not None else list(by_node):
+                if node in by_node:
+                    by_node[node].add(f.kind)
+    for a in agents:
+        if a.sim is not None:
+            before = set(a.sim.faults)
+            a.sim.faults = by_node[a.node]
+            for kind in sorted(a.sim.faults - before):
+                log.info("event=fault_injected node=%s kind=%s", a.node, kind)
+            for kind in sorted(before - a.sim.faults):
+                log.info("event=fault_cleared node=%s kind=%s", a.node, kind)
+
+
+async def ipmi_loop(agent: NodeAgent, source: PowerReader, *, interval_s: float, stop: asyncio.Event) -> None:
+    """Read the BMC every ``interval_s``; on a permanent failure say so once and stop trying."""
+    backoff = Backoff(base_s=min(1.0, interval_s), cap_s=interval_s)
+    while not stop.is_set():
+        wait = interval_s
+        try:
+            reading = await source.read()
+        except Exception as exc:
+            if not getattr(exc, "transient", False):
+                agent.power.unavailable = True
+                log.warning("event=ipmi_unavailable node=%s error=%r going_on=gpus_only", agent.node, str(exc))
+                return
+            wait = backoff.next_delay()
+            log.info("event=ipmi_retry node=%s error=%r retry_in_s=%.1f", agent.node, str(exc), wait)
+        else:
+            backoff.reset()
+            agent.power.psus, agent.power.fans = list(reading.psus), list(reading.fans)
+            agent.power.read_at = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=wait)
+
+
+async def sample_gpus(agent: NodeAgent) -> list[wire.GpuSample]:
+    if agent.gpu is None:
+        return []
+    if agent.sim is not None:
+        return agent.gpu.sample()
+    return await asyncio.to_thread(agent.gpu.sample)  # NVML calls block; keep the loop free
+
+
+async def run_agents(
+    agents: Sequence[NodeAgent],
+    publisher: HeartbeatPublisher,
+    *,
+    interval_s: float,
+    stop: asyncio.Event,
+    faults: Sequence[FaultSpec] = (),
+    max_ticks: int | None = None,
+) -> int:
+    """Publish a heartbeat for every non-silent agent each interval until ``stop``. Returns ticks."""
+    started = time.monotonic()
+    next_tick = started
+    ticks = 0
+    while not stop.is_set() and (max_ticks is None or ticks < max_ticks):
+        apply_faults(agents, faults, time.monotonic() - started)
+        beats = [a.heartbeat(await sample_gpus(a)) for a in agents if not a.silent]
+        await publisher.publish(beats)
+        ticks += 1
+        next_tick += interval_s
+        delay = next_tick - time.monotonic()
+        if delay < 0:  # fell behind (a stall, a slow pipeline): skip missed ticks, don't burst
+            next_tick = time.monotonic()
+            delay = 0
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=delay)
+    return ticks
+
+
+def topology_labels(index: int, *, per_switch: int = 4, per_rack: int = 16) -> dict[str, str]:
+    """Topology of the i-th simulated node: its own NVLink domain (an HGX board), 4 per leaf
+    switch, 16 per rack."""
+    return {
+        "nvlink_domain": f"nvl-{index:04d}",
+        "switch": f"leaf-{index // per_switch:03d}",
+        "rack": f"rack-{index // per_rack:02d}",
+    }
+
+
+def parse_labels(items: Sequence[str]) -> dict[str, str]:
+    """``k=v`` items from ``--label`` flags and ``PULSE_NODE_LABELS`` (comma separated)."""
+    env = os.environ.get("PULSE_NODE_LABELS", "")
+    out: dict[str, str] = {}
+    for item in [*(x for x in env.split(",") if x.strip()), *items]:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"label {item!r}: expected KEY=VALUE, e.g. rack=r12")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _redis(settings: Settings) -> aioredis.Redis:
+    return aioredis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s,
+    )
+
+
+def _publisher(settings: Settings, client: aioredis.Redis) -> HeartbeatPublisher:
+    return HeartbeatPublisher(
+        client,
+        shards=settings.heartbeat_stream_shards,
+        maxlen=settings.heartbeat_stream_maxlen,
+        ttl_s=settings.heartbeat_ttl,
+        backoff=Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s),
+    )
+
+
+def open_gpu_source(source: str, *, node: str, gpus: int, settings: Settings) -> tuple[NodeAgentParts, str]:
+    """The GPU source for ``--source``. ``auto`` uses NVML when it answers and otherwise reports
+    no GPUs (saying so once); it never invents data. ``simulated`` only when asked for."""
+    if source == "simulated":
+        sim = SimulatedNode(node, gpus=gpus)
+        return NodeAgentParts(gpu=sim, sim=sim, gpu_source="simulated"), "simulated GPUs and PSUs"
+    from agent.nvml import NvmlSource, NvmlUnavailable
+
+    nvml = NvmlSource(xid_window_s=settings.xid_window_s)
+    try:
+        nvml.open()
+    except NvmlUnavailable as exc:
+        if source == "nvml":
+            raise
+        log.warning("event=nvml_unavailable node=%s error=%r going_on=no_gpus", node, str(exc))
+        return NodeAgentParts(gpu=None, sim=None, gpu_source="none"), f"no GPUs ({exc})"
+    return NodeAgentParts(gpu=nvml, sim=None, gpu_source="nvml"), "NVML"
+
+
+@dataclass
+class NodeAgentParts:
+    gpu: GpuSource | None
+    sim: SimulatedNode | None
+    gpu_source: Literal["nvml", "simulated", "none"]
+
+
+async def run_node_agent(
+    settings: Settings,
+    *,
+    node: str,
+    source: str,
+    gpus: int,
+    interval_s: float,
+    labels: dict[str, str],
+    faults: Sequence[FaultSpec] = (),
+    stop: asyncio.Event | None = None,
+) -> None:
+    """``pulse agent``: one node. IPMI runs in its own task when the source is real."""
+    stop = stop or asyncio.Event()
+    parts, desc = open_gpu_source(source, node=node, gpus=gpus, settings=settings)
+    agent = NodeAgent(
+        node=node,
+        gpu=parts.gpu,
+        gpu_source=parts.gpu_source,
+        interval_s=interval_s,
+        labels=labels,
+        sim=parts.sim,
+        ipmi_stale_after_s=3 * settings.ipmi_interval_s + settings.ipmi_timeout_s,
+    )
+    client = _redis(settings)
+    tasks: list[asyncio.Task[None]] = []
+    if parts.sim is None:
+        from agent.ipmi import IpmiSource
+
+        cmd = shlex.split(settings.ipmi_command)
+        if shutil.which(cmd[0]) is None:
+            log.warning(
+                "event=ipmi_unavailable node=%s error=%r going_on=gpus_only",
+                node,
+                f"{cmd[0]} not found on PATH",
+            )
+        else:
+            ipmi = IpmiSource(command=cmd, timeout_s=settings.ipmi_timeout_s)
+            tasks.append(asyncio.create_task(ipmi_loop(agent, ipmi, interval_s=settings.ipmi_interval_s, stop=stop)))
+    log.info("event=agent_started node=%s source=%s interval_s=%g labels=%s", node, desc, interval_s, labels)
+    try:
+        await run_agents([agent], _publisher(settings, client), interval_s=interval_s, stop=stop, faults=faults)
+    finally:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if parts.gpu is not None:
+            parts.gpu.close()
+        await client.aclose()
+
+
+async def run_simulation(
+    settings: Settings,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    interval_s: float,
+    faults: Sequence[FaultSpec] = (),
+    prefix: str = "sim",
+    stop: asyncio.Event | None = None,
+) -> None:
+    """``pulse simulate``: N simulated agents in one process, one pipeline per interval."""
+    stop = stop or asyncio.Event()
+    width = max(3, len(str(nodes - 1)))
+    agents = []
+    for i in range(nodes):
+        name = f"{prefix}-{i:0{width}d}"
+        sim = SimulatedNode(name, gpus=gpus_per_node)
+        agents.append(
+            NodeAgent(
+                node=name,
+                gpu=sim,
+                gpu_source="simulated",
+                interval_s=interval_s,
+                labels=topology_labels(i),
+                sim=sim,
+            )
+        )
+    known = {a.node for a in agents}
+    for f in faults:
+        if f.node is not None and f.node not in known:
+            raise ValueError(f"--fault names node {f.node!r}, which is not simulated (nodes are {prefix}-000 ...)")
+    client = _redis(settings)
+    log.info("event=simulation_started nodes=%d gpus_per_node=%d interval_s=%g", nodes, gpus_per_node, interval_s)
+    try:
+        await run_agents(agents, _publisher(settings, client), interval_s=interval_s, stop=stop, faults=faults)
+    finally:
+        await client.aclose()

@@ -1,0 +1,180 @@
+"""Simulated GPUs and power supplies, with injectable faults. Chosen only explicitly.
+
+A :class:`SimulatedNode` models an 8-GPU HGX-style board behind two PSUs on a 54 V bus, with
+noisy but realistic readings: GPUs at ~749 W of a 750 W cap, ~66 A per PSU. Each fault changes the
+readings the way the real failure does, so the orchestrator's health rules see what they would
+see on real hardware:
+
+==============  ===========================================================================
+kind            what the telemetry shows
+==============  ===========================================================================
+thermal         all GPUs at 92 C with thermal slowdown and SM clocks pulled down
+power_brake     the BMC asserts power brake: throttle reason set, GPUs near 300 W
+psu_imbalance   PS2 delivers 12 A less than PS1; its GPUs (4-7) sit at 700 W, peers at 749 W
+pcie_x8         GPU 0's link trained at x8 on an x16 slot
+xid             GPU 0 reports XID 48 (double-bit ECC error), a fatal one
+ecc             GPU 1's volatile uncorrectable ECC counter goes up
+gpu_lost        GPU 7 has fallen off the bus (NVML_ERROR_GPU_IS_LOST)
+silent          the agent stops publishing (handled by the agent loop)
+==============  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import zlib
+from dataclasses import dataclass
+
+from clusterpulse.wire import FanSample, GpuSample, PsuSample
+
+FAULT_KINDS = ("thermal", "power_brake", "psu_imbalance", "pcie_x8", "xid", "ecc", "gpu_lost", "silent")
+
+GPU_NAME = "NVIDIA H200"
+MEMORY_TOTAL = 143_771 * 1024 * 1024
+POWER_LIMIT_W = 750.0
+BUS_VOLTS = 54.0
+BASE_POWER_W = 1200.0  # CPUs, NICs, fans, drives: the rest of the node
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """``[NODE=]KIND@SECONDS[+DURATION]``: KIND starts SECONDS after start, lasts DURATION (or forever)."""
+
+    node: str | None
+    kind: str
+    at_s: float
+    duration_s: float | None = None
+
+    def active(self, elapsed_s: float) -> bool:
+        if elapsed_s < self.at_s:
+            return False
+        return self.duration_s is None or elapsed_s < self.at_s + self.duration_s
+
+
+_FAULT_RE = re.compile(r"^(?:(?P<node>[^=]+)=)?(?P<kind>[a-z_0-9]+)@(?P<at>[0-9.]+)(?:\+(?P<dur>[0-9.]+))?$")
+
+
+def parse_fault(text: str) -> FaultSpec:
+    m = _FAULT_RE.match(text.strip())
+    if not m:
+        raise ValueError(f"--fault {text!r}: expected [NODE=]KIND@SECONDS[+DURATION], e.g. sim-003=psu_imbalance@20")
+    kind = m["kind"]
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"--fault {text!r}: unknown kind {kind!r}; known: {', '.join(FAULT_KINDS)}")
+    return FaultSpec(m["node"], kind, float(m["at"]), float(m["dur"]) if m["dur"] else None)
+
+
+class SimulatedNode:
+    """One simulated node's GPUs and power. ``faults`` is the set of active fault kinds."""
+
+    name = "simulated"
+
+    def __init__(self, node: str, *, gpus: int = 8, seed: int | None = None) -> None:
+        self.node = node
+        self.gpus = gpus
+        self.faults: set[str] = set()
+        self._rng = random.Random(seed if seed is not None else node)
+        self._ecc_uncorrected = 0
+        self._xid_counts: dict[str, int] = {}
+        self._last_power: list[float] = [0.0] * gpus
+
+    # The GPU source interface (same as agent.nvml.NvmlSource) ---------------------------------
+    def open(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def _noise(self, sd: float) -> float:
+        return self._rng.gauss(0.0, sd)
+
+    def sample(self) -> list[GpuSample]:
+        f = self.faults
+        out: list[GpuSample] = []
+        half = self.gpus // 2
+        if "ecc" in f and self._ecc_uncorrected == 0:
+            self._ecc_uncorrected = 1
+        if "xid" in f and "48" not in self._xid_counts:
+            self._xid_counts["48"] = 1
+        for i in range(self.gpus):
+            if "gpu_lost" in f and i == self.gpus - 1:
+                out.append(GpuSample(index=i, uuid=self._uuid(i), name=GPU_NAME, lost=True, error="GPU is lost"))
+                self._last_power[i] = 0.0
+                continue
+            throttle: list[str] = []
+            temp = 64.0 + self._noise(2.0)
+            clock = 1980.0 + self._noise(5.0)
+            power = min(POWER_LIMIT_W, 749.0 + self._noise(1.0))
+            if "psu_imbalance" in f and i >= half:
+                power = 700.0 + self._noise(1.0)
+            if power >= POWER_LIMIT_W - 2:
+                throttle.append("sw_power_cap")
+            if "thermal" in f:
+                temp, clock, power = (
+                    92.0 + self._noise(0.5),
+                    1410.0 + self._noise(10.0),
+                    610.0 + self._noise(5.0),
+                )
+                throttle = ["thermal"]
+            if "power_brake" in f:
+                clock, power = 990.0 + self._noise(10.0), 300.0 + self._noise(5.0)
+                throttle = ["power_brake"]
+            self._last_power[i] = power
+            xid_here = i == 0 and "xid" in f
+            out.append(
+                GpuSample(
+                    index=i,
+                    uuid=self._uuid(i),
+                    name=GPU_NAME,
+                    utilization_ratio=max(0.0, min(1.0, 0.97 + self._noise(0.01))),
+                    memory_used_bytes=int(MEMORY_TOTAL * 0.86),
+                    memory_total_bytes=MEMORY_TOTAL,
+                    temperature_celsius=round(temp, 1),
+                    power_watts=round(power, 1),
+                    power_limit_watts=POWER_LIMIT_W,
+                    sm_clock_mhz=round(clock),
+                    throttle=tuple(throttle),  # type: ignore[arg-type]
+                    ecc_volatile_corrected=0,
+                    ecc_volatile_uncorrected=self._ecc_uncorrected if i == 1 else 0,
+                    ecc_aggregate_corrected=0,
+                    ecc_aggregate_uncorrected=self._ecc_uncorrected if i == 1 else 0,
+                    xid_counts=dict(self._xid_counts) if i == 0 else {},
+                    xids_recent=(48,) if xid_here else (),
+                    pcie_link_width=8 if ("pcie_x8" in f and i == 0) else 16,
+                    pcie_link_width_max=16,
+                    pcie_link_gen=5,
+                    pcie_link_gen_max=5,
+                    nvlink_up=18,
+                    nvlink_total=18,
+                )
+            )
+        return out
+
+    def _uuid(self, i: int) -> str:
+        return f"GPU-{zlib.crc32(f'{self.node}/{i}'.encode()):08x}-0000-4000-8000-{i:012x}"
+
+    # The power source interface (same readings as agent.ipmi) ---------------------------------
+    def power(self) -> tuple[list[PsuSample], list[FanSample]]:
+        half = self.gpus // 2
+        gpu_a = sum(self._last_power[:half]) or 749.0 * half
+        gpu_b = sum(self._last_power[half:]) or 749.0 * (self.gpus - half)
+        amps_a = (gpu_a + BASE_POWER_W / 2) / BUS_VOLTS + self._noise(0.3)
+        amps_b = (gpu_b + BASE_POWER_W / 2) / BUS_VOLTS + self._noise(0.3)
+        if "psu_imbalance" in self.faults:
+            amps_b = amps_a - 12.0 + self._noise(0.3)  # peers 12 A apart, as in the seed case
+        psus = [
+            PsuSample(
+                name=f"PS{n}",
+                ok=True,
+                input_power_watts=round(a * BUS_VOLTS / 0.96, 1),
+                input_current_amperes=round(a * BUS_VOLTS / 0.96 / 230.0, 2),
+                output_current_amperes=round(a, 2),
+                input_voltage_volts=round(230.0 + self._noise(0.5), 1),
+                output_voltage_volts=BUS_VOLTS,
+                status="Presence detected",
+            )
+            for n, a in ((1, amps_a), (2, amps_b))
+        ]
+        fans = [FanSample(name=f"Fan{n}", rpm=round(9000 + self._noise(60.0)), ok=True) for n in range(1, 7)]
+        return psus, fans

@@ -1,0 +1,397 @@
+"""The ``pulse`` command. Each subcommand imports only what it needs, so ``pulse agent`` stays small."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from clusterpulse.settings import Settings, load_settings
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("httpx", "alembic", "uvicorn.error"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _settings(**overrides: Any) -> Settings:
+    return load_settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+async def _until_signal(main: Callable[[asyncio.Event], Any]) -> None:
+    """Run ``main(stop)``; SIGINT/SIGTERM set ``stop`` for a clean shutdown."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await main(stop)
+
+
+# --- agent / simulate ---------------------------------------------------------------------------
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from agent.daemon import parse_labels, run_node_agent
+    from agent.simulated import parse_fault
+
+    settings = _settings(heartbeat_interval_s=args.interval)
+    faults = [parse_fault(f) for f in args.fault]
+    if faults and args.source != "simulated":
+        raise SystemExit("pulse agent: --fault needs --source simulated")
+    for f in faults:
+        if f.node not in (None, args.node):
+            raise SystemExit(f"pulse agent: --fault {f.node}=...: this agent is {args.node}")
+    labels = parse_labels(args.label)
+    asyncio.run(
+        _until_signal(
+            lambda stop: run_node_agent(
+                settings,
+                node=args.node,
+                source=args.source,
+                gpus=args.gpus,
+                interval_s=settings.heartbeat_interval_s,
+                labels=labels,
+                faults=faults,
+                stop=stop,
+            )
+        )
+    )
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from agent.daemon import run_simulation
+    from agent.simulated import parse_fault
+
+    settings = _settings(heartbeat_interval_s=args.interval)
+    faults = [parse_fault(f) for f in args.fault]
+
+    async def main(stop: asyncio.Event) -> None:
+        if args.duration:
+            asyncio.get_running_loop().call_later(args.duration, stop.set)
+        await run_simulation(
+            settings,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            interval_s=settings.heartbeat_interval_s,
+            faults=faults,
+            prefix=args.prefix,
+            stop=stop,
+        )
+
+    asyncio.run(_until_signal(main))
+    return 0
+
+
+# --- orchestrator / db --------------------------------------------------------------------------
+
+
+def cmd_orchestrator(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from services.api import create_app
+
+    settings = _settings()
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from services import db
+    from services.api import redact
+
+    settings = _settings()
+    db.ensure_sqlite_dir(settings.database_url)
+    head = db.upgrade(settings.database_url)
+    print(f"database {redact(settings.database_url)} at revision {head}")
+    return 0
+
+
+# --- on-call client -----------------------------------------------------------------------------
+
+
+class ApiError(SystemExit):
+    pass
+
+
+def _client(settings: Settings) -> Any:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+    return httpx.Client(base_url=settings.api_url, headers=headers, timeout=10.0)
+
+
+def _call(method: str, path: str, **kw: Any) -> Any:
+    import httpx
+
+    settings = _settings()
+    try:
+        with _client(settings) as c:
+            r = c.request(method, path, **kw)
+    except httpx.HTTPError as exc:
+        raise ApiError(
+            f"pulse: cannot reach the orchestrator at {settings.api_url} ({exc}); set PULSE_API_URL"
+        ) from None
+    if r.status_code >= 400:
+        try:
+            detail = r.json().get("detail", r.text)
+        except ValueError:
+            detail = r.text
+        raise ApiError(f"pulse: {method} {path} -> {r.status_code}: {detail}")
+    return r.json()
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.1f}m"
+
+
+def format_nodes(nodes: Sequence[dict[str, Any]]) -> str:
+    rows = [("NODE", "STATE", "SCHED", "HB AGE", "GPUS", "PSUS", "REASON")]
+    for n in nodes:
+        rows.append(
+            (
+                n["name"],
+                n["state"],
+                "yes" if n["schedulable"] else "cordoned",
+                _age(n["heartbeat_age_seconds"]),
+                str(len(n["gpus"])),
+                str(len(n["psus"])),
+                n["reason"][:90],
+            )
+        )
+    return _table(rows)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _when(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) + f".{int(at * 1000) % 1000:03d}"
+
+
+def format_events(events: Sequence[dict[str, Any]]) -> str:
+    rows = [("TIME", "KIND", "NODE", "CHANGE", "ACTOR", "REASON")]
+    for e in events:
+        change = f"{e['from_state']} -> {e['to_state']}" if e["to_state"] else ""
+        rows.append((_when(e["at"]), e["kind"], e["node"] or "-", change, e["actor"], e["reason"][:100]))
+    return _table(rows)
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        params = {"state": args.state} if args.state else {}
+        while True:
+            data = _call("GET", "/v1/nodes", params=params)
+            if args.json:
+                print(json.dumps(data, indent=2))
+            else:
+                if args.watch:
+                    print("\033[2J\033[H", end="")
+                    counts: dict[str, int] = {}
+                    for n in data["data"]:
+                        counts[n["state"]] = counts.get(n["state"], 0) + 1
+                    print(f"{time.strftime('%H:%M:%S')}  " + "  ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+                print(format_nodes(data["data"]))
+            if not args.watch:
+                return 0
+            sys.stdout.flush()
+            time.sleep(args.watch)
+    if not args.name:
+        raise SystemExit(f"pulse nodes {args.action}: NAME is required")
+    if args.action == "show":
+        node = _call("GET", f"/v1/nodes/{args.name}")
+        if args.json:
+            print(json.dumps(node, indent=2))
+        else:
+            print(format_node(node))
+        return 0
+    body = {"reason": args.reason} if args.reason else None
+    out = _call("POST", f"/v1/nodes/{args.name}/{args.action}", json=body)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        verb = "cordoned" if args.action == "cordon" else "uncordoned"
+        print(f"{args.name} {verb}" + ("" if out["changed"] else " (no change: it already was)"))
+    return 0
+
+
+def format_node(n: dict[str, Any]) -> str:
+    lines = [
+        f"{n['name']}  {n['state']}  since {_when(n['state_since'])}  {'schedulable' if n['schedulable'] else 'CORDONED'}",
+        f"  reason:    {n['reason']}",
+        f"  heartbeat: {_age(n['heartbeat_age_seconds'])} ago, clock skew {n['clock_skew_seconds']}s, agent {n['agent']}",
+        f"  labels:    {n['labels']}",
+    ]
+    lines += [f"  fault:     {f}" for f in n["faults"]] + [f"  warning:   {w}" for w in n["warnings"]]
+    rows = [("GPU", "NAME", "UTIL", "TEMP", "POWER", "PCIE", "THROTTLE", "ECC-U", "XID")]
+    for g in n["gpus"]:
+        if g.get("lost"):
+            rows.append((str(g["index"]), "LOST", "-", "-", "-", "-", "-", "-", g.get("error") or ""))
+            continue
+        rows.append(
+            (
+                str(g["index"]),
+                g.get("name", ""),
+                f"{(g.get('utilization_ratio') or 0) * 100:.0f}%",
+                f"{g.get('temperature_celsius')}C",
+                f"{g.get('power_watts')}/{g.get('power_limit_watts')}W",
+                f"x{g.get('pcie_link_width')}/x{g.get('pcie_link_width_max')}",
+                ",".join(g.get("throttle") or []) or "-",
+                str(g.get("ecc_volatile_uncorrected")),
+                ",".join(map(str, g.get("xids_recent") or [])) or "-",
+            )
+        )
+    lines.append(_table(rows))
+    prow = [("PSU", "OK", "IN W", "IN A", "OUT A", "STATUS")]
+    for p in n["psus"]:
+        prow.append(
+            (
+                p["name"],
+                str(p.get("ok")),
+                str(p.get("input_power_watts")),
+                str(p.get("input_current_amperes")),
+                str(p.get("output_current_amperes")),
+                p.get("status", ""),
+            )
+        )
+    if n["psus"]:
+        lines.append(_table(prow))
+    return "\n".join(lines)
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {"limit": args.limit}
+    if args.node:
+        params["node"] = args.node
+    if args.since is not None:
+        params["since"] = time.time() - args.since
+    data = _call("GET", "/v1/events", params=params)
+    print(json.dumps(data, indent=2) if args.json else format_events(data["data"]))
+    return 0
+
+
+# --- demo / bench -------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from clusterpulse.demo import run_demo
+
+    rc: int = run_demo(args)
+    return rc
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from clusterpulse.bench import run_bench
+
+    rc: int = run_bench(args)
+    return rc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pulse", description="ClusterPulse: the control plane of a GPU training cluster.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("agent", help="run one node's agent")
+    a.add_argument("--node", required=True)
+    a.add_argument("--source", choices=("auto", "nvml", "simulated"), default="auto")
+    a.add_argument("--gpus", type=int, default=8, help="GPUs to simulate (--source simulated)")
+    a.add_argument("--interval", type=float, help="heartbeat interval, seconds (PULSE_HEARTBEAT_INTERVAL_S)")
+    a.add_argument("--label", action="append", default=[], help="topology label KEY=VALUE (repeatable)")
+    a.add_argument("--fault", action="append", default=[], help="KIND@SECONDS[+DURATION] (simulated only)")
+    a.set_defaults(fn=cmd_agent)
+
+    s = sub.add_parser("simulate", help="run N simulated agents in one process")
+    s.add_argument("--nodes", type=int, required=True)
+    s.add_argument("--gpus-per-node", type=int, default=8)
+    s.add_argument("--interval", type=float)
+    s.add_argument("--fault", action="append", default=[], help="NODE=KIND@SECONDS[+DURATION] (repeatable)")
+    s.add_argument("--prefix", default="sim")
+    s.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: until Ctrl-C)")
+    s.set_defaults(fn=cmd_simulate)
+
+    o = sub.add_parser("orchestrator", help="run the orchestrator (REST API, /metrics, health loops)")
+    o.add_argument("--host", default="127.0.0.1")
+    o.add_argument("--port", type=int, default=8000)
+    o.set_defaults(fn=cmd_orchestrator)
+
+    d = sub.add_parser("db", help="database schema")
+    d.add_argument("action", choices=("upgrade",))
+    d.set_defaults(fn=cmd_db)
+
+    n = sub.add_parser("nodes", help="list, show, cordon, uncordon nodes")
+    n.add_argument("action", choices=("list", "show", "cordon", "uncordon"))
+    n.add_argument("name", nargs="?")
+    n.add_argument("--state")
+    n.add_argument("--reason", default="")
+    n.add_argument("--json", action="store_true")
+    n.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, help="refresh every S seconds")
+    n.set_defaults(fn=cmd_nodes)
+
+    e = sub.add_parser("events", help="health transitions and operator actions")
+    e.add_argument("--node")
+    e.add_argument("--since", type=float, help="only the last S seconds")
+    e.add_argument("--limit", type=int, default=100)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(fn=cmd_events)
+
+    m = sub.add_parser("demo", help="orchestrator + 16 simulated nodes on this machine, with a fault")
+    m.add_argument("--nodes", type=int, default=16)
+    m.add_argument("--port", type=int, default=0, help="orchestrator port (0: a free one)")
+    m.add_argument("--fault-after", type=float, default=20.0)
+    m.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: until Ctrl-C)")
+    m.set_defaults(fn=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bi = bsub.add_parser("ingest", help="heartbeat ingest, detection latency and /metrics render")
+    bi.add_argument("--nodes", type=int, default=2048)
+    bi.add_argument("--gpus-per-node", type=int, default=8)
+    bi.add_argument("--duration", type=float, default=10.0)
+    bi.add_argument("--silences", type=int, default=64, help="nodes silenced to measure detection")
+    bi.add_argument("--json", action="store_true")
+    bi.set_defaults(fn=cmd_bench)
+    ba = bsub.add_parser("agent", help="agent CPU and memory at a 1 s interval")
+    ba.add_argument("--gpus", type=int, default=8)
+    ba.add_argument("--duration", type=float, default=30.0)
+    ba.add_argument("--interval", type=float, default=1.0)
+    ba.add_argument("--json", action="store_true")
+    ba.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        rc: int = args.fn(args)
+    except ValueError as exc:  # bad flags or settings: say what, no traceback
+        print(f"pulse: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return rc
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
+    os._exit(0)

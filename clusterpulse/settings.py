@@ -1,0 +1,82 @@
+"""One settings object per process, from ``PULSE_*`` environment variables.
+
+Build it with :func:`load_settings` (tests pass their own values as keyword arguments). Every
+duration is a float of seconds with a ``_s`` suffix and can be set small for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PULSE_", extra="forbid")
+
+    env: Literal["development", "production"] = "development"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    database_url: str = "sqlite:///clusterpulse.db"
+    api_url: str = "http://127.0.0.1:8000"
+    api_token: str = ""
+    redis_timeout_s: float = Field(5.0, gt=0)
+
+    # Heartbeats
+    heartbeat_interval_s: float = Field(30.0, gt=0)
+    heartbeat_ttl_s: float | None = Field(None, gt=0)  # latest-key TTL; default 3 x degraded_after
+    heartbeat_stream_shards: int = Field(1, ge=1, le=1024)
+    heartbeat_stream_maxlen: int = Field(200_000, ge=1000)
+
+    # Agent sources
+    ipmi_command: str = "ipmitool sdr elist"
+    ipmi_interval_s: float = Field(30.0, gt=0)
+    ipmi_timeout_s: float = Field(10.0, gt=0)
+    xid_window_s: float = Field(300.0, gt=0)
+
+    # Health policy (see services/health.py)
+    suspect_after_s: float | None = Field(None, gt=0)  # default 2 x heartbeat interval
+    degraded_after_s: float = Field(120.0, gt=0)
+    lost_after_s: float = Field(300.0, gt=0)
+    recover_after: int = Field(3, ge=1)
+    partition_fraction: float = Field(0.5, gt=0, le=1)
+    throttle_sustain_s: float = Field(60.0, ge=0)
+    gpu_temperature_warn_celsius: float = 87.0
+    psu_output_imbalance_amperes: float = Field(8.0, gt=0)
+    psu_input_imbalance_amperes: float = Field(1.5, gt=0)
+    gpu_power_peer_gap_ratio: float = Field(0.05, gt=0, lt=1)
+
+    # Orchestrator loops
+    evaluate_interval_s: float = Field(0.5, gt=0)
+    ingest_block_s: float = Field(0.2, gt=0)
+    ingest_batch: int = Field(2000, ge=1)
+    persist_interval_s: float = Field(5.0, gt=0)
+    retry_backoff_s: float = Field(0.2, gt=0)
+    retry_backoff_max_s: float = Field(5.0, gt=0)
+
+    @property
+    def suspect_after(self) -> float:
+        return self.suspect_after_s if self.suspect_after_s is not None else 2 * self.heartbeat_interval_s
+
+    @property
+    def heartbeat_ttl(self) -> float:
+        return self.heartbeat_ttl_s if self.heartbeat_ttl_s is not None else 3 * self.degraded_after_s
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.suspect_after >= self.degraded_after_s:
+            raise ValueError(
+                f"suspect_after ({self.suspect_after}s) must be below degraded_after_s ({self.degraded_after_s}s)"
+            )
+        if self.lost_after_s < self.degraded_after_s:
+            raise ValueError(
+                f"lost_after_s ({self.lost_after_s}s) must not be below degraded_after_s ({self.degraded_after_s}s)"
+            )
+        if self.env == "production" and len(self.api_token) < 16:
+            raise ValueError("PULSE_API_TOKEN must be set (16+ characters) when PULSE_ENV=production")
+        return self
+
+
+def load_settings(**overrides: object) -> Settings:
+    """The process's settings: environment first, then ``overrides`` (tests, CLI flags)."""
+    return Settings(**overrides)  # type: ignore[arg-type]

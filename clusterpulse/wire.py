@@ -1,0 +1,253 @@
+"""The wire contract: every schema and Redis key that crosses a process boundary.
+
+Agent, orchestrator and trainer import this module and nothing else spells a Redis key.
+Payloads are JSON encoded with msgspec; decoding validates types and ranges in one pass and
+raises :class:`WireError` with a short machine ``reason`` (used as the label of
+``pulse_heartbeats_rejected_total``) and a human message naming the field.
+
+Keys are hash-tagged per node (``pulse:{node:NAME}:...``) so that a node's keys share one Redis
+Cluster slot; the heartbeat stream is sharded (``pulse:{hb:K}:stream``) so that no single slot
+carries the whole cluster's traffic.
+
+Time: ``Heartbeat.sent_at`` is the agent's wall clock and is used only to *report* clock skew.
+Health uses the Redis server time of the stream entry (its id), never the agent's clock.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Annotated, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change; the orchestrator rejects other versions (reason ``version``)."""
+
+MAX_HEARTBEAT_BYTES = 256 * 1024
+NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+_NODE_RE = re.compile(NODE_NAME_PATTERN)
+
+NodeName = Annotated[str, msgspec.Meta(pattern=NODE_NAME_PATTERN)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
+Label = Annotated[str, msgspec.Meta(max_length=128)]
+
+THROTTLE_REASONS = (
+    "thermal",  # HW or SW thermal slowdown
+    "power_brake",  # external power brake (PSU / BMC asserted)
+    "hw_slowdown",  # generic HW slowdown
+    "sw_power_cap",  # running at the power limit: normal under load, never a fault alone
+)
+ThrottleReason = Literal["thermal", "power_brake", "hw_slowdown", "sw_power_cap"]
+
+# XIDs that mean the GPU (not the application) is broken and needs a reset or RMA.
+# From NVIDIA's XID catalogue: 48 DBE ECC, 61/62 internal micro-controller, 63/64 row remapping,
+# 74 NVLink, 79 fallen off the bus, 92 high single-bit ECC rate, 94/95 contained/uncontained
+# ECC, 119/120 GSP, 140 unrecovered ECC.
+FATAL_XIDS = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+
+
+class GpuSample(msgspec.Struct, kw_only=True, frozen=True):
+    """One GPU at one instant. ``None`` means "the source could not read it", never zero."""
+
+    index: NonNegInt
+    uuid: Label = ""
+    name: Label = ""
+    lost: bool = False  # NVML_ERROR_GPU_IS_LOST or gone from the bus
+    error: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+    utilization_ratio: Ratio | None = None
+    memory_used_bytes: NonNegInt | None = None
+    memory_total_bytes: NonNegInt | None = None
+    temperature_celsius: Annotated[float, msgspec.Meta(ge=-50, le=200)] | None = None
+    power_watts: NonNegFloat | None = None
+    power_limit_watts: NonNegFloat | None = None
+    sm_clock_mhz: NonNegFloat | None = None
+    throttle: tuple[ThrottleReason, ...] = ()
+    ecc_volatile_corrected: NonNegInt | None = None
+    ecc_volatile_uncorrected: NonNegInt | None = None
+    ecc_aggregate_corrected: NonNegInt | None = None
+    ecc_aggregate_uncorrected: NonNegInt | None = None
+    xid_counts: dict[str, NonNegInt] = {}  # cumulative per XID since the agent started
+    xids_recent: tuple[NonNegInt, ...] = ()  # XIDs seen within the agent's xid window
+    pcie_link_width: NonNegInt | None = None
+    pcie_link_width_max: NonNegInt | None = None
+    pcie_link_gen: NonNegInt | None = None
+    pcie_link_gen_max: NonNegInt | None = None
+    nvlink_up: NonNegInt | None = None
+    nvlink_total: NonNegInt | None = None
+
+
+class PsuSample(msgspec.Struct, kw_only=True, frozen=True):
+    """One power supply as the BMC reports it. Many BMCs report only the input side."""
+
+    name: Label
+    ok: bool | None = None  # None: the BMC reports no status for it
+    input_power_watts: NonNegFloat | None = None
+    input_current_amperes: NonNegFloat | None = None
+    output_current_amperes: NonNegFloat | None = None
+    input_voltage_volts: NonNegFloat | None = None
+    output_voltage_volts: NonNegFloat | None = None
+    status: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
+class FanSample(msgspec.Struct, kw_only=True, frozen=True):
+    name: Label
+    rpm: NonNegFloat | None = None
+    ok: bool | None = None
+
+
+class Heartbeat(msgspec.Struct, kw_only=True, frozen=True):
+    """What an agent publishes every interval.
+
+    ``seq`` increases by one per heartbeat of one agent process; ``boot_id`` changes when the agent
+    restarts, so a seq reset is recognised. ``ipmi`` says whether the power/fan readings are
+    current (``ok``), stale, or unavailable on this node (then ``psus``/``fans`` are empty).
+    """
+
+    v: int
+    node: NodeName
+    boot_id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    seq: NonNegInt
+    sent_at: float
+    interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
+    gpu_source: Literal["nvml", "simulated", "none"]
+    ipmi: Literal["ok", "stale", "unavailable", "simulated"] = "unavailable"
+    labels: dict[Label, Label] = {}
+    gpus: Annotated[list[GpuSample], msgspec.Meta(max_length=64)] = []
+    psus: Annotated[list[PsuSample], msgspec.Meta(max_length=32)] = []
+    fans: Annotated[list[FanSample], msgspec.Meta(max_length=64)] = []
+
+
+TOPOLOGY_LABELS = ("nvlink_domain", "switch", "rack")
+
+
+class WireError(ValueError):
+    """A payload that does not honour the contract. ``reason`` is a short stable label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+_encoder = msgspec.json.Encoder()
+_hb_decoder = msgspec.json.Decoder(Heartbeat)
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_heartbeat(payload: bytes | str) -> Heartbeat:
+    """Decode and validate one heartbeat or raise :class:`WireError`.
+
+    Reasons: ``too_large``, ``json`` (not JSON), ``schema`` (a field of the wrong type or
+    range; the message names it), ``version`` (another protocol version), ``duplicate_gpu``.
+    """
+    if len(payload) > MAX_HEARTBEAT_BYTES:
+        raise WireError("too_large", f"heartbeat of {len(payload)} bytes exceeds {MAX_HEARTBEAT_BYTES}")
+    try:
+        hb = _hb_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise WireError("schema", f"heartbeat invalid: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise WireError("json", f"heartbeat is not valid JSON: {exc}") from None
+    if hb.v != PROTOCOL_VERSION:
+        raise WireError("version", f"heartbeat protocol v={hb.v}, expected {PROTOCOL_VERSION}")
+    indexes = [g.index for g in hb.gpus]
+    if len(set(indexes)) != len(indexes):
+        raise WireError("duplicate_gpu", f"heartbeat of {hb.node} lists GPU indexes {indexes} twice")
+    return hb
+
+
+def valid_node_name(name: str) -> bool:
+    return bool(_NODE_RE.match(name))
+
+
+# --- Redis keys -------------------------------------------------------------------------------
+
+HEARTBEAT_FIELD = b"hb"
+"""The stream entry field holding the encoded heartbeat."""
+
+ORCHESTRATOR_GROUP = "orchestrator"
+"""Consumer group of the heartbeat streams."""
+
+
+def node_latest_key(node: str) -> str:
+    """The node's latest heartbeat (a string with a TTL), for `pulse nodes show` and debugging."""
+    return f"pulse:{{node:{node}}}:latest"
+
+
+def heartbeat_stream_key(shard: int) -> str:
+    return f"pulse:{{hb:{shard}}}:stream"
+
+
+def heartbeat_shard(node: str, shards: int) -> int:
+    """Stable shard of a node's heartbeats: crc32, so every process agrees without config."""
+    return zlib.crc32(node.encode()) % shards
+
+
+def heartbeat_stream_keys(shards: int) -> list[str]:
+    return [heartbeat_stream_key(s) for s in range(shards)]
+
+
+def node_commands_key(node: str) -> str:
+    """Stream of commands (job launch / stop) for one node's agent."""
+    return f"pulse:{{node:{node}}}:commands"
+
+
+def job_plan_key(job: str) -> str:
+    """The job's current aggregation plan (encoded :class:`Plan`)."""
+    return f"pulse:{{job:{job}}}:plan"
+
+
+PLAN_CHANNEL = "pulse:plans"
+"""Pub/sub channel announcing ``job`` ids whose plan changed."""
+
+TRAINER_STREAM = "pulse:{trainer}:reports"
+"""Stream of :class:`TrainerReport` entries from training ranks."""
+
+LEADER_KEY = "pulse:{orchestrator}:leader"
+
+
+# --- Schemas for the other directions (plans, job commands, trainer reports) -------------------
+
+
+class Plan(msgspec.Struct, kw_only=True, frozen=True):
+    """A job's gradient-aggregation plan; ranks switch to a new generation at a step boundary."""
+
+    job: str
+    generation: NonNegInt
+    participants: list[NonNegInt]
+    proxies: dict[str, NonNegInt]  # degraded rank (as a string, JSON keys) -> carrier rank
+    excluded: list[NonNegInt]
+    reason: str = ""
+
+
+class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
+    """A command from the orchestrator to one node's agent."""
+
+    v: int
+    kind: Literal["launch", "stop"]
+    job: str
+    node_rank: NonNegInt = 0
+    argv: list[str] = []
+    env: dict[str, str] = {}
+
+
+class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
+    """One training rank's progress after one optimizer step."""
+
+    v: int
+    job: str
+    rank: NonNegInt
+    node: NodeName
+    step: NonNegInt
+    loss: float | None = None
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    step_time_s: NonNegFloat | None = None
+    tokens_per_s: NonNegFloat | None = None
+    mfu_ratio: NonNegFloat | None = None
+    plan_generation: NonNegInt | None = None

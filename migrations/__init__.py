@@ -1,0 +1,1 @@
+"""Alembic environment and versions of the ClusterPulse schema (`pulse db upgrade`)."""

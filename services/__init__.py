@@ -1,0 +1,1 @@
+"""The orchestrator: ingest, health, persistence, REST API and metrics."""

@@ -1,0 +1,231 @@
+"""The orchestrator's FastAPI app. Resources are created in the lifespan, never at import.
+
+``create_app(settings)`` builds an app; ``pulse orchestrator`` serves it with uvicorn. Reads of
+nodes and /metrics come from the in-memory snapshot (fresh to the last heartbeat); events come
+from the database. Mutations need the operator token and are written to the database before
+they are applied in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import msgspec
+import redis.asyncio as aioredis
+from fastapi import Body, FastAPI, HTTPException, Query, Response, status
+from fastapi.responses import JSONResponse
+
+from clusterpulse.settings import Settings
+from services import db
+from services.cluster import NodeView
+from services.deps import Operator, OrchestratorDep
+from services.health import State
+from services.metrics import CONTENT_TYPE, Renderer
+from services.orchestrator import Orchestrator
+from services.schemas import (
+    CordonPublic,
+    CordonRequest,
+    EventPublic,
+    EventsPublic,
+    NodePublic,
+    NodesPublic,
+)
+
+log = logging.getLogger("pulse.orchestrator.api")
+
+
+def redact(url: str) -> str:
+    """A URL fit for logs: the password replaced."""
+    head, sep, tail = url.partition("@")
+    if not sep or "://" not in head:
+        return url
+    scheme, _, cred = head.partition("://")
+    user = cred.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{tail}"
+
+
+def node_public(view: NodeView, *, now: float) -> NodePublic:
+    h, hb = view.health, view.latest
+    return NodePublic(
+        name=h.name,
+        state=h.state.value,
+        reason=h.reason,
+        state_since=h.since,
+        schedulable=view.schedulable,
+        heartbeat_age_seconds=None if h.last_seen is None else round(now - h.last_seen, 3),
+        last_heartbeat_at=h.last_seen,
+        clock_skew_seconds=None if view.clock_skew_s is None else round(view.clock_skew_s, 3),
+        labels=view.labels,
+        gpus=[msgspec.to_builtins(g) for g in hb.gpus] if hb else [],
+        psus=[msgspec.to_builtins(p) for p in hb.psus] if hb else [],
+        fans=[msgspec.to_builtins(f) for f in hb.fans] if hb else [],
+        faults=list(h.signals.faults),
+        warnings=list(h.signals.warnings),
+        agent=(
+            {
+                "boot_id": hb.boot_id,
+                "seq": hb.seq,
+                "gpu_source": hb.gpu_source,
+                "ipmi": hb.ipmi,
+                "interval_s": hb.interval_s,
+            }
+            if hb
+            else {}
+        ),
+    )
+
+
+def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db.ensure_sqlite_dir(settings.database_url)
+        try:
+            await asyncio.to_thread(db.upgrade, settings.database_url)
+        except Exception as exc:
+            raise RuntimeError(
+                f"cannot migrate the database at {redact(settings.database_url)}: {exc}. "
+                "Check PULSE_DATABASE_URL, or run `pulse db upgrade` to see the full error."
+            ) from exc
+        engine = db.make_engine(settings.database_url)
+        client = aioredis.from_url(
+            settings.redis_url,
+            socket_timeout=settings.redis_timeout_s,
+            socket_connect_timeout=settings.redis_timeout_s,
+            health_check_interval=10,
+        )
+        orch = Orchestrator(settings, redis_client=client, engine=engine, consumer=consumer)
+        await orch.start()
+        app.state.orchestrator = orch
+        app.state.renderer = Renderer()
+        log.info("event=api_ready redis=%s database=%s", redact(settings.redis_url), redact(settings.database_url))
+        try:
+            yield
+        finally:
+            await orch.stop()
+            await client.aclose()
+            engine.dispose()
+
+    app = FastAPI(title="ClusterPulse orchestrator", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(orch: OrchestratorDep) -> JSONResponse:
+        checks: dict[str, str] = {}
+        try:
+            await orch.redis.ping()
+            checks["redis"] = "ok"
+        except Exception as exc:
+            checks["redis"] = f"unreachable: {exc}"
+        try:
+            await asyncio.to_thread(db.ping, orch.engine)
+            checks["database"] = "ok" if orch.db_ok else "reachable, writes pending"
+        except Exception as exc:
+            checks["database"] = f"unreachable: {exc}"
+        ok = all(v == "ok" for v in checks.values())
+        return JSONResponse(checks, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(orch: OrchestratorDep) -> Response:
+        assert orch.cluster is not None
+        renderer: Renderer = app.state.renderer
+        text = renderer.render(
+            orch.cluster,
+            now=orch.clock.now(),
+            extra=(
+                "# HELP pulse_leader 1 when this replica leads.",
+                "# TYPE pulse_leader gauge",
+                "pulse_leader 1",
+            ),
+        )
+        return Response(text, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/nodes", response_model=NodesPublic)
+    async def list_nodes(
+        orch: OrchestratorDep,
+        state: Annotated[str | None, Query(description="HEALTHY, SUSPECT, DEGRADED or LOST")] = None,
+    ) -> NodesPublic:
+        assert orch.cluster is not None
+        if state is not None and state.upper() not in State.__members__:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_ENTITY,
+                detail=f"state={state!r}: expected one of {', '.join(State.__members__)}",
+            )
+        now = orch.clock.now()
+        data = [
+            node_public(v, now=now)
+            for _, v in sorted(orch.cluster.nodes.items())
+            if state is None or v.health.state.value == state.upper()
+        ]
+        return NodesPublic(data=data, count=len(data))
+
+    def _view(orch: Orchestrator, name: str) -> NodeView:
+        assert orch.cluster is not None
+        view = orch.cluster.nodes.get(name)
+        if view is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"node {name!r} is not known")
+        return view
+
+    @app.get("/v1/nodes/{name}", response_model=NodePublic)
+    async def get_node(name: str, orch: OrchestratorDep) -> NodePublic:
+        return node_public(_view(orch, name), now=orch.clock.now())
+
+    async def _cordon(name: str, orch: Orchestrator, actor: str, body: CordonRequest | None, on: bool) -> CordonPublic:
+        _view(orch, name)
+        changed = await orch.set_schedulable(name, not on, reason=body.reason if body else "", actor=actor)
+        return CordonPublic(node=node_public(_view(orch, name), now=orch.clock.now()), changed=changed)
+
+    @app.post("/v1/nodes/{name}/cordon", response_model=CordonPublic)
+    async def cordon(
+        name: str,
+        orch: OrchestratorDep,
+        actor: Operator,
+        body: Annotated[CordonRequest | None, Body()] = None,
+    ) -> CordonPublic:
+        return await _cordon(name, orch, actor, body, True)
+
+    @app.post("/v1/nodes/{name}/uncordon", response_model=CordonPublic)
+    async def uncordon(
+        name: str,
+        orch: OrchestratorDep,
+        actor: Operator,
+        body: Annotated[CordonRequest | None, Body()] = None,
+    ) -> CordonPublic:
+        return await _cordon(name, orch, actor, body, False)
+
+    @app.get("/v1/events", response_model=EventsPublic)
+    async def events(
+        orch: OrchestratorDep,
+        node: str | None = None,
+        since: Annotated[float | None, Query(description="epoch seconds")] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
+    ) -> EventsPublic:
+        def read() -> list[dict[str, Any]]:
+            with orch.sessions() as s:
+                return [
+                    {
+                        "id": e.id,
+                        "at": e.at,
+                        "time": dt.datetime.fromtimestamp(e.at, dt.UTC).isoformat(timespec="milliseconds"),
+                        "kind": e.kind,
+                        "node": e.node,
+                        "from_state": e.from_state,
+                        "to_state": e.to_state,
+                        "reason": e.reason,
+                        "actor": e.actor,
+                    }
+                    for e in db.list_events(s, node=node, since=since, limit=limit)
+                ]
+
+        rows = await asyncio.to_thread(read)
+        return EventsPublic(data=[EventPublic(**r) for r in rows], count=len(rows))
+
+    return app

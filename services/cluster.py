@@ -1,0 +1,159 @@
+"""The orchestrator's in-memory view of the cluster: the snapshot REST and /metrics read.
+
+:class:`Cluster` folds heartbeats (:meth:`Cluster.ingest`) and evaluates health
+(:meth:`Cluster.evaluate`) by calling the pure functions of ``services/health.py``; it does no
+I/O and reads no clock. It is owned by the orchestrator's event loop: every mutation happens on
+that one thread, so routes that run on the loop see a consistent snapshot without locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import msgspec
+
+from clusterpulse import wire
+from services import health
+from services.health import NodeHealth, Policy, State, Transition
+
+log = logging.getLogger("pulse.orchestrator.cluster")
+
+
+@dataclass
+class NodeView:
+    """One node as the orchestrator knows it now."""
+
+    health: NodeHealth
+    latest: wire.Heartbeat | None = None
+    clock_skew_s: float | None = None
+    schedulable: bool = True
+    labels: dict[str, str] = field(default_factory=dict)
+    dirty: bool = False  # telemetry changed since the last flush to the database
+
+
+@dataclass(frozen=True)
+class ClusterEvent:
+    """A non-transition event for the database (partition, registration)."""
+
+    kind: str
+    reason: str
+    at: float
+    node: str | None = None
+
+
+class Cluster:
+    def __init__(self, *, policy: Policy, grace_start: float) -> None:
+        self.policy = policy
+        self.grace_start = grace_start
+        self.nodes: dict[str, NodeView] = {}
+        self.partitioned = False
+        self.partition_reason = ""
+        self.received = 0
+        self.rejected: Counter[str] = Counter()
+        self.transitions: Counter[tuple[str, str]] = Counter()
+
+    # --- heartbeats -----------------------------------------------------------------------------
+    def ingest(self, payload: bytes, *, received_at: float) -> ClusterEvent | None:
+        """Validate and fold one stream entry. A bad one is counted by reason and dropped; this
+        never raises on bad input. Returns a registration event for a node seen the first time."""
+        self.received += 1
+        try:
+            hb = wire.decode_heartbeat(payload)
+        except wire.WireError as exc:
+            self.rejected[exc.reason] += 1
+            log.debug("event=heartbeat_rejected reason=%s detail=%s", exc.reason, exc)
+            return None
+        return self.fold(hb, received_at=received_at)
+
+    def fold(self, hb: wire.Heartbeat, *, received_at: float) -> ClusterEvent | None:
+        view = self.nodes.get(hb.node)
+        registered = None
+        if view is None:
+            view = NodeView(health=NodeHealth(name=hb.node, since=received_at, reason="first heartbeat"))
+            self.nodes[hb.node] = view
+            registered = ClusterEvent("registered", f"first heartbeat (gpus={len(hb.gpus)})", received_at, hb.node)
+        if view.health.last_seen is not None and received_at < view.health.last_seen:
+            return registered  # a redelivered older entry: the newer one already counts
+        view.health = health.observe(view.health, hb, received_at=received_at, policy=self.policy)
+        view.latest = hb
+        view.clock_skew_s = hb.sent_at - received_at
+        view.labels = dict(hb.labels)
+        view.dirty = True
+        return registered
+
+    # --- health ---------------------------------------------------------------------------------
+    def evaluate(self, *, now: float) -> tuple[list[Transition], list[ClusterEvent]]:
+        """Evaluate every node at ``now`` and apply the transitions in memory."""
+        records = [v.health for v in self.nodes.values()]
+        suspected, silent, total = health.partition_suspected(
+            records, now=now, grace_start=self.grace_start, policy=self.policy
+        )
+        events: list[ClusterEvent] = []
+        if suspected != self.partitioned:
+            self.partitioned = suspected
+            self.partition_reason = (
+                f"{silent} of {total} nodes silent for over {self.policy.suspect_after:g}s "
+                f"(partition_fraction={self.policy.partition_fraction:g}): degrading nobody for silence"
+                if suspected
+                else f"partition over: {silent} of {total} nodes silent"
+            )
+            events.append(ClusterEvent("partition", self.partition_reason, now))
+            log.warning("event=partition suspected=%s reason=%r", suspected, self.partition_reason)
+        out: list[Transition] = []
+        for view in self.nodes.values():
+            t = health.evaluate(
+                view.health,
+                now=now,
+                grace_start=self.grace_start,
+                partitioned=self.partitioned,
+                policy=self.policy,
+            )
+            if t is not None:
+                view.health = health.apply(view.health, t)
+                self.transitions[(t.old.value, t.new.value)] += 1
+                out.append(t)
+                log.info("event=transition node=%s from=%s to=%s reason=%r", t.node, t.old, t.new, t.reason)
+        return out, events
+
+    # --- restore after a restart ----------------------------------------------------------------
+    def restore(
+        self,
+        *,
+        name: str,
+        state: str,
+        since: float,
+        reason: str,
+        last_seen: float | None,
+        schedulable: bool,
+        labels: dict[str, str],
+        telemetry: dict[str, object],
+    ) -> None:
+        latest = None
+        if telemetry:
+            try:
+                latest = msgspec.convert(telemetry, wire.Heartbeat)
+            except msgspec.ValidationError:
+                latest = None
+        self.nodes[name] = NodeView(
+            health=NodeHealth(name=name, state=State(state), since=since, reason=reason, last_seen=last_seen),
+            latest=latest,
+            schedulable=schedulable,
+            labels=dict(labels),
+        )
+
+    def set_schedulable(self, name: str, schedulable: bool) -> None:
+        self.nodes[name].schedulable = schedulable
+
+    def set_progress(self, name: str, at: float) -> None:
+        """A trainer rank on this node made progress at ``at`` (feeds the LOST rule)."""
+        view = self.nodes.get(name)
+        if view is not None:
+            view.health = replace(view.health, last_progress=at)
+
+    def counts(self) -> dict[str, int]:
+        c = {s.value: 0 for s in State}
+        for v in self.nodes.values():
+            c[v.health.state.value] += 1
+        return c

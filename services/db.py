@@ -1,0 +1,253 @@
+"""Engine, migrations and the repository functions every route and loop goes through.
+
+Repository functions are keyword-only and take a Session; they never commit unless their name
+says so (``commit_*``). Routes and loops call them; none re-implements a query.
+SQLite (the default, a file) and PostgreSQL (``postgresql+psycopg://``) are both supported and
+both tested; upserts use each dialect's ``ON CONFLICT``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, inspect, select, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.models import EventRow, GpuRow, NodeRow
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def make_engine(url: str) -> Engine:
+    """An engine with the settings each backend needs under concurrent loops and routes."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def _alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str) -> str:
+    """Migrate the database to the newest revision; returns that revision."""
+    from alembic import command
+    from alembic.script import ScriptDirectory
+
+    cfg = _alembic_config(url)
+    command.upgrade(cfg, "head")
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    return head or ""
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def ensure_sqlite_dir(url: str) -> None:
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
+        parent = Path(url.removeprefix("sqlite:///")).parent
+        os.makedirs(parent, exist_ok=True)
+
+
+def has_tables(engine: Engine) -> bool:
+    return inspect(engine).has_table("nodes")
+
+
+def ping(engine: Engine) -> None:
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+
+
+# --- Repository --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeUpdate:
+    """The latest telemetry summary of one node, flushed periodically by the orchestrator."""
+
+    name: str
+    labels: dict[str, str]
+    last_seen: float | None
+    boot_id: str
+    seq: int
+    clock_skew_s: float | None
+    telemetry: dict[str, Any]
+    gpus: list[dict[str, Any]]
+
+
+def _insert(session: Session) -> Any:
+    return postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+
+
+def upsert_telemetry(session: Session, *, updates: Sequence[NodeUpdate], at: float) -> None:
+    """Write the latest telemetry of many nodes in two statements; health columns stay untouched."""
+    if not updates:
+        return
+    insert = _insert(session)
+    rows = [
+        {
+            "name": u.name,
+            "labels": u.labels,
+            "last_seen": u.last_seen,
+            "boot_id": u.boot_id,
+            "seq": u.seq,
+            "clock_skew_s": u.clock_skew_s,
+            "telemetry": u.telemetry,
+            "updated_at": at,
+            "state": "HEALTHY",
+            "state_since": at,
+            "reason": "first heartbeat",
+            "schedulable": True,
+        }
+        for u in updates
+    ]
+    stmt = insert(NodeRow).values(rows)
+    cols = ("labels", "last_seen", "boot_id", "seq", "clock_skew_s", "telemetry", "updated_at")
+    session.execute(stmt.on_conflict_do_update(index_elements=["name"], set_={c: stmt.excluded[c] for c in cols}))
+    gpu_rows = [
+        {
+            "node": u.name,
+            "index": g["index"],
+            "uuid": g.get("uuid", ""),
+            "name": g.get("name", ""),
+            "memory_total_bytes": g.get("memory_total_bytes"),
+            "lost": bool(g.get("lost", False)),
+            "updated_at": at,
+        }
+        for u in updates
+        for g in u.gpus
+    ]
+    if gpu_rows:
+        gstmt = insert(GpuRow).values(gpu_rows)
+        gcols = ("uuid", "name", "memory_total_bytes", "lost", "updated_at")
+        session.execute(
+            gstmt.on_conflict_do_update(index_elements=["node", "index"], set_={c: gstmt.excluded[c] for c in gcols})
+        )
+
+
+def ensure_node(session: Session, *, name: str, at: float, labels: dict[str, str] | None = None) -> NodeRow:
+    row = session.get(NodeRow, name)
+    if row is None:
+        row = NodeRow(
+            name=name,
+            state="HEALTHY",
+            state_since=at,
+            reason="first heartbeat",
+            schedulable=True,
+            labels=labels or {},
+            telemetry={},
+            updated_at=at,
+            seq=0,
+            boot_id="",
+        )
+        session.add(row)
+        session.flush()
+    return row
+
+
+def record_transition(
+    session: Session,
+    *,
+    node: str,
+    old: str,
+    new: str,
+    reason: str,
+    at: float,
+    actor: str = "orchestrator",
+) -> EventRow:
+    """Store a health transition: the node's new state and its event, in the caller's transaction."""
+    row = ensure_node(session, name=node, at=at)
+    row.state, row.state_since, row.reason = new, at, reason
+    ev = EventRow(at=at, kind="health", node=node, from_state=old, to_state=new, reason=reason, actor=actor)
+    session.add(ev)
+    return ev
+
+
+def record_event(
+    session: Session,
+    *,
+    kind: str,
+    reason: str,
+    at: float,
+    node: str | None = None,
+    actor: str = "orchestrator",
+) -> EventRow:
+    ev = EventRow(at=at, kind=kind, node=node, reason=reason, actor=actor)
+    session.add(ev)
+    return ev
+
+
+def set_schedulable(session: Session, *, name: str, schedulable: bool, reason: str, at: float, actor: str) -> bool:
+    """Cordon or uncordon. Returns False (and writes nothing) when it was already so; raises
+    KeyError for an unknown node."""
+    row = session.get(NodeRow, name)
+    if row is None:
+        raise KeyError(name)
+    if row.schedulable == schedulable:
+        return False
+    row.schedulable = schedulable
+    record_event(
+        session,
+        kind="uncordon" if schedulable else "cordon",
+        node=name,
+        reason=reason or ("uncordoned" if schedulable else "cordoned"),
+        at=at,
+        actor=actor,
+    )
+    return True
+
+
+def load_nodes(session: Session) -> list[NodeRow]:
+    return list(session.scalars(select(NodeRow).order_by(NodeRow.name)))
+
+
+def get_node(session: Session, *, name: str) -> NodeRow | None:
+    return session.get(NodeRow, name)
+
+
+def list_events(
+    session: Session,
+    *,
+    node: str | None = None,
+    since: float | None = None,
+    kinds: Iterable[str] = (),
+    limit: int = 500,
+) -> list[EventRow]:
+    q = select(EventRow)
+    if node is not None:
+        q = q.where(EventRow.node == node)
+    if since is not None:
+        q = q.where(EventRow.at >= since)
+    kinds = list(kinds)
+    if kinds:
+        q = q.where(EventRow.kind.in_(kinds))
+    q = q.order_by(EventRow.at.desc(), EventRow.id.desc()).limit(limit)
+    return list(reversed(list(session.scalars(q))))

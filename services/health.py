@@ -1,0 +1,284 @@
+"""Node health: a pure state machine over heartbeats and time.
+
+States, from best to worst:
+
+- ``HEALTHY``: heartbeats are fresh and the telemetry shows neither fault nor warning.
+- ``SUSPECT``: the last heartbeat is older than ``suspect_after``, or the telemetry shows a warning
+  (a GPU running hot, a GPU's power well below its peers', a non-fatal XID, throttling that is not
+  yet sustained). The node still trains and stays in the all-reduce ring.
+- ``DEGRADED``: the last heartbeat is older than ``degraded_after``, or the telemetry shows a hard
+  fault (see :func:`assess`). The planner takes the node out of the all-reduce ring; it keeps
+  computing and a neighbour carries its gradient.
+- ``LOST``: the agent has been silent for ``lost_after`` AND the node's trainer ranks have shown no
+  progress for ``lost_after``. The planner excludes the node's ranks.
+
+What moves a node:
+
+- Worsening is immediate. Improving to a state ``T`` needs ``recover_after`` consecutive heartbeats
+  each of which, alone, would put the node at ``T`` or better (no flapping).
+- Silence is measured on one clock (the Redis server time at which the heartbeat entered the
+  stream), never the agent's, and never from before ``grace_start``: a restarted orchestrator
+  gives every node one full ``degraded_after`` before it may degrade it for silence.
+- The partition brake: when more than ``partition_fraction`` of the (non-LOST) nodes are silent
+  past ``suspect_after`` at once, the orchestrator assumes it is itself cut off and degrades nobody
+  for silence. Hard faults carried by fresh heartbeats still count.
+
+Nothing here reads a clock or does I/O; ``now`` is an argument. The loops in
+``services/cluster.py`` gather inputs, call these functions, persist and publish.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from clusterpulse.settings import Settings
+from clusterpulse.wire import FATAL_XIDS, Heartbeat
+
+
+class State(StrEnum):
+    HEALTHY = "HEALTHY"
+    SUSPECT = "SUSPECT"
+    DEGRADED = "DEGRADED"
+    LOST = "LOST"
+
+
+SEVERITY = {State.HEALTHY: 0, State.SUSPECT: 1, State.DEGRADED: 2, State.LOST: 3}
+STATES = tuple(State)
+
+SUSTAINED_THROTTLE = frozenset({"thermal", "power_brake", "hw_slowdown"})
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Every threshold of the health model; built from settings so tests can shrink them."""
+
+    suspect_after: float = 60.0
+    degraded_after: float = 120.0
+    lost_after: float = 300.0
+    recover_after: int = 3
+    partition_fraction: float = 0.5
+    partition_min_nodes: int = 3
+    throttle_sustain: float = 60.0
+    temperature_warn: float = 87.0
+    psu_output_imbalance: float = 8.0
+    psu_input_imbalance: float = 1.5
+    power_peer_gap: float = 0.05
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Policy:
+        return cls(
+            suspect_after=s.suspect_after,
+            degraded_after=s.degraded_after_s,
+            lost_after=s.lost_after_s,
+            recover_after=s.recover_after,
+            partition_fraction=s.partition_fraction,
+            throttle_sustain=s.throttle_sustain_s,
+            temperature_warn=s.gpu_temperature_warn_celsius,
+            psu_output_imbalance=s.psu_output_imbalance_amperes,
+            psu_input_imbalance=s.psu_input_imbalance_amperes,
+            power_peer_gap=s.gpu_power_peer_gap_ratio,
+        )
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What one heartbeat says about the hardware, as readable phrases."""
+
+    faults: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def level(self) -> State:
+        if self.faults:
+            return State.DEGRADED
+        if self.warnings:
+            return State.SUSPECT
+        return State.HEALTHY
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """The health record of one node. Immutable: every change makes a new one.
+
+    ``streak[s]`` counts consecutive heartbeats whose own level was ``s`` or better, for the three
+    levels a heartbeat can have (HEALTHY, SUSPECT, DEGRADED); a gap longer than ``suspect_after``
+    breaks every streak.
+    """
+
+    name: str
+    state: State = State.HEALTHY
+    since: float = 0.0
+    reason: str = "registered"
+    last_seen: float | None = None
+    signals: Signals = field(default_factory=Signals)
+    streak: tuple[int, int, int] = (0, 0, 0)
+    throttle_since: float | None = None
+    last_progress: float | None = None
+
+
+@dataclass(frozen=True)
+class Transition:
+    node: str
+    old: State
+    new: State
+    reason: str
+    at: float
+
+
+def _throttled(hb: Heartbeat) -> list[str]:
+    return [f"GPU {g.index} {r}" for g in hb.gpus for r in g.throttle if r in SUSTAINED_THROTTLE and not g.lost]
+
+
+def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy) -> Signals:
+    """Hard faults and warnings in one heartbeat. ``throttle_for`` is how long (seconds) the node
+    has been throttling without a break, as tracked by :func:`observe`."""
+    faults: list[str] = []
+    warnings: list[str] = []
+    for g in hb.gpus:
+        if g.lost:
+            faults.append(f"GPU {g.index} lost ({g.error or 'gone from the bus'})")
+            continue
+        if g.error:
+            warnings.append(f"GPU {g.index} read error: {g.error}")
+        if g.ecc_volatile_uncorrected:
+            faults.append(f"GPU {g.index} uncorrectable ECC errors: {g.ecc_volatile_uncorrected}")
+        fatal = sorted(x for x in g.xids_recent if x in FATAL_XIDS)
+        if fatal:
+            faults.append(f"GPU {g.index} fatal XID {','.join(map(str, fatal))}")
+        other = sorted(x for x in g.xids_recent if x not in FATAL_XIDS)
+        if other:
+            warnings.append(f"GPU {g.index} XID {','.join(map(str, other))}")
+        if g.pcie_link_width is not None and g.pcie_link_width_max and g.pcie_link_width < g.pcie_link_width_max:
+            faults.append(f"GPU {g.index} PCIe link x{g.pcie_link_width} of x{g.pcie_link_width_max}")
+        if g.temperature_celsius is not None and g.temperature_celsius >= policy.temperature_warn:
+            warnings.append(f"GPU {g.index} at {g.temperature_celsius:.0f} C")
+    throttled = _throttled(hb)
+    if throttled:
+        if throttle_for >= policy.throttle_sustain:
+            faults.append(f"throttling for {throttle_for:.0f}s: {', '.join(throttled)}")
+        else:
+            warnings.append(f"throttling: {', '.join(throttled)}")
+    _assess_power(hb, policy, faults, warnings)
+    return Signals(tuple(faults), tuple(warnings))
+
+
+def _assess_power(hb: Heartbeat, policy: Policy, faults: list[str], warnings: list[str]) -> None:
+    for p in hb.psus:
+        if p.ok is False:
+            faults.append(f"PSU {p.name} failed ({p.status or 'status not ok'})")
+    live = [p for p in hb.psus if p.ok is not False]
+    for side, bound in (("output", policy.psu_output_imbalance), ("input", policy.psu_input_imbalance)):
+        currents = [
+            (getattr(p, f"{side}_current_amperes"), p.name)
+            for p in live
+            if getattr(p, f"{side}_current_amperes") is not None
+        ]
+        if len(currents) >= 2:
+            (lo, lo_name), (hi, hi_name) = min(currents), max(currents)
+            if hi - lo > bound:
+                faults.append(
+                    f"PSU current imbalance: {lo_name} {side} {lo:.1f} A vs {hi_name} {hi:.1f} A (bound {bound:g} A)"
+                )
+            break  # the output side decides when present; the input side only for input-only BMCs
+    powers = [(g.power_watts, g.index, g.power_limit_watts) for g in hb.gpus if g.power_watts is not None and not g.lost]
+    if len(powers) >= 3:
+        # Compare with the upper quartile, not the median: when the PSU feeding half the board
+        # sags, half the GPUs drop (the 700 W vs 749 W case) and the median sits between them.
+        ordered = sorted(w for w, _, _ in powers)
+        ref = ordered[int(0.75 * (len(ordered) - 1) + 0.5)]
+        limits = [lim for _, _, lim in powers if lim]
+        loaded = not limits or ref >= 0.8 * statistics.median(limits)
+        if loaded and ref > 0:
+            low = [f"GPU {i} {w:.0f} W" for w, i, _ in powers if w < ref * (1 - policy.power_peer_gap)]
+            if low:
+                warnings.append(f"power below peers ({ref:.0f} W): {', '.join(low)}")
+
+
+def observe(node: NodeHealth, hb: Heartbeat, *, received_at: float, policy: Policy) -> NodeHealth:
+    """Fold one heartbeat, received at ``received_at`` on the one clock, into the record."""
+    gap = math.inf if node.last_seen is None else received_at - node.last_seen
+    if gap < 0:  # an older entry redelivered after a restart: nothing new to learn from it
+        return node
+    throttling = bool(_throttled(hb))
+    throttle_since = (node.throttle_since if node.throttle_since is not None else received_at) if throttling else None
+    throttle_for = received_at - throttle_since if throttle_since is not None else 0.0
+    signals = assess(hb, throttle_for=throttle_for, policy=policy)
+    level = SEVERITY[signals.level]
+    contiguous = gap <= policy.suspect_after
+    streak = tuple((node.streak[i] + 1 if contiguous else 1) if level <= i else 0 for i in range(3))
+    return replace(
+        node,
+        last_seen=received_at,
+        signals=signals,
+        streak=(streak[0], streak[1], streak[2]),
+        throttle_since=throttle_since,
+    )
+
+
+def silent_for(node: NodeHealth, *, now: float, grace_start: float) -> float:
+    """Seconds of silence that count: never from before the orchestrator's start."""
+    ref = grace_start if node.last_seen is None else max(node.last_seen, grace_start)
+    return max(0.0, now - ref)
+
+
+def partition_suspected(
+    nodes: list[NodeHealth], *, now: float, grace_start: float, policy: Policy
+) -> tuple[bool, int, int]:
+    """(suspected, silent, counted): more than ``partition_fraction`` of non-LOST nodes silent."""
+    counted = [n for n in nodes if n.state is not State.LOST]
+    silent = sum(1 for n in counted if silent_for(n, now=now, grace_start=grace_start) >= policy.suspect_after)
+    total = len(counted)
+    suspected = total >= policy.partition_min_nodes and silent > policy.partition_fraction * total
+    return suspected, silent, total
+
+
+def target(node: NodeHealth, *, now: float, grace_start: float, partitioned: bool, policy: Policy) -> tuple[State, str]:
+    """The state the evidence points to, with its reason, before hysteresis."""
+    silence = silent_for(node, now=now, grace_start=grace_start)
+    progress_age = math.inf if node.last_progress is None else now - node.last_progress
+    if not partitioned:
+        if silence >= policy.lost_after and progress_age >= policy.lost_after:
+            progress = "no trainer ranks" if node.last_progress is None else f"no progress for {progress_age:.0f}s"
+            return (
+                State.LOST,
+                f"no heartbeat for {silence:.0f}s and {progress} (lost_after={policy.lost_after:g}s)",
+            )
+        if silence >= policy.degraded_after:
+            return (
+                State.DEGRADED,
+                f"no heartbeat for {silence:.1f}s (degraded_after={policy.degraded_after:g}s)",
+            )
+    if node.signals.faults:
+        return State.DEGRADED, "; ".join(node.signals.faults)
+    if silence >= policy.suspect_after:
+        braked = " (partition suspected: not degrading)" if partitioned and silence >= policy.degraded_after else ""
+        return (
+            State.SUSPECT,
+            f"heartbeat {silence:.1f}s old (suspect_after={policy.suspect_after:g}s){braked}",
+        )
+    if node.signals.warnings:
+        return State.SUSPECT, "; ".join(node.signals.warnings)
+    return State.HEALTHY, "heartbeats fresh, telemetry clean"
+
+
+def evaluate(
+    node: NodeHealth, *, now: float, grace_start: float, partitioned: bool, policy: Policy
+) -> Transition | None:
+    """The transition this node takes now, or ``None`` if it stays where it is."""
+    new, reason = target(node, now=now, grace_start=grace_start, partitioned=partitioned, policy=policy)
+    if new is node.state:
+        return None
+    if SEVERITY[new] < SEVERITY[node.state]:
+        need = policy.recover_after
+        have = node.streak[SEVERITY[new]]  # new is better than the current state, so never LOST
+        if have < need:
+            return None
+        reason = f"{reason}; recovered after {have} good heartbeats"
+    return Transition(node.name, node.state, new, reason, now)
+
+
+def apply(node: NodeHealth, t: Transition) -> NodeHealth:
+    return replace(node, state=t.new, since=t.at, reason=t.reason)

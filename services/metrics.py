@@ -1,0 +1,178 @@
+"""Prometheus exposition of the in-memory cluster snapshot, rendered fresh at scrape time.
+
+Why not ``prometheus_client`` Gauges: a Gauge child per (node, GPU, metric) is state that must be
+kept in sync and removed when a node goes away, and ``generate_latest`` formats each sample
+through several Python calls. This renderer reads the snapshot (``services/cluster.py``) at scrape
+time, so a removed node's series vanish with it, and writes the text format directly with
+per-node label strings cached. ``pulse bench ingest`` measures it against the Gauge-children
+baseline. A node whose telemetry is partial yields the series it has; one bad value never fails
+the scrape.
+
+Every name here is fixed by SPEC.md; units are in the names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from clusterpulse import wire
+from clusterpulse.wire import THROTTLE_REASONS
+from services.cluster import Cluster
+from services.health import STATES
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+GpuGetter = Callable[[wire.GpuSample], float | int | None]
+
+GPU_GAUGES: tuple[tuple[str, str, GpuGetter], ...] = (
+    ("pulse_gpu_utilization_ratio", "GPU utilisation, 0-1.", lambda g: g.utilization_ratio),
+    ("pulse_gpu_temperature_celsius", "GPU core temperature.", lambda g: g.temperature_celsius),
+    ("pulse_gpu_power_watts", "GPU power draw.", lambda g: g.power_watts),
+    ("pulse_gpu_power_limit_watts", "GPU enforced power limit.", lambda g: g.power_limit_watts),
+    ("pulse_gpu_memory_used_bytes", "GPU memory in use.", lambda g: g.memory_used_bytes),
+    ("pulse_gpu_memory_total_bytes", "GPU memory in total.", lambda g: g.memory_total_bytes),
+    ("pulse_gpu_pcie_link_width", "Current PCIe link width (lanes).", lambda g: g.pcie_link_width),
+    ("pulse_gpu_pcie_link_width_max", "Maximum PCIe link width (lanes).", lambda g: g.pcie_link_width_max),
+    (
+        "pulse_gpu_sm_clock_hertz",
+        "SM clock.",
+        lambda g: None if g.sm_clock_mhz is None else g.sm_clock_mhz * 1e6,
+    ),
+    ("pulse_gpu_lost", "1 when the GPU is lost (fallen off the bus).", lambda g: 1 if g.lost else 0),
+)
+
+
+def _fmt(v: float | int) -> str:
+    if isinstance(v, int):
+        return str(v)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    if v.is_integer() and abs(v) < 1e15:
+        return str(int(v))
+    return repr(v)
+
+
+def escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Renderer:
+    """Renders the cluster snapshot. Holds only label-string caches, never values."""
+
+    def __init__(self) -> None:
+        self._gpu_labels: dict[tuple[str, int], str] = {}
+
+    def _gl(self, node: str, index: int) -> str:
+        key = (node, index)
+        s = self._gpu_labels.get(key)
+        if s is None:
+            s = f'node="{escape(node)}",gpu="{index}"'
+            if len(self._gpu_labels) > 1_000_000:  # nodes come and go: keep the cache bounded
+                self._gpu_labels.clear()
+            self._gpu_labels[key] = s
+        return s
+
+    def render(self, cluster: Cluster, *, now: float, extra: Iterable[str] = ()) -> str:
+        out: list[str] = []
+        add = out.append
+
+        def family(name: str, help_: str, kind: str = "gauge") -> None:
+            add(f"# HELP {name} {help_}")
+            add(f"# TYPE {name} {kind}")
+
+        views = sorted(cluster.nodes.items())
+        family("pulse_node_state", "1 for the node's current health state, 0 for the others.")
+        for name, v in views:
+            st = v.health.state
+            for s in STATES:
+                add(f'pulse_node_state{{node="{escape(name)}",state="{s.value}"}} {1 if s is st else 0}')
+        family("pulse_nodes", "Nodes per health state.")
+        for state, n in cluster.counts().items():
+            add(f'pulse_nodes{{state="{state}"}} {n}')
+        family(
+            "pulse_node_heartbeat_age_seconds",
+            "Seconds since the node's last heartbeat (orchestrator clock).",
+        )
+        for name, v in views:
+            if v.health.last_seen is not None:
+                add(
+                    f'pulse_node_heartbeat_age_seconds{{node="{escape(name)}"}} {_fmt(round(now - v.health.last_seen, 3))}'
+                )
+        family("pulse_node_schedulable", "1 when the node accepts new jobs (not cordoned).")
+        for name, v in views:
+            add(f'pulse_node_schedulable{{node="{escape(name)}"}} {1 if v.schedulable else 0}')
+        family(
+            "pulse_node_clock_skew_seconds",
+            "Agent wall clock minus Redis server time (reported, never trusted).",
+        )
+        for name, v in views:
+            if v.clock_skew_s is not None:
+                add(f'pulse_node_clock_skew_seconds{{node="{escape(name)}"}} {_fmt(round(v.clock_skew_s, 3))}')
+
+        gpus = [(name, g) for name, v in views if v.latest is not None for g in v.latest.gpus]
+        for metric, help_, get in GPU_GAUGES:
+            family(metric, help_)
+            for name, g in gpus:
+                val = get(g)
+                if val is not None:
+                    add(f"{metric}{{{self._gl(name, g.index)}}} {_fmt(val)}")
+        family("pulse_gpu_ecc_errors_total", "Volatile ECC errors since driver load, by type.", "counter")
+        for name, g in gpus:
+            lbl = self._gl(name, g.index)
+            if g.ecc_volatile_corrected is not None:
+                add(f'pulse_gpu_ecc_errors_total{{{lbl},type="corrected"}} {g.ecc_volatile_corrected}')
+            if g.ecc_volatile_uncorrected is not None:
+                add(f'pulse_gpu_ecc_errors_total{{{lbl},type="uncorrected"}} {g.ecc_volatile_uncorrected}')
+        family("pulse_gpu_xid_errors_total", "XID events seen by the agent since it started, by XID.", "counter")
+        for name, g in gpus:
+            if g.xid_counts:
+                lbl = self._gl(name, g.index)
+                for xid, n in sorted(g.xid_counts.items()):
+                    add(f'pulse_gpu_xid_errors_total{{{lbl},xid="{escape(xid)}"}} {n}')
+        family("pulse_gpu_throttle_active", "1 while the clock-event (throttle) reason is active.")
+        for name, g in gpus:
+            if g.lost:
+                continue
+            lbl = self._gl(name, g.index)
+            active = g.throttle
+            for r in THROTTLE_REASONS:
+                add(f'pulse_gpu_throttle_active{{{lbl},reason="{r}"}} {1 if r in active else 0}')
+
+        psus = [(name, p) for name, v in views if v.latest is not None for p in v.latest.psus]
+        for metric, help_, attr in (
+            ("pulse_psu_output_current_amperes", "PSU output current.", "output_current_amperes"),
+            ("pulse_psu_input_current_amperes", "PSU input current.", "input_current_amperes"),
+            ("pulse_psu_input_power_watts", "PSU input power.", "input_power_watts"),
+        ):
+            family(metric, help_)
+            for name, p in psus:
+                val = getattr(p, attr)
+                if val is not None:
+                    add(f'{metric}{{node="{escape(name)}",psu="{escape(p.name)}"}} {_fmt(val)}')
+        family("pulse_psu_ok", "1 when the PSU reports ok, 0 when failed.")
+        for name, p in psus:
+            if p.ok is not None:
+                add(f'pulse_psu_ok{{node="{escape(name)}",psu="{escape(p.name)}"}} {1 if p.ok else 0}')
+        family("pulse_fan_speed_rpm", "Fan speed.")
+        for name, v in views:
+            if v.latest is not None:
+                for f in v.latest.fans:
+                    if f.rpm is not None:
+                        add(f'pulse_fan_speed_rpm{{node="{escape(name)}",fan="{escape(f.name)}"}} {_fmt(f.rpm)}')
+
+        family("pulse_heartbeats_received_total", "Heartbeat stream entries read.", "counter")
+        add(f"pulse_heartbeats_received_total {cluster.received}")
+        family("pulse_heartbeats_rejected_total", "Heartbeats rejected, by reason.", "counter")
+        for reason, n in sorted(cluster.rejected.items()):
+            add(f'pulse_heartbeats_rejected_total{{reason="{escape(reason)}"}} {n}')
+        family("pulse_health_transitions_total", "Health transitions, by from and to state.", "counter")
+        for (old, new), n in sorted(cluster.transitions.items()):
+            add(f'pulse_health_transitions_total{{from="{old}",to="{new}"}} {n}')
+        family("pulse_partition_suspected", "1 while the orchestrator suspects it is partitioned from the nodes.")
+        add(f"pulse_partition_suspected {1 if cluster.partitioned else 0}")
+        out.extend(extra)
+        add("")
+        return "\n".join(out)

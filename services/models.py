@@ -1,0 +1,65 @@
+"""SQL tables (SQLAlchemy 2.0 typed models). Schema changes go through Alembic (migrations/).
+
+Times are float seconds since the epoch on the one clock (Redis server time), so that a stored
+``last_seen`` compares directly with the clock health uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class NodeRow(Base):
+    """One node: its health, cordon flag, topology and the latest telemetry summary."""
+
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), default="HEALTHY")
+    state_since: Mapped[float] = mapped_column(Float, default=0.0)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    schedulable: Mapped[bool] = mapped_column(Boolean, default=True)
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    last_seen: Mapped[float | None] = mapped_column(Float, nullable=True)
+    boot_id: Mapped[str] = mapped_column(String(64), default="")
+    seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    clock_skew_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    telemetry: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # the latest heartbeat
+    updated_at: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class GpuRow(Base):
+    """One GPU as last reported: identity and whether it is on the bus."""
+
+    __tablename__ = "gpus"
+
+    node: Mapped[str] = mapped_column(String(64), ForeignKey("nodes.name", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uuid: Mapped[str] = mapped_column(String(128), default="")
+    name: Mapped[str] = mapped_column(String(128), default="")
+    memory_total_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    lost: Mapped[bool] = mapped_column(Boolean, default=False)
+    updated_at: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class EventRow(Base):
+    """Every transition and operator action, with its reason. Append-only."""
+
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_node_at", "node", "at"), Index("ix_events_at", "at"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[float] = mapped_column(Float)
+    kind: Mapped[str] = mapped_column(String(32))  # health | cordon | uncordon | partition
+    node: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    to_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    actor: Mapped[str] = mapped_column(String(64), default="orchestrator")

@@ -1,0 +1,367 @@
+"""The orchestrator's loops around the pure core: ingest, evaluate, persist.
+
+- **ingest** reads the heartbeat streams with a consumer group (``XREADGROUP``). Entries are
+  acknowledged only after the telemetry they carried was flushed to the database, so an
+  orchestrator killed at any point re-reads what it had not persisted (its own pending entries,
+  read first at start). Redelivery is harmless: folding an older entry changes nothing.
+- **evaluate** ticks every ``evaluate_interval_s`` on the one clock (Redis ``TIME``, extrapolated
+  with the monotonic clock between syncs), applies transitions in memory at once, and queues them
+  in an outbox that is written to the database in order, retried with backoff while the database is
+  down. Health never waits on the database.
+- **persist** flushes the latest telemetry of changed nodes every ``persist_interval_s`` and then
+  acknowledges the stream entries.
+
+Each loop catches transient errors, backs off and goes on; no loop ever stops on bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import msgspec
+import redis.asyncio as aioredis
+import redis.exceptions
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from clusterpulse import wire
+from clusterpulse.retry import Backoff, is_transient
+from clusterpulse.settings import Settings
+from services import db
+from services.cluster import Cluster, ClusterEvent
+from services.health import Policy, Transition
+
+log = logging.getLogger("pulse.orchestrator")
+
+
+class RedisClock:
+    """The one clock: Redis server time, extrapolated with the monotonic clock between syncs."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._redis = client
+        self._base = time.time()
+        self._mono = time.monotonic()
+        self.synced = False
+
+    async def sync(self) -> None:
+        secs, micros = await self._redis.time()
+        self._base, self._mono, self.synced = secs + micros / 1e6, time.monotonic(), True
+
+    def now(self) -> float:
+        return self._base + (time.monotonic() - self._mono)
+
+
+def entry_time(entry_id: bytes | str) -> float:
+    """Redis server time (seconds) at which a stream entry was added: its id's millisecond part."""
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(raw.split("-", 1)[0]) / 1000.0
+
+
+Outboxed = Transition | ClusterEvent
+Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        redis_client: aioredis.Redis,
+        engine: Engine,
+        consumer: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.redis = redis_client
+        self.engine = engine
+        self.sessions: sessionmaker[Session] = db.session_factory(engine)
+        self.clock = RedisClock(redis_client)
+        self.consumer = consumer or socket.gethostname()
+        self.streams = wire.heartbeat_stream_keys(settings.heartbeat_stream_shards)
+        self.cluster: Cluster | None = None
+        self._outbox: list[Outboxed] = []
+        self._unacked: dict[str, list[bytes]] = {s: [] for s in self.streams}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+        self.db_ok = True
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._until_ok("redis time", self.clock.sync)
+        now = self.clock.now()
+        self.cluster = Cluster(policy=Policy.from_settings(self.settings), grace_start=now)
+        rows = await asyncio.to_thread(self._load)
+        for r in rows:
+            self.cluster.restore(**r)
+        for stream in self.streams:
+            await self._until_ok("consumer group", lambda s=stream: self._ensure_group(s))  # type: ignore[misc]
+        await self._read_pending()
+        log.info(
+            "event=orchestrator_started nodes=%d grace_until=%.3f consumer=%s",
+            len(rows),
+            now + self.settings.degraded_after_s,
+            self.consumer,
+        )
+        for name, loop in (
+            ("ingest", self._ingest_loop),
+            ("evaluate", self._evaluate_loop),
+            ("persist", self._persist_loop),
+        ):
+            self._tasks.append(asyncio.create_task(self._supervised(name, loop), name=name))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        with contextlib.suppress(Exception):
+            await self._flush()
+
+    async def _until_ok(self, what: str, fn: Callable[[], Any]) -> None:
+        backoff = Backoff(self.settings.retry_backoff_s, self.settings.retry_backoff_max_s)
+        while True:
+            try:
+                await fn()
+                return
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                delay = backoff.next_delay()
+                log.warning("event=waiting what=%r error=%r retry_in_s=%.2f", what, str(exc), delay)
+                await asyncio.sleep(delay)
+
+    async def _supervised(self, name: str, loop: Callable[[], Any]) -> None:
+        """Run a loop forever; a transient error backs off, anything else is logged and retried
+        with backoff too, so one bad day of Redis never ends the orchestrator."""
+        backoff = Backoff(self.settings.retry_backoff_s, self.settings.retry_backoff_max_s)
+        while not self._stop.is_set():
+            try:
+                await loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                delay = backoff.next_delay()
+                level = logging.WARNING if is_transient(exc) else logging.ERROR
+                log.log(
+                    level,
+                    "event=loop_error loop=%s error=%r retry_in_s=%.2f",
+                    name,
+                    exc,
+                    delay,
+                    exc_info=not is_transient(exc),
+                )
+                await asyncio.sleep(delay)
+            else:
+                return
+
+    def _load(self) -> list[dict[str, Any]]:
+        with self.sessions() as s:
+            return [
+                {
+                    "name": r.name,
+                    "state": r.state,
+                    "since": r.state_since,
+                    "reason": r.reason,
+                    "last_seen": r.last_seen,
+                    "schedulable": r.schedulable,
+                    "labels": r.labels or {},
+                    "telemetry": r.telemetry or {},
+                }
+                for r in db.load_nodes(s)
+            ]
+
+    async def _ensure_group(self, stream: str) -> None:
+        try:
+            await self.redis.xgroup_create(stream, wire.ORCHESTRATOR_GROUP, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # --- ingest ---------------------------------------------------------------------------------
+    async def _read_pending(self) -> None:
+        """Fold entries delivered to this consumer before a crash but never acknowledged."""
+        for stream in self.streams:
+            last = "0"
+            while True:
+                resp = await self._xreadgroup({stream: last}, block_ms=None)
+                entries = resp[0][1] if resp else []
+                if not entries:
+                    break
+                self._fold(stream, entries)
+                last = entries[-1][0].decode()
+
+    def _fold(self, stream: str, entries: Entries) -> None:
+        assert self.cluster is not None
+        unacked = self._unacked[stream]
+        for entry_id, fields in entries:
+            unacked.append(entry_id)
+            payload = fields.get(wire.HEARTBEAT_FIELD) if fields else None
+            if payload is None:
+                self.cluster.received += 1
+                self.cluster.rejected["missing_field"] += 1
+                continue
+            ev = self.cluster.ingest(payload, received_at=entry_time(entry_id))
+            if ev is not None:
+                self._outbox.append(ev)
+
+    async def _ingest_loop(self) -> None:
+        block_ms = max(1, int(self.settings.ingest_block_s * 1000))
+        streams = dict.fromkeys(self.streams, ">")
+        while not self._stop.is_set():
+            try:
+                resp = await self._xreadgroup(streams, block_ms=block_ms)
+            except redis.exceptions.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                for stream in self.streams:  # the stream was deleted (a Redis restart): recreate
+                    await self._ensure_group(stream)
+                continue
+            for stream, entries in resp:
+                self._fold(stream, entries)
+            await asyncio.sleep(0)
+
+    async def _xreadgroup(self, streams: dict[str, str], *, block_ms: int | None) -> list[tuple[str, Entries]]:
+        """XREADGROUP, normalised to [(stream, [(id, fields)])] for RESP2 and RESP3 replies."""
+        resp: Any = await self.redis.xreadgroup(
+            wire.ORCHESTRATOR_GROUP,
+            self.consumer,
+            cast(Any, streams),
+            count=self.settings.ingest_batch,
+            block=block_ms,
+        )
+        items = resp.items() if isinstance(resp, dict) else (resp or [])
+        out: list[tuple[str, Entries]] = []
+        for stream, entries in items:
+            name = stream.decode() if isinstance(stream, bytes) else str(stream)
+            out.append((name, entries[0] if entries and isinstance(entries[0], list) else entries))
+        return out
+
+    # --- evaluate -------------------------------------------------------------------------------
+    async def _evaluate_loop(self) -> None:
+        assert self.cluster is not None
+        while not self._stop.is_set():
+            with contextlib.suppress(*_REDIS_DOWN):
+                await self.clock.sync()
+            transitions, events = self.cluster.evaluate(now=self.clock.now())
+            self._outbox.extend(events)
+            self._outbox.extend(transitions)
+            if self._outbox:
+                await self._write_outbox()
+            await asyncio.sleep(self.settings.evaluate_interval_s)
+
+    async def _write_outbox(self) -> None:
+        batch = list(self._outbox)
+        try:
+            await asyncio.to_thread(self._write_events, batch)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self.db_ok = False
+            log.warning("event=db_unavailable pending_events=%d error=%r", len(self._outbox), str(exc))
+            return
+        self.db_ok = True
+        del self._outbox[: len(batch)]
+
+    def _write_events(self, batch: list[Outboxed]) -> None:
+        with self.sessions.begin() as s:
+            for item in batch:
+                if isinstance(item, Transition):
+                    db.record_transition(
+                        s,
+                        node=item.node,
+                        old=item.old.value,
+                        new=item.new.value,
+                        reason=item.reason,
+                        at=item.at,
+                    )
+                elif item.kind == "registered" and item.node is not None:
+                    view = self.cluster.nodes.get(item.node) if self.cluster else None
+                    db.ensure_node(s, name=item.node, at=item.at, labels=view.labels if view else None)
+                    db.record_event(s, kind=item.kind, node=item.node, reason=item.reason, at=item.at)
+                else:
+                    db.record_event(s, kind=item.kind, node=item.node, reason=item.reason, at=item.at)
+
+    # --- persist --------------------------------------------------------------------------------
+    async def _persist_loop(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.sleep(self.settings.persist_interval_s)
+            await self._flush()
+
+    async def _flush(self) -> None:
+        """Write the outbox and dirty telemetry, then acknowledge what they came from."""
+        assert self.cluster is not None
+        if self._outbox:
+            await self._write_outbox()
+            if self._outbox:
+                return  # the database is down: keep the entries unacknowledged
+        acks = {s: ids for s, ids in self._unacked.items() if ids}
+        self._unacked = {s: [] for s in self.streams}
+        updates = []
+        for view in self.cluster.nodes.values():
+            if view.dirty and view.latest is not None:
+                hb = view.latest
+                updates.append(
+                    db.NodeUpdate(
+                        name=hb.node,
+                        labels=dict(hb.labels),
+                        last_seen=view.health.last_seen,
+                        boot_id=hb.boot_id,
+                        seq=hb.seq,
+                        clock_skew_s=view.clock_skew_s,
+                        telemetry=msgspec.to_builtins(hb),
+                        gpus=[msgspec.to_builtins(g) for g in hb.gpus],
+                    )
+                )
+                view.dirty = False
+        try:
+            if updates:
+                await asyncio.to_thread(self._write_telemetry, updates)
+            self.db_ok = True
+        except Exception as exc:
+            for u in updates:
+                self.cluster.nodes[u.name].dirty = True
+            for s, ids in acks.items():
+                self._unacked[s][:0] = ids
+            if not is_transient(exc):
+                raise
+            self.db_ok = False
+            log.warning("event=db_unavailable dirty_nodes=%d error=%r", len(updates), str(exc))
+            return
+        for stream, ids in acks.items():
+            for i in range(0, len(ids), 10_000):
+                await self.redis.xack(stream, wire.ORCHESTRATOR_GROUP, *ids[i : i + 10_000])
+
+    def _write_telemetry(self, updates: list[db.NodeUpdate]) -> None:
+        with self.sessions.begin() as s:
+            for i in range(0, len(updates), 500):
+                db.upsert_telemetry(s, updates=updates[i : i + 500], at=self.clock.now())
+
+    # --- operator actions -----------------------------------------------------------------------
+    async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:
+        """Cordon/uncordon: written to the database first, then applied in memory."""
+
+        known = self.cluster is not None and name in self.cluster.nodes
+
+        def write() -> bool:
+            with self.sessions.begin() as s:
+                if known:
+                    db.ensure_node(s, name=name, at=self.clock.now())
+                return db.set_schedulable(
+                    s, name=name, schedulable=schedulable, reason=reason, at=self.clock.now(), actor=actor
+                )
+
+        changed = await asyncio.to_thread(write)
+        if self.cluster is not None and name in self.cluster.nodes:
+            self.cluster.set_schedulable(name, schedulable)
+        return changed
+
+
+_REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)

@@ -1,0 +1,63 @@
+"""Helpers shared by the tests: service URLs, waiting on a condition, spawning `pulse` processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REDIS_DB = int(os.environ.get("PULSE_TEST_REDIS_DB", "9"))
+REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
+PG_URL = os.environ.get("PULSE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REPO = Path(__file__).resolve().parent.parent
+PULSE = [sys.executable, "-m", "clusterpulse.cli"]
+
+
+def wait_for(cond: Callable[[], object], *, timeout: float, what: str, every: float = 0.05) -> object:
+    """Poll ``cond`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            out = cond()
+            if out:
+                return out
+        except Exception as exc:
+            last_exc = exc
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def pulse_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PULSE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def spawn(args: list[str], *, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as fh:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [*PULSE, *args], env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+        )
+
+
+def stop(proc: subprocess.Popen[bytes], *, timeout: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)

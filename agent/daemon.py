@@ -105,21 +105,22 @@ class NodeAgent:
 
 
 def apply_faults(agents: Sequence[NodeAgent], faults: Sequence[FaultSpec], elapsed_s: float) -> None:
-    """Set each simulated node's active faults from the schedule (level-triggered, idempotent)."""
-    by_node: dict[str, set[str]] = {a.node: set() for a in agents if a.sim is not None}
-    for f in faults:
-        if f.active(elapsed_s):
-            for node in [f.node] if f.node is not None else list(by_node):
-                if node in by_node:
-                    by_node[node].add(f.kind)
+    """Set each simulated node's scheduled faults from the schedule (level-triggered, idempotent).
+    Kinds the schedule does not mention for a node are left as they are (set by hand)."""
     for a in agents:
-        if a.sim is not None:
-            before = set(a.sim.faults)
-            a.sim.faults = by_node[a.node]
-            for kind in sorted(a.sim.faults - before):
-                log.info("event=fault_injected node=%s kind=%s", a.node, kind)
-            for kind in sorted(before - a.sim.faults):
-                log.info("event=fault_cleared node=%s kind=%s", a.node, kind)
+        if a.sim is None:
+            continue
+        mine = [f for f in faults if f.node in (None, a.node)]
+        if not mine:
+            continue
+        before = set(a.sim.faults)
+        scheduled = {f.kind for f in mine}
+        active = {f.kind for f in mine if f.active(elapsed_s)}
+        a.sim.faults = (before - scheduled) | active
+        for kind in sorted(a.sim.faults - before):
+            log.info("event=fault_injected node=%s kind=%s", a.node, kind)
+        for kind in sorted(before - a.sim.faults):
+            log.info("event=fault_cleared node=%s kind=%s", a.node, kind)
 
 
 async def ipmi_loop(agent: NodeAgent, source: PowerReader, *, interval_s: float, stop: asyncio.Event) -> None:

@@ -40,7 +40,7 @@ def _pg_reset() -> None:
 
 
 @pytest.fixture(scope="session")
-def pg_engine() -> Iterator[Engine]:
+def postgresql_engine() -> Iterator[Engine]:
     _pg_reset()
     db.upgrade(PG_URL)
     eng = db.make_engine(PG_URL)
@@ -70,5 +70,3 @@ def session(request: pytest.FixtureRequest) -> Iterator[Session]:
         s.close()
         trans.rollback()
         conn.close()
-
-

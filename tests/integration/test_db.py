@@ -1,0 +1,81 @@
+"""Repository functions on real SQLite and real PostgreSQL, each test in a rolled-back transaction."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import inspect
+from sqlalchemy.orm import Session
+
+from services import db
+from services.models import GpuRow, NodeRow
+
+
+def _update(name: str, seq: int = 1, lost: bool = False) -> db.NodeUpdate:
+    return db.NodeUpdate(
+        name=name,
+        labels={"rack": "r1"},
+        last_seen=100.0 + seq,
+        boot_id="boot",
+        seq=seq,
+        clock_skew_s=0.01,
+        telemetry={"node": name, "seq": seq},
+        gpus=[{"index": 0, "uuid": "GPU-0", "name": "NVIDIA H200", "lost": lost}],
+    )
+
+
+def test_upsert_telemetry_inserts_then_updates_without_touching_health(session: Session) -> None:
+    db.upsert_telemetry(session, updates=[_update("n1"), _update("n2")], at=1.0)
+    db.record_transition(session, node="n1", old="HEALTHY", new="DEGRADED", reason="PCIe x8", at=2.0)
+    db.upsert_telemetry(session, updates=[_update("n1", seq=2, lost=True)], at=3.0)
+    session.flush()
+    session.expire_all()
+    n1 = db.get_node(session, name="n1")
+    assert n1 is not None
+    assert (n1.seq, n1.last_seen, n1.state, n1.reason) == (2, 102.0, "DEGRADED", "PCIe x8")
+    assert n1.telemetry == {"node": "n1", "seq": 2}
+    gpu = session.get(GpuRow, ("n1", 0))
+    assert gpu is not None and gpu.lost is True
+    assert [n.name for n in db.load_nodes(session)] == ["n1", "n2"]
+
+
+def test_transitions_and_events_filters(session: Session) -> None:
+    db.record_transition(session, node="a", old="HEALTHY", new="SUSPECT", reason="r1", at=10.0)
+    db.record_transition(session, node="a", old="SUSPECT", new="DEGRADED", reason="r2", at=20.0)
+    db.record_transition(session, node="b", old="HEALTHY", new="SUSPECT", reason="r3", at=30.0)
+    db.record_event(session, kind="partition", reason="5 of 8 silent", at=40.0)
+    session.flush()
+    assert [e.reason for e in db.list_events(session)] == ["r1", "r2", "r3", "5 of 8 silent"]
+    assert [e.reason for e in db.list_events(session, node="a")] == ["r1", "r2"]
+    assert [e.reason for e in db.list_events(session, since=20.0)] == ["r2", "r3", "5 of 8 silent"]
+    assert [e.reason for e in db.list_events(session, limit=2)] == ["r3", "5 of 8 silent"]  # the newest, in order
+    assert [e.kind for e in db.list_events(session, kinds=["partition"])] == ["partition"]
+    row = session.get(NodeRow, "a")
+    assert row is not None and (row.state, row.state_since) == ("DEGRADED", 20.0)
+
+
+def test_cordon_is_idempotent_and_unknown_node_raises(session: Session) -> None:
+    db.ensure_node(session, name="n1", at=1.0)
+    assert db.set_schedulable(session, name="n1", schedulable=False, reason="PSU swap", at=2.0, actor="alice")
+    assert not db.set_schedulable(session, name="n1", schedulable=False, reason="again", at=3.0, actor="alice")
+    session.flush()
+    events = db.list_events(session, node="n1")
+    assert [(e.kind, e.reason, e.actor) for e in events] == [("cordon", "PSU swap", "alice")]
+    with pytest.raises(KeyError):
+        db.set_schedulable(session, name="nope", schedulable=False, reason="", at=1.0, actor="x")
+
+
+def test_rolled_back_between_tests(session: Session) -> None:
+    assert db.load_nodes(session) == []  # the previous tests' rows are gone
+
+
+def test_migrations_create_the_schema_and_downgrade_cleanly(tmp_path: object) -> None:
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path}/m.db"
+    assert db.upgrade(url) == "0001"
+    eng = db.make_engine(url)
+    assert {"nodes", "gpus", "events", "alembic_version"} <= set(inspect(eng).get_table_names())
+    assert db.current_revision(eng) == "0001"
+    command.downgrade(db._alembic_config(url), "base")
+    assert set(inspect(eng).get_table_names()) == {"alembic_version"}
+    eng.dispose()

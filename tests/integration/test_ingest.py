@@ -1,0 +1,201 @@
+"""Agent publisher -> real Redis stream -> orchestrator ingest -> health -> SQLite, in one process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from agent.daemon import NodeAgent, run_agents
+from agent.publisher import HeartbeatPublisher
+from agent.simulated import SimulatedNode
+from clusterpulse import wire
+from clusterpulse.retry import Backoff
+from clusterpulse.settings import Settings, load_settings
+from services import db
+from services.orchestrator import Orchestrator
+
+
+def _settings(redis_url: str, sqlite_url: str, **kw: object) -> Settings:
+    base: dict[str, object] = dict(
+        redis_url=redis_url,
+        database_url=sqlite_url,
+        heartbeat_interval_s=0.1,
+        degraded_after_s=1.0,
+        lost_after_s=30.0,
+        evaluate_interval_s=0.05,
+        persist_interval_s=0.1,
+        ingest_block_s=0.05,
+    )
+    base.update(kw)
+    return load_settings(**base)
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def _with_orchestrator(
+    settings: Settings, body: Callable[[Orchestrator], Awaitable[None]], consumer: str = "t"
+) -> None:
+    db.upgrade(settings.database_url)
+    engine = db.make_engine(settings.database_url)
+    client = aioredis.from_url(settings.redis_url)
+    orch = Orchestrator(settings, redis_client=client, engine=engine, consumer=consumer)
+    await orch.start()
+    try:
+        await body(orch)
+    finally:
+        await orch.stop()
+        await client.aclose()
+        engine.dispose()
+
+
+def _publisher(client: aioredis.Redis) -> HeartbeatPublisher:
+    return HeartbeatPublisher(client, shards=1, maxlen=10_000, ttl_s=10)
+
+
+def _agents(n: int) -> list[NodeAgent]:
+    sims = [SimulatedNode(f"n{i}", gpus=4) for i in range(n)]
+    return [NodeAgent(node=s.node, gpu=s, gpu_source="simulated", interval_s=0.1, sim=s) for s in sims]
+
+
+def test_heartbeats_flow_to_health_and_database_and_are_acknowledged(redis_url: str, sqlite_url: str) -> None:
+    settings = _settings(redis_url, sqlite_url)
+
+    async def body(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        client = aioredis.from_url(redis_url)
+        agents = _agents(3)
+        agents[2].sim.faults.add("pcie_x8")  # type: ignore[union-attr]
+        await run_agents(agents, _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=5)
+        await _until(lambda: len(orch.cluster.nodes) == 3 and orch.cluster.nodes["n2"].health.state.value == "DEGRADED")
+        assert orch.cluster.nodes["n0"].health.state.value == "HEALTHY"
+        await asyncio.sleep(0.4)  # a persist tick
+        pending = await client.xpending(wire.heartbeat_stream_key(0), wire.ORCHESTRATOR_GROUP)
+        assert pending["pending"] == 0
+        assert await client.get(wire.node_latest_key("n0")) is not None
+        assert 0 < await client.pttl(wire.node_latest_key("n0")) <= 10_000
+        await client.aclose()
+
+    asyncio.run(_with_orchestrator(settings, body))
+    engine = db.make_engine(sqlite_url)
+    with db.session_factory(engine)() as s:
+        n2 = db.get_node(s, name="n2")
+        assert n2 is not None and n2.state == "DEGRADED" and "PCIe link x8 of x16" in n2.reason
+        assert n2.seq == 5 and len(n2.telemetry["gpus"]) == 4
+        kinds = [(e.kind, e.node) for e in db.list_events(s)]
+        assert ("health", "n2") in kinds and kinds.count(("registered", "n0")) == 1
+    engine.dispose()
+
+
+def test_malformed_entries_are_counted_and_never_stop_the_loop(redis_url: str, sqlite_url: str) -> None:
+    settings = _settings(redis_url, sqlite_url)
+    raw = redis.Redis.from_url(redis_url)
+    stream = wire.heartbeat_stream_key(0)
+
+    async def body(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        good = _agents(1)[0]
+        raw.xadd(stream, {wire.HEARTBEAT_FIELD: b"{not json"})
+        raw.xadd(stream, {wire.HEARTBEAT_FIELD: b'{"v": 99, "node": "x"}'})
+        raw.xadd(stream, {b"other": b"1"})
+        bad_version = wire.encode(good.heartbeat(good.sim.sample())).replace(b'"v":1', b'"v":2')  # type: ignore[union-attr]
+        raw.xadd(stream, {wire.HEARTBEAT_FIELD: bad_version})
+        raw.xadd(
+            stream,
+            {
+                wire.HEARTBEAT_FIELD: b'{"v":1,"node":"bad name!","boot_id":"b","seq":1,"sent_at":0,'
+                b'"interval_s":1,"gpu_source":"none"}'
+            },
+        )
+        raw.xadd(stream, {wire.HEARTBEAT_FIELD: wire.encode(good.heartbeat(good.sim.sample()))})  # type: ignore[union-attr]
+        await _until(lambda: "n0" in orch.cluster.nodes)
+        assert orch.cluster.rejected == {"json": 1, "schema": 2, "missing_field": 1, "version": 1}
+        assert orch.cluster.received == 6
+        text = orch_render(orch)
+        assert 'pulse_heartbeats_rejected_total{reason="schema"} 2' in text
+        assert "pulse_heartbeats_received_total 6" in text
+
+    asyncio.run(_with_orchestrator(settings, body))
+    raw.close()
+
+
+def orch_render(orch: Orchestrator) -> str:
+    from services.metrics import Renderer
+
+    assert orch.cluster is not None
+    return Renderer().render(orch.cluster, now=orch.clock.now())
+
+
+def test_restart_rereads_unacknowledged_entries_and_keeps_state(redis_url: str, sqlite_url: str) -> None:
+    # A long persist interval: the first orchestrator never acknowledges before it dies.
+    settings = _settings(redis_url, sqlite_url, persist_interval_s=3600)
+
+    async def crash(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        client = aioredis.from_url(redis_url)
+        await run_agents(_agents(2), _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=3)
+        await _until(lambda: len(orch.cluster.nodes) == 2)
+        for t in orch._tasks:  # die without the clean shutdown's flush
+            t.cancel()
+        orch._tasks.clear()
+        orch._outbox.clear()
+        orch._unacked = {s: [] for s in orch.streams}
+        orch.cluster.nodes.clear()
+        pending = await client.xpending(wire.heartbeat_stream_key(0), wire.ORCHESTRATOR_GROUP)
+        assert pending["pending"] == 6
+        await client.aclose()
+
+    asyncio.run(_with_orchestrator(settings, crash))
+
+    async def after(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        assert set(orch.cluster.nodes) == {"n0", "n1"}  # from the pending entries, before any new one
+        assert orch.cluster.nodes["n0"].latest is not None and orch.cluster.nodes["n0"].latest.seq == 3
+
+    asyncio.run(_with_orchestrator(_settings(redis_url, sqlite_url), after))
+
+
+def test_degraded_node_stays_degraded_across_a_restart(redis_url: str, sqlite_url: str) -> None:
+    settings = _settings(redis_url, sqlite_url)
+
+    async def first(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        client = aioredis.from_url(redis_url)
+        agents = _agents(1)
+        agents[0].sim.faults.add("gpu_lost")  # type: ignore[union-attr]
+        await run_agents(agents, _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=2)
+        await _until(lambda: "n0" in orch.cluster.nodes and orch.cluster.nodes["n0"].health.state.value == "DEGRADED")
+        await client.aclose()
+
+    asyncio.run(_with_orchestrator(settings, first))
+
+    async def second(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        n0 = orch.cluster.nodes["n0"]
+        assert n0.health.state.value == "DEGRADED" and "GPU 3 lost" in n0.health.reason
+        assert n0.latest is not None and n0.latest.gpus[3].lost  # telemetry restored for REST and /metrics
+
+    asyncio.run(_with_orchestrator(settings, second))
+
+
+def test_publisher_survives_redis_down_and_backs_off() -> None:
+    async def body() -> None:
+        client = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+        pub = HeartbeatPublisher(
+            client, shards=1, maxlen=1000, ttl_s=1, backoff=Backoff(base_s=0.5, cap_s=1, jitter=False)
+        )
+        a = _agents(1)[0]
+        assert await pub.publish([a.heartbeat(a.sim.sample())]) is False  # type: ignore[union-attr]
+        assert await pub.publish([a.heartbeat(a.sim.sample())]) is False  # type: ignore[union-attr]
+        assert pub.failures == 1  # the second call was inside the backoff window: not even tried
+        await client.aclose()
+
+    asyncio.run(body())

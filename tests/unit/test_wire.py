@@ -1,0 +1,104 @@
+"""The wire contract: round trips, every rejection reason, and fuzzing of heartbeat decoding."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.daemon import NodeAgent
+from agent.simulated import SimulatedNode
+from clusterpulse import wire
+from services.cluster import Cluster
+from services.health import Policy
+
+
+def _beat() -> wire.Heartbeat:
+    sim = SimulatedNode("n1", gpus=8, seed=1)
+    return NodeAgent(node="n1", gpu=sim, gpu_source="simulated", interval_s=1.0, sim=sim).heartbeat(sim.sample())
+
+
+def test_round_trip() -> None:
+    hb = _beat()
+    assert wire.decode_heartbeat(wire.encode(hb)) == hb
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason", "needle"),
+    [
+        (lambda d: d.update(v=2), "version", "v=2"),
+        (lambda d: d.update(node="has space"), "schema", "$.node"),
+        (lambda d: d["gpus"][0].update(utilization_ratio=1.5), "schema", "$.gpus[0].utilization_ratio"),
+        (lambda d: d["gpus"][0].update(power_watts=-1), "schema", "power_watts"),
+        (lambda d: d.update(seq="7"), "schema", "$.seq"),
+        (lambda d: d.pop("boot_id"), "schema", "boot_id"),
+        (lambda d: d["gpus"].append(dict(d["gpus"][0])), "duplicate_gpu", "twice"),
+        (lambda d: d["gpus"][0].update(throttle=["melting"]), "schema", "throttle"),
+    ],
+)
+def test_rejections_name_the_field(mutate: object, reason: str, needle: str) -> None:
+    d = msgspec.to_builtins(_beat())
+    mutate(d)  # type: ignore[operator]
+    with pytest.raises(wire.WireError) as exc:
+        wire.decode_heartbeat(json.dumps(d).encode())
+    assert exc.value.reason == reason and needle in str(exc.value)
+
+
+def test_too_large_and_not_json() -> None:
+    with pytest.raises(wire.WireError) as exc:
+        wire.decode_heartbeat(b" " * (wire.MAX_HEARTBEAT_BYTES + 1))
+    assert exc.value.reason == "too_large"
+    with pytest.raises(wire.WireError) as exc:
+        wire.decode_heartbeat(b"\xff\xfe")
+    assert exc.value.reason == "json"
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    d = msgspec.to_builtins(_beat())
+    d["future_field"] = {"x": 1}
+    assert wire.decode_heartbeat(json.dumps(d).encode()).node == "n1"
+
+
+def test_keys_are_hash_tagged_per_node() -> None:
+    assert wire.node_latest_key("n1") == "pulse:{node:n1}:latest"
+    assert wire.node_commands_key("n1").startswith("pulse:{node:n1}:")
+    assert wire.heartbeat_shard("n1", 8) == wire.heartbeat_shard("n1", 8) < 8
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4),
+    max_leaves=20,
+)
+field_names = st.sampled_from(
+    ["v", "node", "boot_id", "seq", "sent_at", "interval_s", "gpu_source", "ipmi", "labels", "gpus", "psus", "fans"]
+)
+
+
+def _mutated() -> st.SearchStrategy[bytes]:
+    base = msgspec.to_builtins(_beat())
+    field_mutation = st.tuples(field_names, json_values).map(lambda kv: json.dumps({**base, kv[0]: kv[1]}).encode())
+    gpu_mutation = st.tuples(st.sampled_from(list(base["gpus"][0].keys())), json_values).map(
+        lambda kv: json.dumps({**base, "gpus": [{**base["gpus"][0], kv[0]: kv[1]}]}).encode()
+    )
+    return st.one_of(
+        st.binary(max_size=300), json_values.map(lambda v: json.dumps(v).encode()), field_mutation, gpu_mutation
+    )
+
+
+CLUSTER = Cluster(policy=Policy(), grace_start=0.0)
+
+
+@settings(max_examples=10_000, deadline=None)
+@given(_mutated())
+def test_fuzz_malformed_heartbeats_never_crash_and_are_counted(payload: bytes) -> None:
+    before_received, before_rejected = CLUSTER.received, sum(CLUSTER.rejected.values())
+    before_nodes = len(CLUSTER.nodes)
+    CLUSTER.ingest(payload, received_at=1.0)  # never raises
+    assert CLUSTER.received == before_received + 1
+    accepted = len(CLUSTER.nodes) > before_nodes or sum(CLUSTER.rejected.values()) == before_rejected
+    rejected = sum(CLUSTER.rejected.values()) == before_rejected + 1
+    assert accepted != rejected  # each one is either folded or counted as rejected, never both or neither

@@ -124,21 +124,27 @@ def apply_faults(agents: Sequence[NodeAgent], faults: Sequence[FaultSpec], elaps
 
 
 async def ipmi_loop(agent: NodeAgent, source: PowerReader, *, interval_s: float, stop: asyncio.Event) -> None:
-    """Read the BMC every ``interval_s``; on a permanent failure say so once and stop trying."""
+    """Read the BMC every ``interval_s``. A permanent failure (no BMC, refused session) is said
+    once and retried only every ten intervals: a BMC reset must not switch IPMI off for good."""
     backoff = Backoff(base_s=min(1.0, interval_s), cap_s=interval_s)
     while not stop.is_set():
         wait = interval_s
         try:
             reading = await source.read()
         except Exception as exc:
-            if not getattr(exc, "transient", False):
+            if getattr(exc, "transient", False):
+                wait = backoff.next_delay()
+                log.info("event=ipmi_retry node=%s error=%r retry_in_s=%.1f", agent.node, str(exc), wait)
+            else:
+                wait = 10 * interval_s
+                if not agent.power.unavailable:
+                    log.warning("event=ipmi_unavailable node=%s error=%r going_on=gpus_only", agent.node, str(exc))
                 agent.power.unavailable = True
-                log.warning("event=ipmi_unavailable node=%s error=%r going_on=gpus_only", agent.node, str(exc))
-                return
-            wait = backoff.next_delay()
-            log.info("event=ipmi_retry node=%s error=%r retry_in_s=%.1f", agent.node, str(exc), wait)
         else:
             backoff.reset()
+            if agent.power.unavailable:
+                log.info("event=ipmi_available node=%s", agent.node)
+            agent.power.unavailable = False
             agent.power.psus, agent.power.fans = list(reading.psus), list(reading.fans)
             agent.power.read_at = time.monotonic()
         with contextlib.suppress(TimeoutError):

@@ -33,9 +33,9 @@ def _settings(redis_url: str, sqlite_url: str, **kw: object) -> Settings:
     return load_settings(**base)
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+async def _until(cond: Callable[[], bool], limit_s: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + limit_s
     while not cond():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)

@@ -187,6 +187,11 @@ async def run_agents(
     return ticks
 
 
+def sim_node_name(prefix: str, index: int, nodes: int) -> str:
+    """``sim-007``: zero-padded to at least 3 digits, and to the width of the largest index."""
+    return f"{prefix}-{index:0{max(3, len(str(nodes - 1)))}d}"
+
+
 def topology_labels(index: int, *, per_switch: int = 4, per_rack: int = 16) -> dict[str, str]:
     """Topology of the i-th simulated node: its own NVLink domain (an HGX board), 4 per leaf
     switch, 16 per rack."""
@@ -316,10 +321,9 @@ async def run_simulation(
 ) -> None:
     """``pulse simulate``: N simulated agents in one process, one pipeline per interval."""
     stop = stop or asyncio.Event()
-    width = max(3, len(str(nodes - 1)))
     agents = []
     for i in range(nodes):
-        name = f"{prefix}-{i:0{width}d}"
+        name = sim_node_name(prefix, i, nodes)
         sim = SimulatedNode(name, gpus=gpus_per_node)
         agents.append(
             NodeAgent(

@@ -183,7 +183,9 @@ def _assess_power(hb: Heartbeat, policy: Policy, faults: list[str], warnings: li
                     f"PSU current imbalance: {lo_name} {side} {lo:.1f} A vs {hi_name} {hi:.1f} A (bound {bound:g} A)"
                 )
             break  # the output side decides when present; the input side only for input-only BMCs
-    powers = [(g.power_watts, g.index, g.power_limit_watts) for g in hb.gpus if g.power_watts is not None and not g.lost]
+    powers = [
+        (g.power_watts, g.index, g.power_limit_watts) for g in hb.gpus if g.power_watts is not None and not g.lost
+    ]
     if len(powers) >= 3:
         # Compare with the upper quartile, not the median: when the PSU feeding half the board
         # sags, half the GPUs drop (the 700 W vs 749 W case) and the median sits between them.

@@ -29,7 +29,9 @@ def wait_for(cond: Callable[[], object], *, timeout: float, what: str, every: fl
         except Exception as exc:
             last_exc = exc
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else "")
+    )
 
 
 def free_port() -> int:

@@ -41,7 +41,9 @@ class Stack:
 
     def start_orchestrator(self) -> None:
         self.orchestrator = spawn(["orchestrator", "--port", str(self.port)], env=self.env, log=self.logs / "orch.log")
-        wait_for(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="orchestrator ready")
+        wait_for(
+            lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="orchestrator ready"
+        )
 
     def start_agent(self, node: str) -> None:
         self.agents[node] = spawn(
@@ -53,7 +55,7 @@ class Stack:
     def nodes(self) -> dict[str, dict[str, Any]]:
         r = httpx.get(f"{self.api}/v1/nodes", timeout=2)
         r.raise_for_status()
-        return {n["name"]: n for n in r.json()["data"]}
+        return {n["name"]: n for n in r.json()["data"] if n["name"] in NODES}
 
     def events(self, **params: Any) -> list[dict[str, Any]]:
         r = httpx.get(f"{self.api}/v1/events", params={"limit": 10000, **params}, timeout=2)
@@ -113,7 +115,9 @@ def test_sigkilled_agent_degrades_within_bound_others_stay_healthy(stack: Stack)
     stack.agents[victim].kill()
     killed_at = time.time()
     stack.agents[victim].wait()
-    wait_for(lambda: stack.nodes()[victim]["state"] == "DEGRADED", timeout=DEGRADED_AFTER + 10, what=f"{victim} DEGRADED")
+    wait_for(
+        lambda: stack.nodes()[victim]["state"] == "DEGRADED", timeout=DEGRADED_AFTER + 10, what=f"{victim} DEGRADED"
+    )
     degraded = [e for e in stack.events(node=victim) if e["to_state"] == "DEGRADED" and e["id"] > t0]
     assert degraded, "no DEGRADED event"
     latency = degraded[0]["at"] - killed_at
@@ -177,7 +181,7 @@ def test_cordon_needs_the_token_and_is_recorded(stack: Stack) -> None:
     r = httpx.post(f"{stack.api}/v1/nodes/{node}/cordon", headers=auth, timeout=2)
     assert r.json()["changed"] is False
     assert [e["reason"] for e in stack.events(node=node) if e["kind"] == "cordon"] == ["PSU swap"]
-    assert "pulse_node_schedulable{node=\"e2e-7\"} 0" in httpx.get(f"{stack.api}/metrics", timeout=2).text
+    assert 'pulse_node_schedulable{node="e2e-7"} 0' in httpx.get(f"{stack.api}/metrics", timeout=2).text
     r = httpx.post(f"{stack.api}/v1/nodes/{node}/uncordon", headers=auth, timeout=2)
     assert r.json()["node"]["schedulable"] is True
     assert httpx.post(f"{stack.api}/v1/nodes/nope/cordon", headers=auth, timeout=2).status_code == 404

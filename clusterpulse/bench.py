@@ -1,0 +1,308 @@
+"""``pulse bench ingest`` and ``pulse bench agent``: speed and memory, each beside its baseline.
+
+Ingest (one JSON object):
+
+- ``redis_baseline_samples_per_s``: the agents' write pattern (SET + XADD per heartbeat, pipelined)
+  against Redis alone: what the wire costs before the orchestrator does anything.
+- ``samples_per_s``: GPU samples the orchestrator ingests per second (XREADGROUP, decode and
+  validate, fold into health) from a stream pre-filled with ``rounds`` heartbeats per node, on
+  its one event-loop thread.
+- ``detection_latency_p99_s``: with a live ``pulse simulate`` of all nodes in a child process,
+  ``--silences`` nodes go silent; for each, the time from ``last heartbeat + degraded_after`` to
+  its DEGRADED transition, on the orchestrator's clock.
+- ``scrape_seconds``: one /metrics render of the whole cluster (median of 5), and
+  ``gauge_baseline_scrape_seconds``: the same series as prometheus_client Gauge children rendered
+  by ``generate_latest``; ``scrape_speedup`` is their ratio.
+- ``orchestrator_rss_bytes``: resident memory of the process holding the orchestrator (and the
+  benchmark driver) at the end.
+
+Uses Redis database 15 of ``PULSE_REDIS_URL``'s server (flushed) unless ``PULSE_BENCH_REDIS_URL``
+is set, and a SQLite file in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from agent.daemon import NodeAgent, sim_node_name
+from agent.simulated import SimulatedNode
+from clusterpulse import wire
+from clusterpulse.settings import load_settings
+
+
+def _bench_redis_url() -> str:
+    if "PULSE_BENCH_REDIS_URL" in os.environ:
+        return os.environ["PULSE_BENCH_REDIS_URL"]
+    base = os.environ.get("PULSE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    return base.rsplit("/", 1)[0] + "/15" if base.count("/") >= 3 else base + "/15"
+
+
+def _payloads(nodes: int, gpus: int, rounds: int) -> list[list[tuple[str, bytes]]]:
+    """``rounds`` lists of (node, encoded heartbeat) with realistic, distinct contents."""
+    agents = []
+    for i in range(nodes):
+        sim = SimulatedNode(sim_node_name("b", i, nodes), gpus=gpus, seed=i)
+        agents.append(NodeAgent(node=sim.node, gpu=sim, gpu_source="simulated", interval_s=1.0, sim=sim))
+    out = []
+    for _ in range(rounds):
+        out.append([(a.node, wire.encode(a.heartbeat(a.sim.sample()))) for a in agents if a.sim is not None])
+    return out
+
+
+def _write_rounds(client: redis.Redis, rounds: list[list[tuple[str, bytes]]], *, maxlen: int) -> float:
+    """The agents' write pattern, pipelined 1,000 heartbeats at a time. Returns seconds."""
+    t0 = time.perf_counter()
+    for batch in rounds:
+        for i in range(0, len(batch), 1000):
+            pipe = client.pipeline(transaction=False)
+            for node, payload in batch[i : i + 1000]:
+                pipe.set(wire.node_latest_key(node), payload, px=60_000)
+                pipe.xadd(
+                    wire.heartbeat_stream_key(0), {wire.HEARTBEAT_FIELD: payload}, maxlen=maxlen, approximate=True
+                )
+            pipe.execute()
+    return time.perf_counter() - t0
+
+
+def _gauge_baseline(cluster: Any) -> float:
+    """The same GPU/PSU series as prometheus_client Gauge children; seconds for generate_latest."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    from services.metrics import GPU_GAUGES
+
+    reg = CollectorRegistry()
+    gauges = {name: Gauge(name, help_, ["node", "gpu"], registry=reg) for name, help_, _ in GPU_GAUGES}
+    thr = Gauge("pulse_gpu_throttle_active", "x", ["node", "gpu", "reason"], registry=reg)
+    ecc = Gauge("pulse_gpu_ecc_errors", "x", ["node", "gpu", "type"], registry=reg)
+    psu = Gauge("pulse_psu_output_current_amperes", "x", ["node", "psu"], registry=reg)
+    state = Gauge("pulse_node_state", "x", ["node", "state"], registry=reg)
+    for name, view in cluster.nodes.items():
+        for s in ("HEALTHY", "SUSPECT", "DEGRADED", "LOST"):
+            state.labels(name, s).set(1 if view.health.state.value == s else 0)
+        for g in view.latest.gpus:
+            for metric, _, get in GPU_GAUGES:
+                v = get(g)
+                if v is not None:
+                    gauges[metric].labels(name, str(g.index)).set(v)
+            for r in wire.THROTTLE_REASONS:
+                thr.labels(name, str(g.index), r).set(1 if r in g.throttle else 0)
+            ecc.labels(name, str(g.index), "corrected").set(g.ecc_volatile_corrected or 0)
+            ecc.labels(name, str(g.index), "uncorrected").set(g.ecc_volatile_uncorrected or 0)
+        for p in view.latest.psus:
+            psu.labels(name, p.name).set(p.output_current_amperes or 0)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        generate_latest(reg)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def _detection(args: argparse.Namespace, url: str, workdir: Path) -> dict[str, Any]:
+    """A live ``pulse simulate`` of every node in a child process; once all are HEALTHY,
+    ``--silences`` of them go silent. Latency: DEGRADED transition minus (last heartbeat +
+    degraded_after), on the orchestrator's clock."""
+    from services import db
+    from services.orchestrator import Orchestrator
+
+    nodes, gpus = args.nodes, args.gpus_per_node
+    degraded_after = 3.0
+    interval = max(1.0, nodes / 2048)
+    redis.Redis.from_url(url).flushdb()
+    settings = load_settings(
+        redis_url=url,
+        database_url=f"sqlite:///{workdir / 'detect.db'}",
+        heartbeat_interval_s=interval,
+        degraded_after_s=degraded_after,
+        lost_after_s=3600,
+        evaluate_interval_s=0.25,
+    )
+    db.upgrade(settings.database_url)
+    engine = db.make_engine(settings.database_url)
+    client = aioredis.from_url(url)
+    orch = Orchestrator(settings, redis_client=client, engine=engine, consumer="bench-detect")
+    await orch.start()
+    assert orch.cluster is not None
+    silences = min(args.silences, nodes)
+    quiet_at = 15.0 + 3 * interval
+    watched = [sim_node_name("b", i, nodes) for i in range(0, nodes, max(1, nodes // silences))][:silences]
+    env = {**os.environ, "PULSE_REDIS_URL": url, "PULSE_HEARTBEAT_INTERVAL_S": str(interval)}
+    started = time.monotonic()
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "clusterpulse.cli", "simulate", "--nodes", str(nodes), "--gpus-per-node", str(gpus),
+         "--prefix", "b", "--duration", str(quiet_at + degraded_after + 6 * interval),
+         *[f"--fault={n}=silent@{quiet_at:g}" for n in watched]],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    cluster = orch.cluster
+
+    def settled() -> bool:
+        views = cluster.nodes.values()
+        return (
+            len(cluster.nodes) == nodes
+            and not cluster.partitioned
+            and all(v.health.state.value == "HEALTHY" for v in views)
+        )
+
+    while not settled() and time.monotonic() - started < quiet_at:
+        await asyncio.sleep(0.1)
+    settled_s = time.monotonic() - started
+    latencies: dict[str, float] = {}
+    deadline = started + quiet_at + degraded_after + 8 * interval + 30
+    while len(latencies) < len(watched) and time.monotonic() < deadline:
+        for name in watched:
+            view = cluster.nodes.get(name)
+            if name not in latencies and view is not None and view.health.state.value == "DEGRADED":
+                assert view.health.last_seen is not None
+                latencies[name] = view.health.since - (view.health.last_seen + degraded_after)
+        await asyncio.sleep(0.02)
+    sim.wait(timeout=120)
+    false_degraded = sum(
+        1 for n, v in cluster.nodes.items() if n not in latencies and v.health.state.value in ("DEGRADED", "LOST")
+    )
+    await orch.stop()
+    await client.aclose()
+    engine.dispose()
+    lat = sorted(latencies.values())
+    return {
+        "detection_latency_p50_s": round(statistics.median(lat), 3) if lat else None,
+        "detection_latency_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+        "detections": f"{len(lat)}/{len(watched)}",
+        "detection_interval_s": interval,
+        "detection_settled_s": round(settled_s, 1),
+        "false_degraded": false_degraded,
+    }
+
+
+async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str, Any]:
+    from services import db
+    from services.metrics import Renderer
+    from services.orchestrator import Orchestrator
+
+    nodes, gpus = args.nodes, args.gpus_per_node
+    rounds_n = max(2, min(20, int(400_000 / (nodes * gpus)) + 1))
+    sync = redis.Redis.from_url(url)
+    sync.flushdb()
+    rounds = _payloads(nodes, gpus, rounds_n)
+    total_hb = nodes * rounds_n
+    maxlen = total_hb + 10
+    raw_s = _write_rounds(sync, rounds, maxlen=maxlen)
+    sync.flushdb()
+    _write_rounds(sync, rounds, maxlen=maxlen)  # the stream the orchestrator will consume
+
+    settings = load_settings(
+        redis_url=url,
+        database_url=f"sqlite:///{workdir / 'bench.db'}",
+        heartbeat_interval_s=1.0,
+        degraded_after_s=3600,
+        lost_after_s=3600,
+        evaluate_interval_s=0.25,
+        persist_interval_s=5.0,
+        ingest_batch=2000,
+        heartbeat_stream_maxlen=maxlen,
+    )
+    db.upgrade(settings.database_url)
+    engine = db.make_engine(settings.database_url)
+    client = aioredis.from_url(url)
+    orch = Orchestrator(settings, redis_client=client, engine=engine, consumer="bench")
+    t0 = time.perf_counter()
+    await orch.start()
+    assert orch.cluster is not None
+    while orch.cluster.received < total_hb:
+        await asyncio.sleep(0.01)
+    ingest_s = time.perf_counter() - t0
+    rejected = sum(orch.cluster.rejected.values())
+
+    renderer = Renderer()
+    renders = []
+    for _ in range(5):
+        r0 = time.perf_counter()
+        renderer.render(orch.cluster, now=orch.clock.now())
+        renders.append(time.perf_counter() - r0)
+    scrape_s = statistics.median(renders)
+    body_bytes = len(renderer.render(orch.cluster, now=orch.clock.now()))
+    baseline_s = _gauge_baseline(orch.cluster)
+
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    await orch.stop()
+    await client.aclose()
+    engine.dispose()
+    sync.flushdb()
+    samples = total_hb * gpus
+    return {
+        "nodes": nodes,
+        "gpus": nodes * gpus,
+        "heartbeats_ingested": total_hb,
+        "rejected": rejected,
+        "samples_per_s": round(samples / ingest_s),
+        "redis_baseline_samples_per_s": round(samples / raw_s),
+        "ingest_vs_redis_ratio": round((samples / ingest_s) / (samples / raw_s), 3),
+        "scrape_seconds": round(scrape_s, 4),
+        "scrape_bytes": body_bytes,
+        "gauge_baseline_scrape_seconds": round(baseline_s, 4),
+        "scrape_speedup": round(baseline_s / scrape_s, 2),
+        "orchestrator_rss_bytes": rss,
+    }
+
+
+def _agent(args: argparse.Namespace) -> dict[str, Any]:
+    """CPU share and RSS of `pulse agent --source simulated` against an idle Python process."""
+    import psutil
+
+    url = _bench_redis_url()
+    env = {**os.environ, "PULSE_REDIS_URL": url}
+    cmd = [sys.executable, "-m", "clusterpulse.cli", "agent", "--node", "bench-agent", "--source", "simulated",
+           "--gpus", str(args.gpus), "--interval", str(args.interval)]  # fmt: skip
+    agent = psutil.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    idle = psutil.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    try:
+        time.sleep(3.0)  # past start-up and imports
+        c0 = agent.cpu_times()
+        t0 = time.monotonic()
+        time.sleep(args.duration)
+        c1 = agent.cpu_times()
+        wall = time.monotonic() - t0
+        cpu = (c1.user + c1.system) - (c0.user + c0.system)
+        rss, idle_rss = agent.memory_info().rss, idle.memory_info().rss
+    finally:
+        for p in (agent, idle):
+            p.terminate()
+            p.wait(10)
+    return {
+        "gpus": args.gpus,
+        "interval_s": args.interval,
+        "duration_s": round(wall, 1),
+        "cpu_fraction_of_core": round(cpu / wall, 5),
+        "rss_bytes": rss,
+        "idle_python_rss_bytes": idle_rss,
+        "rss_vs_idle_python_ratio": round(rss / idle_rss, 2),
+    }
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.getLogger("pulse").setLevel(logging.WARNING)
+    if args.bench == "agent":
+        result = _agent(args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="pulse-bench-") as tmp:
+            result = asyncio.run(_ingest(args, _bench_redis_url(), Path(tmp)))
+            result.update(asyncio.run(_detection(args, _bench_redis_url(), Path(tmp))))
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0

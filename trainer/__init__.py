@@ -1,0 +1,1 @@
+"""What a DeepSpeed training script imports to report progress and follow the aggregation plan."""

@@ -183,8 +183,11 @@ def _assess_power(hb: Heartbeat, policy: Policy, faults: list[str], warnings: li
                     f"PSU current imbalance: {lo_name} {side} {lo:.1f} A vs {hi_name} {hi:.1f} A (bound {bound:g} A)"
                 )
             break  # the output side decides when present; the input side only for input-only BMCs
+    # Only busy GPUs are peers: a job on 4 of 8 GPUs leaves 4 idle ones that are not "below" anyone.
     powers = [
-        (g.power_watts, g.index, g.power_limit_watts) for g in hb.gpus if g.power_watts is not None and not g.lost
+        (g.power_watts, g.index, g.power_limit_watts)
+        for g in hb.gpus
+        if g.power_watts is not None and not g.lost and (g.utilization_ratio is None or g.utilization_ratio >= 0.8)
     ]
     if len(powers) >= 3:
         # Compare with the upper quartile, not the median: when the PSU feeding half the board

@@ -132,6 +132,19 @@ def test_clean_telemetry_and_near_misses_are_healthy() -> None:
     assert assess(hb(), throttle_for=0.0, policy=P).level is State.HEALTHY
 
 
+def test_idle_gpus_are_not_below_busy_peers() -> None:
+    half_busy = hb(
+        gpus=[gpu(i, power_watts=749.0, utilization_ratio=0.99) for i in range(4)]
+        + [gpu(i, power_watts=70.0, utilization_ratio=0.0) for i in range(4, 8)]
+    )
+    assert not assess(half_busy, throttle_for=0.0, policy=P).warnings
+    sagging = hb(
+        gpus=[gpu(i, power_watts=749.0, utilization_ratio=0.99) for i in range(4)]
+        + [gpu(i, power_watts=700.0, utilization_ratio=0.99) for i in range(4, 8)]
+    )
+    assert "GPU 4 700 W" in assess(sagging, throttle_for=0.0, policy=P).warnings[0]
+
+
 def test_input_side_only_used_when_no_output_readings() -> None:
     both = hb(psus=[psu("PS1", out=66.0, inp=14.0), psu("PS2", out=65.0, inp=1.0)])
     assert not assess(both, throttle_for=0.0, policy=P).faults  # output side decides

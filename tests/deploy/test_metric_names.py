@@ -1,0 +1,80 @@
+"""metric_names_used(): what the rules and dashboards query is what the orchestrator exports."""
+
+from __future__ import annotations
+
+from metric_names import metric_names_by_file, metric_names_used
+
+# SPEC.md "Metrics" plus the node series the orchestrator documents alongside them.
+EXPORTED = frozenset(
+    {
+        "pulse_node_state",
+        "pulse_nodes",
+        "pulse_node_heartbeat_age_seconds",
+        "pulse_node_schedulable",
+        "pulse_node_clock_skew_seconds",
+        "pulse_gpu_utilization_ratio",
+        "pulse_gpu_temperature_celsius",
+        "pulse_gpu_power_watts",
+        "pulse_gpu_power_limit_watts",
+        "pulse_gpu_memory_used_bytes",
+        "pulse_gpu_memory_total_bytes",
+        "pulse_gpu_pcie_link_width",
+        "pulse_gpu_pcie_link_width_max",
+        "pulse_gpu_sm_clock_hertz",
+        "pulse_gpu_lost",
+        "pulse_gpu_ecc_errors_total",
+        "pulse_gpu_xid_errors_total",
+        "pulse_gpu_throttle_active",
+        "pulse_psu_output_current_amperes",
+        "pulse_psu_input_current_amperes",
+        "pulse_psu_input_power_watts",
+        "pulse_psu_ok",
+        "pulse_fan_speed_rpm",
+        "pulse_job_state",
+        "pulse_job_mfu_ratio",
+        "pulse_job_step",
+        "pulse_job_step_time_seconds",
+        "pulse_job_tokens_per_second",
+        "pulse_job_loss",
+        "pulse_job_grad_norm",
+        "pulse_job_plan_generation",
+        "pulse_job_proxied_ranks",
+        "pulse_job_excluded_ranks",
+        "pulse_heartbeats_received_total",
+        "pulse_heartbeats_rejected_total",
+        "pulse_health_transitions_total",
+        "pulse_partition_suspected",
+        "pulse_leader",
+    }
+)
+
+
+def test_every_used_metric_is_exported() -> None:
+    for source, names in metric_names_by_file().items():
+        unknown = sorted(names - EXPORTED)
+        assert not unknown, f"{source} queries metrics the orchestrator does not export: {unknown}"
+
+
+def test_recording_rule_outputs_are_stripped() -> None:
+    used = metric_names_used()
+    assert all(":" not in name for name in used)
+    assert "node:pulse_gpu_power_watts:p75" not in used
+
+
+def test_sources_are_all_read() -> None:
+    sources = metric_names_by_file()
+    assert {"prometheus/alerts.yml", "prometheus/recording.yml"} <= set(sources)
+    assert sum(s.startswith("grafana/dashboards/") for s in sources) >= 3
+    assert all(sources.values()), f"a source with no metric at all: {sources}"
+
+
+def test_alert_inputs_are_found() -> None:
+    used = metric_names_used()
+    for name in (
+        "pulse_job_mfu_ratio",
+        "pulse_partition_suspected",
+        "pulse_psu_input_current_amperes",  # only through a recording rule
+        "pulse_gpu_xid_errors_total",
+        "pulse_nodes",  # only in a dashboard
+    ):
+        assert name in used, name

@@ -154,9 +154,10 @@ def upsert_telemetry(session: Session, *, updates: Sequence[NodeUpdate], at: flo
 
 
 def ensure_node(session: Session, *, name: str, at: float, labels: dict[str, str] | None = None) -> NodeRow:
+    """The node's row, created if missing. Safe against a concurrent insert of the same node."""
     row = session.get(NodeRow, name)
     if row is None:
-        row = NodeRow(
+        stmt = _insert(session)(NodeRow).values(
             name=name,
             state="HEALTHY",
             state_since=at,
@@ -168,8 +169,9 @@ def ensure_node(session: Session, *, name: str, at: float, labels: dict[str, str
             seq=0,
             boot_id="",
         )
-        session.add(row)
-        session.flush()
+        session.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))
+        row = session.get(NodeRow, name)
+        assert row is not None
     return row
 
 

@@ -88,6 +88,7 @@ class Orchestrator:
         self._unacked: dict[str, list[bytes]] = {s: [] for s in self.streams}
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
+        self._db_lock = asyncio.Lock()  # one database writer at a time: the outbox keeps its order
         self.db_ok = True
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -258,7 +259,13 @@ class Orchestrator:
             await asyncio.sleep(self.settings.evaluate_interval_s)
 
     async def _write_outbox(self) -> None:
+        async with self._db_lock:
+            await self._write_outbox_locked()
+
+    async def _write_outbox_locked(self) -> None:
         batch = list(self._outbox)
+        if not batch:
+            return
         try:
             await asyncio.to_thread(self._write_events, batch)
         except Exception as exc:
@@ -323,7 +330,8 @@ class Orchestrator:
                 view.dirty = False
         try:
             if updates:
-                await asyncio.to_thread(self._write_telemetry, updates)
+                async with self._db_lock:
+                    await asyncio.to_thread(self._write_telemetry, updates)
             self.db_ok = True
         except Exception as exc:
             for u in updates:

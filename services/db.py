@@ -153,23 +153,34 @@ def upsert_telemetry(session: Session, *, updates: Sequence[NodeUpdate], at: flo
         )
 
 
+def ensure_nodes(session: Session, *, nodes: Sequence[tuple[str, float, dict[str, str]]]) -> None:
+    """Create the rows of nodes seen for the first time, (name, at, labels) each, in batches;
+    rows that exist (or appear concurrently) are left as they are."""
+    insert = _insert(session)
+    rows = [
+        {
+            "name": name,
+            "state": "HEALTHY",
+            "state_since": at,
+            "reason": "first heartbeat",
+            "schedulable": True,
+            "labels": labels,
+            "telemetry": {},
+            "updated_at": at,
+            "seq": 0,
+            "boot_id": "",
+        }
+        for name, at, labels in nodes
+    ]
+    for i in range(0, len(rows), 500):
+        session.execute(insert(NodeRow).values(rows[i : i + 500]).on_conflict_do_nothing(index_elements=["name"]))
+
+
 def ensure_node(session: Session, *, name: str, at: float, labels: dict[str, str] | None = None) -> NodeRow:
     """The node's row, created if missing. Safe against a concurrent insert of the same node."""
     row = session.get(NodeRow, name)
     if row is None:
-        stmt = _insert(session)(NodeRow).values(
-            name=name,
-            state="HEALTHY",
-            state_since=at,
-            reason="first heartbeat",
-            schedulable=True,
-            labels=labels or {},
-            telemetry={},
-            updated_at=at,
-            seq=0,
-            boot_id="",
-        )
-        session.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))
+        ensure_nodes(session, nodes=[(name, at, labels or {})])
         row = session.get(NodeRow, name)
         assert row is not None
     return row

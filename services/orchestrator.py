@@ -279,6 +279,14 @@ class Orchestrator:
 
     def _write_events(self, batch: list[Outboxed]) -> None:
         with self.sessions.begin() as s:
+            new_nodes = {
+                i.node: i.at for i in batch if isinstance(i, ClusterEvent) and i.kind == "registered" and i.node
+            }
+            if new_nodes:  # one statement for a whole cluster's first contact
+                views = self.cluster.nodes if self.cluster else {}
+                db.ensure_nodes(
+                    s, nodes=[(n, at, views[n].labels if n in views else {}) for n, at in new_nodes.items()]
+                )
             for item in batch:
                 if isinstance(item, Transition):
                     db.record_transition(
@@ -289,10 +297,6 @@ class Orchestrator:
                         reason=item.reason,
                         at=item.at,
                     )
-                elif item.kind == "registered" and item.node is not None:
-                    view = self.cluster.nodes.get(item.node) if self.cluster else None
-                    db.ensure_node(s, name=item.node, at=item.at, labels=view.labels if view else None)
-                    db.record_event(s, kind=item.kind, node=item.node, reason=item.reason, at=item.at)
                 else:
                     db.record_event(s, kind=item.kind, node=item.node, reason=item.reason, at=item.at)
 

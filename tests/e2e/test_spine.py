@@ -99,6 +99,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             timeout=60,
             what="8 HEALTHY nodes",
         )
+        wait_for(
+            lambda: len([e for e in s.events() if e["kind"] == "registered"]) == 8,
+            timeout=20,
+            what="8 registrations stored",
+        )
         yield s
     finally:
         for p in s.agents.values():
@@ -111,7 +116,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def test_sigkilled_agent_degrades_within_bound_others_stay_healthy(stack: Stack) -> None:
     victim = NODES[0]
-    t0 = stack.events()[-1]["id"]
+    t0 = max(e["id"] for e in stack.events())
     stack.agents[victim].kill()
     killed_at = time.time()
     stack.agents[victim].wait()
@@ -150,7 +155,7 @@ def test_orchestrator_sigkill_and_restart_degrades_nobody(stack: Stack) -> None:
 
 def test_partition_brake_holds_when_five_of_eight_go_silent(stack: Stack) -> None:
     silenced = NODES[:5]
-    mark = stack.events()[-1]["id"]
+    mark = max(e["id"] for e in stack.events())
     for n in silenced:
         os.kill(stack.agents[n].pid, signal.SIGSTOP)
     try:

@@ -208,6 +208,9 @@ PLAN_CHANNEL = "pulse:plans"
 TRAINER_STREAM = "pulse:{trainer}:reports"
 """Stream of :class:`TrainerReport` entries from training ranks."""
 
+TRAINER_FIELD = b"report"
+"""The trainer stream entry field holding the encoded :class:`TrainerReport`."""
+
 LEADER_KEY = "pulse:{orchestrator}:leader"
 
 
@@ -251,3 +254,26 @@ class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
     tokens_per_s: NonNegFloat | None = None
     mfu_ratio: NonNegFloat | None = None
     plan_generation: NonNegInt | None = None
+    # A training-safety event seen at this step, or None. The first word is the kind
+    # (``loss_spike``, ``nonfinite_loss``, ``nonfinite_grad_norm``), the rest a readable reason.
+    event: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+
+
+_report_decoder = msgspec.json.Decoder(TrainerReport)
+MAX_REPORT_BYTES = 16 * 1024
+
+
+def decode_trainer_report(payload: bytes | str) -> TrainerReport:
+    """Decode and validate one trainer report or raise :class:`WireError` (reasons as for
+    heartbeats: ``too_large``, ``json``, ``schema``, ``version``)."""
+    if len(payload) > MAX_REPORT_BYTES:
+        raise WireError("too_large", f"trainer report of {len(payload)} bytes exceeds {MAX_REPORT_BYTES}")
+    try:
+        report = _report_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise WireError("schema", f"trainer report invalid: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise WireError("json", f"trainer report is not valid JSON: {exc}") from None
+    if report.v != PROTOCOL_VERSION:
+        raise WireError("version", f"trainer report protocol v={report.v}, expected {PROTOCOL_VERSION}")
+    return report

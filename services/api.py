@@ -140,6 +140,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         text = renderer.render(
             orch.cluster,
             now=orch.clock.now(),
+            progress=orch.progress,
             extra=(
                 "# HELP pulse_leader 1 when this replica leads.",
                 "# TYPE pulse_leader gauge",

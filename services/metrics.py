@@ -20,6 +20,7 @@ from clusterpulse import wire
 from clusterpulse.wire import THROTTLE_REASONS
 from services.cluster import Cluster
 from services.health import STATES
+from services.progress import Progress
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -75,7 +76,9 @@ class Renderer:
             self._gpu_labels[key] = s
         return s
 
-    def render(self, cluster: Cluster, *, now: float, extra: Iterable[str] = ()) -> str:
+    def render(
+        self, cluster: Cluster, *, now: float, progress: Progress | None = None, extra: Iterable[str] = ()
+    ) -> str:
         out: list[str] = []
         add = out.append
 
@@ -173,6 +176,52 @@ class Renderer:
             add(f'pulse_health_transitions_total{{from="{old}",to="{new}"}} {n}')
         family("pulse_partition_suspected", "1 while the orchestrator suspects it is partitioned from the nodes.")
         add(f"pulse_partition_suspected {1 if cluster.partitioned else 0}")
+        if progress is not None:
+            out.extend(render_jobs(progress))
         out.extend(extra)
         add("")
         return "\n".join(out)
+
+
+JOB_GAUGES = (
+    ("pulse_job_mfu_ratio", "Model FLOPs utilisation of the job (mean of its ranks).", "mfu_ratio"),
+    ("pulse_job_step_time_seconds", "Step time of the job's slowest rank.", "step_time_s"),
+    ("pulse_job_tokens_per_second", "Tokens per second, all ranks together.", "tokens_per_s"),
+    ("pulse_job_loss", "Training loss (mean of the ranks' latest).", "loss"),
+    ("pulse_job_grad_norm", "Gradient norm (max of the ranks' latest).", "grad_norm"),
+)
+
+
+def render_jobs(progress: Progress) -> list[str]:
+    """The per-job training series, from the trainer reports (``services/progress.py``)."""
+    out = ["# HELP pulse_job_step Optimizer step every rank of the job has reached.", "# TYPE pulse_job_step gauge"]
+    jobs = sorted(progress.jobs.items())
+    out += [f'pulse_job_step{{job="{escape(j)}"}} {p.step}' for j, p in jobs]
+    for metric, help_, attr in JOB_GAUGES:
+        out += [f"# HELP {metric} {help_}", f"# TYPE {metric} gauge"]
+        for j, p in jobs:
+            val = p.figure(attr)
+            if val is not None and math.isfinite(val):
+                out.append(f'{metric}{{job="{escape(j)}"}} {_fmt(val)}')
+    out += [
+        "# HELP pulse_job_straggler_ranks Ranks stepping far slower than their peers.",
+        "# TYPE pulse_job_straggler_ranks gauge",
+    ]
+    out += [
+        f'pulse_job_straggler_ranks{{job="{escape(j)}"}} {len(p.stragglers(progress.straggler_factor))}'
+        for j, p in jobs
+    ]
+    out += [
+        "# HELP pulse_trainer_reports_received_total Trainer report stream entries read.",
+        "# TYPE pulse_trainer_reports_received_total counter",
+    ]
+    out.append(f"pulse_trainer_reports_received_total {progress.received}")
+    out += [
+        "# HELP pulse_trainer_reports_rejected_total Trainer reports rejected, by reason.",
+        "# TYPE pulse_trainer_reports_rejected_total counter",
+    ]
+    out += [
+        f'pulse_trainer_reports_rejected_total{{reason="{escape(r)}"}} {n}'
+        for r, n in sorted(progress.rejected.items())
+    ]
+    return out

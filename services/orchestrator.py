@@ -36,6 +36,7 @@ from clusterpulse.settings import Settings
 from services import db
 from services.cluster import Cluster, ClusterEvent
 from services.health import Policy, Transition
+from services.progress import Progress
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -82,7 +83,9 @@ class Orchestrator:
         self.sessions: sessionmaker[Session] = db.session_factory(engine)
         self.clock = RedisClock(redis_client)
         self.consumer = consumer or socket.gethostname()
-        self.streams = wire.heartbeat_stream_keys(settings.heartbeat_stream_shards)
+        self.streams = [*wire.heartbeat_stream_keys(settings.heartbeat_stream_shards), wire.TRAINER_STREAM]
+        self.progress = Progress(straggler_factor=settings.straggler_factor, stale_after=settings.job_stale_after_s)
+        self._stragglers: set[tuple[str, int]] = set()
         self.cluster: Cluster | None = None
         self._outbox: list[Outboxed] = []
         self._unacked: dict[str, list[bytes]] = {s: [] for s in self.streams}
@@ -202,6 +205,11 @@ class Orchestrator:
     def _fold(self, stream: str, entries: Entries) -> None:
         assert self.cluster is not None
         unacked = self._unacked[stream]
+        if stream == wire.TRAINER_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                self._fold_report(fields.get(wire.TRAINER_FIELD) if fields else None, entry_time(entry_id))
+            return
         for entry_id, fields in entries:
             unacked.append(entry_id)
             payload = fields.get(wire.HEARTBEAT_FIELD) if fields else None
@@ -212,6 +220,33 @@ class Orchestrator:
             ev = self.cluster.ingest(payload, received_at=entry_time(entry_id))
             if ev is not None:
                 self._outbox.append(ev)
+
+    def _fold_report(self, payload: bytes | None, at: float) -> None:
+        """One trainer report: job figures, the node's progress (for LOST), training events and
+        stragglers (an event when a rank becomes one, with its node's hardware signals)."""
+        assert self.cluster is not None
+        if payload is None:
+            self.progress.received += 1
+            self.progress.rejected["missing_field"] += 1
+            return
+        report = self.progress.ingest(payload, received_at=at)
+        if report is None:
+            return
+        self.cluster.set_progress(report.node, at)
+        if report.event:
+            kind = report.event.split(" ", 1)[0]
+            reason = f"job {report.job} rank {report.rank} step {report.step}: {report.event}"
+            self._outbox.append(ClusterEvent(kind, reason, at, report.node))
+        job = self.progress.jobs[report.job]
+        now_slow = job.stragglers(self.progress.straggler_factor)
+        for rank, why in now_slow.items():
+            if (report.job, rank) not in self._stragglers:
+                node = job.ranks[rank].report.node
+                view = self.cluster.nodes.get(node)
+                signals = "; ".join([*view.health.signals.faults, *view.health.signals.warnings]) if view else ""
+                reason = f"job {report.job}: {why}" + (f"; node signals: {signals}" if signals else "")
+                self._outbox.append(ClusterEvent("straggler", reason, at, node))
+        self._stragglers = {k for k in self._stragglers if k[0] != report.job} | {(report.job, r) for r in now_slow}
 
     async def _ingest_loop(self) -> None:
         block_ms = max(1, int(self.settings.ingest_block_s * 1000))
@@ -251,7 +286,10 @@ class Orchestrator:
         while not self._stop.is_set():
             with contextlib.suppress(*_REDIS_DOWN):
                 await self.clock.sync()
-            transitions, events = self.cluster.evaluate(now=self.clock.now())
+            now = self.clock.now()
+            transitions, events = self.cluster.evaluate(now=now)
+            for job in self.progress.expire(now=now):
+                self._stragglers = {k for k in self._stragglers if k[0] != job}
             self._outbox.extend(events)
             self._outbox.extend(transitions)
             if self._outbox:

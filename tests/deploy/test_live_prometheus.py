@@ -56,19 +56,24 @@ ALERT_FOR = "2s"
 NOT_YET_EXPORTED = frozenset(
     {
         "pulse_job_state",
+        "pulse_job_plan_generation",
+        "pulse_job_proxied_ranks",
+        "pulse_job_excluded_ranks",
+    }
+)
+# Exported with a `# TYPE` line but no sample in this run: no heartbeat is rejected, and no
+# training job reports (the job figures come from trainer reports; tests/integration covers them).
+TYPE_ONLY = frozenset(
+    {
+        "pulse_heartbeats_rejected_total",
         "pulse_job_mfu_ratio",
         "pulse_job_step",
         "pulse_job_step_time_seconds",
         "pulse_job_tokens_per_second",
         "pulse_job_loss",
         "pulse_job_grad_norm",
-        "pulse_job_plan_generation",
-        "pulse_job_proxied_ranks",
-        "pulse_job_excluded_ranks",
     }
 )
-# Exported with a `# TYPE` line but, in a run where no heartbeat is rejected, no sample.
-TYPE_ONLY = frozenset({"pulse_heartbeats_rejected_total"})
 
 _SAMPLE_NAME = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)")
 

@@ -131,7 +131,7 @@ def orch_render(orch: Orchestrator) -> str:
     from services.metrics import Renderer
 
     assert orch.cluster is not None
-    return Renderer().render(orch.cluster, now=orch.clock.now())
+    return Renderer().render(orch.cluster, now=orch.clock.now(), progress=orch.progress)
 
 
 def test_restart_rereads_unacknowledged_entries_and_keeps_state(redis_url: str, sqlite_url: str) -> None:
@@ -199,3 +199,58 @@ def test_publisher_survives_redis_down_and_backs_off() -> None:
         await client.aclose()
 
     asyncio.run(body())
+
+
+def _report(rank: int, step: int, node: str, step_time: float = 0.5, event: str | None = None) -> bytes:
+    return wire.encode(
+        wire.TrainerReport(
+            v=wire.PROTOCOL_VERSION, job="j1", rank=rank, node=node, step=step, loss=2.0, grad_norm=1.0,
+            step_time_s=step_time, tokens_per_s=1000.0, mfu_ratio=0.4, event=event,
+        )
+    )  # fmt: skip
+
+
+def test_trainer_reports_feed_job_metrics_lost_rule_and_straggler_events(redis_url: str, sqlite_url: str) -> None:
+    settings = _settings(redis_url, sqlite_url, degraded_after_s=0.6, lost_after_s=1.2, recover_after=1)
+    raw = redis.Redis.from_url(redis_url)
+
+    async def body(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        client = aioredis.from_url(redis_url)
+        await run_agents(_agents(2), _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=2)
+        await _until(lambda: len(orch.cluster.nodes) == 2)
+        # Both agents fall silent; only n0's ranks keep stepping.
+        for step in range(1, 30):
+            for rank, node in ((0, "n0"), (1, "n0"), (2, "n0"), (3, "n1")):
+                if node == "n1" and step > 1:
+                    continue
+                slow = 2.0 if rank == 2 else 0.5
+                raw.xadd(wire.TRAINER_STREAM, {wire.TRAINER_FIELD: _report(rank, step, node, slow)})
+            await asyncio.sleep(0.05)
+            if orch.cluster.nodes["n1"].health.state.value == "LOST":
+                break
+        await _until(lambda: orch.cluster.nodes["n1"].health.state.value == "LOST")
+        assert orch.cluster.nodes["n0"].health.state.value == "DEGRADED"  # silent agent, ranks still step
+        raw.xadd(wire.TRAINER_STREAM, {wire.TRAINER_FIELD: _report(0, 40, "n0", event="loss_spike loss 30 > 10 x 2")})
+        raw.xadd(wire.TRAINER_STREAM, {wire.TRAINER_FIELD: b"{bad"})
+        await _until(lambda: orch.progress.rejected.get("json") == 1)
+        text = orch_render(orch)
+        assert 'pulse_job_step{job="j1"} 1' in text  # rank 3 stopped at step 1: the job is there
+        assert 'pulse_job_tokens_per_second{job="j1"} 4000' in text
+        assert 'pulse_job_mfu_ratio{job="j1"} 0.4' in text
+        assert 'pulse_trainer_reports_rejected_total{reason="json"} 1' in text
+        await asyncio.sleep(0.3)  # the outbox is written
+        await client.aclose()
+
+    asyncio.run(_with_orchestrator(settings, body))
+    raw.close()
+    engine = db.make_engine(sqlite_url)
+    with db.session_factory(engine)() as s:
+        events = db.list_events(s)
+        kinds = {(e.kind, e.node) for e in events}
+        assert ("straggler", "n0") in kinds and ("loss_spike", "n0") in kinds
+        straggler = next(e for e in events if e.kind == "straggler")
+        assert "rank 2 on n0" in straggler.reason
+        lost = [e for e in events if e.to_state == "LOST"]
+        assert [e.node for e in lost] == ["n1"] and "no progress for" in lost[0].reason
+    engine.dispose()

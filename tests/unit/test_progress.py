@@ -1,0 +1,56 @@
+"""Per-job aggregation of trainer reports, stragglers, and expiry of finished jobs."""
+
+from __future__ import annotations
+
+from clusterpulse import wire
+from services.progress import Progress
+
+
+def _report(rank: int, step: int, **kw: object) -> bytes:
+    base: dict[str, object] = dict(
+        v=wire.PROTOCOL_VERSION, job="j1", rank=rank, node=f"n{rank // 2}", step=step, loss=2.0 + rank,
+        grad_norm=1.0 + rank, step_time_s=0.5, tokens_per_s=1000.0, mfu_ratio=0.4 + 0.01 * rank,
+    )  # fmt: skip
+    base.update(kw)
+    return wire.encode(wire.TrainerReport(**base))  # type: ignore[arg-type]
+
+
+def test_job_figures_follow_the_slowest_and_sum_throughput() -> None:
+    p = Progress()
+    for rank in range(4):
+        p.ingest(_report(rank, 10 - rank, step_time_s=0.5 + 0.1 * rank), received_at=100.0 + rank)
+    job = p.jobs["j1"]
+    assert job.step == 7
+    assert job.figure("loss") == 3.5
+    assert job.figure("grad_norm") == 4.0
+    assert job.figure("step_time_s") == 0.8
+    assert job.figure("tokens_per_s") == 4000.0
+    assert abs((job.figure("mfu_ratio") or 0) - 0.415) < 1e-12
+    assert job.last_at == 103.0
+
+
+def test_older_step_of_a_rank_does_not_replace_the_newer() -> None:
+    p = Progress()
+    p.ingest(_report(0, 5, loss=1.0), received_at=1.0)
+    p.ingest(_report(0, 4, loss=9.0), received_at=2.0)
+    assert p.jobs["j1"].figure("loss") == 1.0
+
+
+def test_straggler_is_flagged_with_its_node() -> None:
+    p = Progress(straggler_factor=1.5)
+    for rank in range(4):
+        p.ingest(_report(rank, 3, step_time_s=1.0 if rank == 3 else 0.5), received_at=1.0)
+    assert p.jobs["j1"].stragglers(1.5) == {3: "rank 3 on n1: step 1.000s vs peers' median 0.500s"}
+    p2 = Progress()
+    for rank in range(4):
+        p2.ingest(_report(rank, 3, step_time_s=0.7 if rank == 3 else 0.5), received_at=1.0)
+    assert p2.jobs["j1"].stragglers(1.5) == {}
+
+
+def test_bad_reports_are_counted_and_stale_jobs_expire() -> None:
+    p = Progress(stale_after=60.0)
+    assert p.ingest(b"{", received_at=1.0) is None
+    assert p.ingest(_report(0, 1).replace(b'"v":1', b'"v":7'), received_at=1.0) is None
+    assert p.rejected == {"json": 1, "version": 1}
+    p.ingest(_report(0, 1), received_at=10.0)
+    assert p.expire(now=69.0) == [] and p.expire(now=71.0) == ["j1"] and not p.jobs

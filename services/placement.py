@@ -1,0 +1,92 @@
+"""Placement: which nodes a job runs on. A pure function; the jobs loop calls it and persists.
+
+``place(nodes, request)`` returns a :class:`Placement` or a :class:`Refusal` that names the
+constraint that failed. Rules:
+
+- only HEALTHY, schedulable nodes whose labels match the request's selector, with at least
+  ``gpus_per_node`` GPUs free (reported GPUs, none lost, minus the GPUs of jobs already placed
+  there), are eligible; never a SUSPECT, DEGRADED, LOST or cordoned node;
+- pack: the smallest topology domain that holds the whole job wins, NVLink domain first, then
+  switch, then rack, then the whole cluster; inside a domain, nodes in name order;
+- the same input gives the same placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+TOPOLOGY_ORDER = ("nvlink_domain", "switch", "rack")
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    name: str
+    state: str
+    schedulable: bool
+    gpus: int  # GPUs on the node that are not lost
+    gpus_used: int = 0  # by jobs already placed there
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def free(self) -> int:
+        return self.gpus - self.gpus_used
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    nodes: int
+    gpus_per_node: int
+    selector: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Placement:
+    nodes: tuple[str, ...]
+    domain: str  # e.g. "rack=rack-01", or "cluster"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+
+
+def _why_not(n: NodeCapacity, req: PlacementRequest) -> str | None:
+    if n.state != "HEALTHY":
+        return f"state {n.state}"
+    if not n.schedulable:
+        return "cordoned"
+    for k, v in req.selector.items():
+        if n.labels.get(k) != v:
+            return f"label {k}={n.labels.get(k)!r}, selector wants {v!r}"
+    if req.gpus_per_node > 0 and n.free < req.gpus_per_node:
+        return f"{n.free} GPUs free, {req.gpus_per_node} needed"
+    return None
+
+
+def place(nodes: Sequence[NodeCapacity], req: PlacementRequest) -> Placement | Refusal:
+    if req.nodes <= 0:
+        return Refusal(f"nodes={req.nodes}: a job needs at least one node")
+    eligible = sorted((n for n in nodes if _why_not(n, req) is None), key=lambda n: n.name)
+    if len(eligible) < req.nodes:
+        reasons: dict[str, int] = {}
+        for n in nodes:
+            why = _why_not(n, req)
+            if why is not None:
+                key = why.split(",")[0] if why.startswith("label") else why
+                reasons[key] = reasons.get(key, 0) + 1
+        detail = "; ".join(f"{count} {why}" for why, count in sorted(reasons.items())) or "no nodes known"
+        return Refusal(
+            f"{req.nodes} nodes with {req.gpus_per_node} free GPUs each requested, "
+            f"{len(eligible)} HEALTHY and schedulable match (others: {detail})"
+        )
+    for key in TOPOLOGY_ORDER:
+        groups: dict[str, list[NodeCapacity]] = {}
+        for n in eligible:
+            if key in n.labels:
+                groups.setdefault(n.labels[key], []).append(n)
+        fitting = sorted((len(g), v) for v, g in groups.items() if len(g) >= req.nodes)
+        if fitting:
+            _, value = fitting[0]  # the tightest domain that fits: keeps big domains whole
+            return Placement(tuple(n.name for n in groups[value][: req.nodes]), f"{key}={value}")
+    return Placement(tuple(n.name for n in eligible[: req.nodes]), "cluster")

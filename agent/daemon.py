@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import redis.asyncio as aioredis
@@ -187,6 +188,14 @@ async def run_agents(
     return ticks
 
 
+def agent_state_dir(settings: Settings, node: str) -> Path:
+    """Where the agent keeps its running jobs and command cursor across restarts."""
+    if settings.agent_state_dir:
+        return Path(settings.agent_state_dir) / node
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "clusterpulse" / node
+
+
 def sim_node_name(prefix: str, index: int, nodes: int) -> str:
     """``sim-007``: zero-padded to at least 3 digits, and to the width of the largest index."""
     return f"{prefix}-{index:0{max(3, len(str(nodes - 1)))}d}"
@@ -268,8 +277,10 @@ async def run_node_agent(
     labels: dict[str, str],
     faults: Sequence[FaultSpec] = (),
     stop: asyncio.Event | None = None,
+    jobs: bool = True,
 ) -> None:
-    """``pulse agent``: one node. IPMI runs in its own task when the source is real."""
+    """``pulse agent``: one node. IPMI runs in its own task when the source is real; the job
+    launcher (``agent/launcher.py``) in another, unless ``jobs`` is off."""
     stop = stop or asyncio.Event()
     parts, desc = open_gpu_source(source, node=node, gpus=gpus, settings=settings)
     agent = NodeAgent(
@@ -296,6 +307,11 @@ async def run_node_agent(
         else:
             ipmi = IpmiSource(command=cmd, timeout_s=settings.ipmi_timeout_s)
             tasks.append(asyncio.create_task(ipmi_loop(agent, ipmi, interval_s=settings.ipmi_interval_s, stop=stop)))
+    if jobs:
+        from agent.launcher import Launcher
+
+        launcher = Launcher(node=node, redis_client=client, state_dir=agent_state_dir(settings, node))
+        tasks.append(asyncio.create_task(launcher.run(stop)))
     log.info("event=agent_started node=%s source=%s interval_s=%g labels=%s", node, desc, interval_s, labels)
     try:
         await run_agents([agent], _publisher(settings, client), interval_s=interval_s, stop=stop, faults=faults)

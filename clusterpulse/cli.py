@@ -66,6 +66,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
                 labels=labels,
                 faults=faults,
                 stop=stop,
+                jobs=not args.no_jobs,
             )
         )
     )
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--interval", type=float, help="heartbeat interval, seconds (PULSE_HEARTBEAT_INTERVAL_S)")
     a.add_argument("--label", action="append", default=[], help="topology label KEY=VALUE (repeatable)")
     a.add_argument("--fault", action="append", default=[], help="KIND@SECONDS[+DURATION] (simulated only)")
+    a.add_argument("--no-jobs", action="store_true", help="do not run the job launcher")
     a.set_defaults(fn=cmd_agent)
 
     s = sub.add_parser("simulate", help="run N simulated agents in one process")

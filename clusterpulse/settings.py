@@ -21,6 +21,7 @@ class Settings(BaseSettings):
     api_url: str = "http://127.0.0.1:8000"
     api_token: str = ""
     redis_timeout_s: float = Field(5.0, gt=0)
+    max_body_bytes: int = Field(256 * 1024, ge=1024)
 
     # Heartbeats
     heartbeat_interval_s: float = Field(30.0, gt=0)
@@ -49,6 +50,13 @@ class Settings(BaseSettings):
     # Training progress (services/progress.py)
     straggler_factor: float = Field(1.5, gt=1)
     job_stale_after_s: float = Field(300.0, gt=0)
+
+    # Jobs (services/jobs.py, agent/launcher.py)
+    job_start_timeout_s: float = Field(120.0, gt=0)
+    job_stop_grace_s: float = Field(10.0, ge=0)
+    job_resend_s: float = Field(5.0, gt=0)
+    agent_state_dir: str = ""  # <dir>/<node>; default $XDG_STATE_HOME or ~/.local/state, /clusterpulse/<node>
+    job_master_addr_label: str = "addr"  # the node label holding the rendezvous address
 
     # Orchestrator loops
     evaluate_interval_s: float = Field(0.5, gt=0)

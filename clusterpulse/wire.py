@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -229,14 +229,50 @@ class Plan(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
-    """A command from the orchestrator to one node's agent."""
+    """A command from the orchestrator to one node's agent, on ``node_commands_key(node)``.
+
+    ``launch``: start this node's share of the job: ``argv`` (the entrypoint) as
+    ``gpus_per_node`` local ranks with global ranks ``node_rank * gpus_per_node + local``, the
+    rendezvous at ``master_addr:master_port``, and ``env`` added. ``stop``: SIGTERM to the job's
+    process group, SIGKILL after ``grace_s``. Both are idempotent: the agent acts on the job's
+    current state, not on the command count.
+    """
 
     v: int
     kind: Literal["launch", "stop"]
     job: str
     node_rank: NonNegInt = 0
+    nodes: Annotated[int, msgspec.Meta(ge=1)] = 1
+    gpus_per_node: NonNegInt = 1
+    master_addr: str = "127.0.0.1"
+    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 29500
     argv: list[str] = []
     env: dict[str, str] = {}
+    grace_s: NonNegFloat = 10.0
+
+
+class JobStatus(msgspec.Struct, kw_only=True, frozen=True):
+    """What an agent says about its share of a job, on ``JOB_STATUS_STREAM``.
+
+    ``started`` (the preflight passed and the ranks run; ``pids``), ``exited`` (``exit_code``,
+    the tail of the log), ``preflight_failed`` (``detail`` says what), ``lost`` (the agent
+    restarted and the ranks it had started are gone without an exit code it could read).
+    """
+
+    v: int
+    job: str
+    node: NodeName
+    node_rank: NonNegInt
+    state: Literal["started", "exited", "preflight_failed", "lost"]
+    exit_code: int | None = None
+    pids: list[int] = []
+    detail: Annotated[str, msgspec.Meta(max_length=8192)] = ""
+    log_tail: Annotated[str, msgspec.Meta(max_length=16384)] = ""
+
+
+JOB_STATUS_STREAM = "pulse:{jobs}:status"
+JOB_STATUS_FIELD = b"status"
+COMMAND_FIELD = b"cmd"
 
 
 class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
@@ -259,21 +295,34 @@ class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
     event: Annotated[str, msgspec.Meta(max_length=512)] | None = None
 
 
-_report_decoder = msgspec.json.Decoder(TrainerReport)
-MAX_REPORT_BYTES = 16 * 1024
+_T = TypeVar("_T", TrainerReport, JobCommand, JobStatus)
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+def _decode(kind: type[_T], payload: bytes | str, *, what: str, max_bytes: int = 64 * 1024) -> _T:
+    """Decode and validate one payload of ``kind`` or raise :class:`WireError` (reasons as for
+    heartbeats: ``too_large``, ``json``, ``schema``, ``version``)."""
+    if len(payload) > max_bytes:
+        raise WireError("too_large", f"{what} of {len(payload)} bytes exceeds {max_bytes}")
+    dec = _decoders.get(kind) or _decoders.setdefault(kind, msgspec.json.Decoder(kind))
+    try:
+        obj: _T = dec.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise WireError("schema", f"{what} invalid: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise WireError("json", f"{what} is not valid JSON: {exc}") from None
+    if obj.v != PROTOCOL_VERSION:
+        raise WireError("version", f"{what} protocol v={obj.v}, expected {PROTOCOL_VERSION}")
+    return obj
 
 
 def decode_trainer_report(payload: bytes | str) -> TrainerReport:
-    """Decode and validate one trainer report or raise :class:`WireError` (reasons as for
-    heartbeats: ``too_large``, ``json``, ``schema``, ``version``)."""
-    if len(payload) > MAX_REPORT_BYTES:
-        raise WireError("too_large", f"trainer report of {len(payload)} bytes exceeds {MAX_REPORT_BYTES}")
-    try:
-        report = _report_decoder.decode(payload)
-    except msgspec.ValidationError as exc:
-        raise WireError("schema", f"trainer report invalid: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise WireError("json", f"trainer report is not valid JSON: {exc}") from None
-    if report.v != PROTOCOL_VERSION:
-        raise WireError("version", f"trainer report protocol v={report.v}, expected {PROTOCOL_VERSION}")
-    return report
+    return _decode(TrainerReport, payload, what="trainer report", max_bytes=16 * 1024)
+
+
+def decode_job_command(payload: bytes | str) -> JobCommand:
+    return _decode(JobCommand, payload, what="job command")
+
+
+def decode_job_status(payload: bytes | str) -> JobStatus:
+    return _decode(JobStatus, payload, what="job status")

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import msgspec
 import redis.asyncio as aioredis
-from fastapi import Body, FastAPI, HTTPException, Query, Response, status
+from fastapi import Body, FastAPI, Header, HTTPException, Query, Request, Response, status
 from fastapi.responses import JSONResponse
 
 from clusterpulse.settings import Settings
@@ -25,13 +25,17 @@ from services import db
 from services.cluster import NodeView
 from services.deps import Operator, OrchestratorDep
 from services.health import State
-from services.metrics import CONTENT_TYPE, Renderer
-from services.orchestrator import Orchestrator
+from services.jobs import JOB_STATES
+from services.metrics import CONTENT_TYPE, Renderer, job_state_lines
+from services.orchestrator import Orchestrator, PlacementRefused
 from services.schemas import (
     CordonPublic,
     CordonRequest,
     EventPublic,
     EventsPublic,
+    JobCreate,
+    JobPublic,
+    JobsPublic,
     NodePublic,
     NodesPublic,
 )
@@ -113,6 +117,17 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     app = FastAPI(title="ClusterPulse orchestrator", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
 
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Response:
+        """Refuse oversized bodies before reading them: 413 naming the limit."""
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
+            return JSONResponse(
+                {"detail": f"request body of {length} bytes exceeds {settings.max_body_bytes}"}, status_code=413
+            )
+        response: Response = await call_next(request)
+        return response
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -142,6 +157,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             now=orch.clock.now(),
             progress=orch.progress,
             extra=(
+                *job_state_lines(orch.job_states),
                 "# HELP pulse_leader 1 when this replica leads.",
                 "# TYPE pulse_leader gauge",
                 "pulse_leader 1",
@@ -202,10 +218,97 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     ) -> CordonPublic:
         return await _cordon(name, orch, actor, body, False)
 
+    # --- jobs ---------------------------------------------------------------------------------
+    def _job_public(orch: Orchestrator, row: Any) -> JobPublic:
+        prog = orch.progress.jobs.get(row.id)
+        figures = (
+            {
+                "step": prog.step,
+                **{k: prog.figure(k) for k in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "mfu_ratio")},
+            }
+            if prog
+            else {}
+        )
+        return JobPublic(
+            id=row.id,
+            name=row.name,
+            state=row.state,
+            reason=row.reason,
+            assigned_nodes=row.assigned_nodes,
+            nodes=row.spec["nodes"],
+            gpus_per_node=row.spec["gpus_per_node"],
+            entrypoint=row.spec["entrypoint"],
+            master_addr=row.master_addr,
+            master_port=row.master_port,
+            node_status={n: {k: v for k, v in st.items() if k != "log_tail"} for n, st in row.node_status.items()},
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+            progress=figures,
+        )
+
+    @app.post("/v1/jobs", response_model=JobPublic, status_code=201)
+    async def create_job(
+        body: JobCreate,
+        orch: OrchestratorDep,
+        actor: Operator,
+        response: Response,
+        idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
+    ) -> JobPublic:
+        try:
+            job_id, created = await orch.create_job(body.model_dump(), idempotency_key=idempotency_key, actor=actor)
+        except PlacementRefused as exc:
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=f"placement refused: {exc}") from None
+        if not created:
+            response.status_code = status.HTTP_200_OK
+        return await _get_job(orch, job_id)
+
+    async def _get_job(orch: Orchestrator, job_id: str) -> JobPublic:
+        def read() -> JobPublic | None:
+            with orch.sessions() as s:
+                row = db.get_job(s, job_id=job_id)
+                return None if row is None else _job_public(orch, row)
+
+        job = await asyncio.to_thread(read)
+        if job is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} is not known")
+        return job
+
+    @app.get("/v1/jobs", response_model=JobsPublic)
+    async def list_jobs(
+        orch: OrchestratorDep,
+        state: Annotated[str | None, Query(description="one of the job states")] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
+    ) -> JobsPublic:
+        if state is not None and state.upper() not in JOB_STATES:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_ENTITY, detail=f"state={state!r}: expected one of {', '.join(JOB_STATES)}"
+            )
+
+        def read() -> list[JobPublic]:
+            with orch.sessions() as s:
+                rows = db.list_jobs(s, states=[state.upper()] if state else (), limit=limit)
+                return [_job_public(orch, r) for r in rows]
+
+        data = await asyncio.to_thread(read)
+        return JobsPublic(data=data, count=len(data))
+
+    @app.get("/v1/jobs/{job_id}", response_model=JobPublic)
+    async def get_job(job_id: str, orch: OrchestratorDep) -> JobPublic:
+        return await _get_job(orch, job_id)
+
+    @app.post("/v1/jobs/{job_id}/stop", response_model=JobPublic)
+    async def stop_job(job_id: str, orch: OrchestratorDep, actor: Operator) -> JobPublic:
+        try:
+            await orch.stop_job(job_id, actor=actor)
+        except KeyError:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} is not known") from None
+        return await _get_job(orch, job_id)
+
     @app.get("/v1/events", response_model=EventsPublic)
     async def events(
         orch: OrchestratorDep,
         node: str | None = None,
+        job: str | None = None,
         since: Annotated[float | None, Query(description="epoch seconds")] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
     ) -> EventsPublic:
@@ -218,12 +321,13 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
                         "time": dt.datetime.fromtimestamp(e.at, dt.UTC).isoformat(timespec="milliseconds"),
                         "kind": e.kind,
                         "node": e.node,
+                        "job": e.job,
                         "from_state": e.from_state,
                         "to_state": e.to_state,
                         "reason": e.reason,
                         "actor": e.actor,
                     }
-                    for e in db.list_events(s, node=node, since=since, limit=limit)
+                    for e in db.list_events(s, node=node, job=job, since=since, limit=limit)
                 ]
 
         rows = await asyncio.to_thread(read)

@@ -18,7 +18,7 @@ from sqlalchemy import Engine, create_engine, event, inspect, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.models import EventRow, GpuRow, NodeRow
+from services.models import EventRow, GpuRow, JobRow, NodeRow
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -250,11 +250,14 @@ def list_events(
     session: Session,
     *,
     node: str | None = None,
+    job: str | None = None,
     since: float | None = None,
     kinds: Iterable[str] = (),
     limit: int = 500,
 ) -> list[EventRow]:
     q = select(EventRow)
+    if job is not None:
+        q = q.where(EventRow.job == job)
     if node is not None:
         q = q.where(EventRow.node == node)
     if since is not None:
@@ -264,3 +267,79 @@ def list_events(
         q = q.where(EventRow.kind.in_(kinds))
     q = q.order_by(EventRow.at.desc(), EventRow.id.desc()).limit(limit)
     return list(reversed(list(session.scalars(q))))
+
+
+# --- Jobs --------------------------------------------------------------------------------------
+
+
+def create_job(
+    session: Session,
+    *,
+    job_id: str,
+    name: str,
+    spec: dict[str, Any],
+    assigned_nodes: list[str],
+    master_addr: str,
+    master_port: int,
+    idempotency_key: str | None,
+    at: float,
+    actor: str,
+) -> JobRow:
+    """A new PENDING job with its placement and a creation event, in the caller's transaction."""
+    row = JobRow(
+        id=job_id,
+        name=name,
+        state="PENDING",
+        reason=f"placed on {', '.join(assigned_nodes)}",
+        spec=spec,
+        assigned_nodes=assigned_nodes,
+        master_addr=master_addr,
+        master_port=master_port,
+        node_status={},
+        idempotency_key=idempotency_key,
+        created_at=at,
+        updated_at=at,
+    )
+    session.add(row)
+    session.add(EventRow(at=at, kind="job", job=job_id, to_state="PENDING", reason=row.reason, actor=actor))
+    return row
+
+
+def get_job(session: Session, *, job_id: str) -> JobRow | None:
+    return session.get(JobRow, job_id)
+
+
+def job_by_idempotency_key(session: Session, *, key: str) -> JobRow | None:
+    return session.scalars(select(JobRow).where(JobRow.idempotency_key == key)).first()
+
+
+def list_jobs(session: Session, *, states: Iterable[str] = (), limit: int = 500) -> list[JobRow]:
+    q = select(JobRow)
+    states = list(states)
+    if states:
+        q = q.where(JobRow.state.in_(states))
+    return list(session.scalars(q.order_by(JobRow.created_at.desc()).limit(limit)))
+
+
+def set_job_state(
+    session: Session, *, job_id: str, state: str, reason: str, at: float, actor: str = "orchestrator"
+) -> bool:
+    """Move a job to ``state`` with an event; False (nothing written) when it already is there."""
+    row = session.get(JobRow, job_id)
+    if row is None:
+        raise KeyError(job_id)
+    if row.state == state:
+        return False
+    session.add(
+        EventRow(at=at, kind="job", job=job_id, from_state=row.state, to_state=state, reason=reason, actor=actor)
+    )
+    row.state, row.reason, row.updated_at = state, reason, at
+    return True
+
+
+def set_job_node_status(session: Session, *, job_id: str, node: str, status: dict[str, Any], at: float) -> None:
+    row = session.get(JobRow, job_id)
+    if row is None:
+        raise KeyError(job_id)
+    row.node_status = {**row.node_status, node: status}
+    row.updated_at = at

@@ -225,3 +225,13 @@ def render_jobs(progress: Progress) -> list[str]:
         for r, n in sorted(progress.rejected.items())
     ]
     return out
+
+
+def job_state_lines(states: dict[str, tuple[str, float]]) -> list[str]:
+    """``pulse_job_state{job,state}``: 1 for the job's state, 0 for the others."""
+    from services.jobs import JOB_STATES
+
+    out = ["# HELP pulse_job_state 1 for the job's current state, 0 for the others.", "# TYPE pulse_job_state gauge"]
+    for job, (state, _) in sorted(states.items()):
+        out += [f'pulse_job_state{{job="{escape(job)}",state="{s}"}} {1 if s == state else 0}' for s in JOB_STATES]
+    return out

@@ -57,9 +57,33 @@ class EventRow(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     at: Mapped[float] = mapped_column(Float)
-    kind: Mapped[str] = mapped_column(String(32))  # health | cordon | uncordon | partition
+    kind: Mapped[str] = mapped_column(String(32))  # health | cordon | uncordon | partition | job | ...
     node: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    job: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
     from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     to_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     reason: Mapped[str] = mapped_column(Text, default="")
     actor: Mapped[str] = mapped_column(String(64), default="orchestrator")
+
+
+class JobRow(Base):
+    """A training job: its spec, its placement and where it is in its life.
+
+    States: PENDING (placed, not yet launched) -> STARTING (launch commands sent) -> RUNNING
+    (every node's ranks started) -> SUCCEEDED | FAILED; STOPPING (stop asked) -> STOPPED.
+    """
+
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    assigned_nodes: Mapped[list[str]] = mapped_column(JSON, default=list)
+    master_addr: Mapped[str] = mapped_column(String(255), default="")
+    master_port: Mapped[int] = mapped_column(Integer, default=0)
+    node_status: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # node -> last JobStatus
+    idempotency_key: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -39,6 +41,10 @@ from services.health import Policy, Transition
 from services.progress import Progress
 
 log = logging.getLogger("pulse.orchestrator")
+
+
+class PlacementRefused(Exception):
+    """No placement fits the job; the message names the constraint that failed."""
 
 
 class RedisClock:
@@ -83,7 +89,14 @@ class Orchestrator:
         self.sessions: sessionmaker[Session] = db.session_factory(engine)
         self.clock = RedisClock(redis_client)
         self.consumer = consumer or socket.gethostname()
-        self.streams = [*wire.heartbeat_stream_keys(settings.heartbeat_stream_shards), wire.TRAINER_STREAM]
+        self.streams = [
+            *wire.heartbeat_stream_keys(settings.heartbeat_stream_shards),
+            wire.TRAINER_STREAM,
+            wire.JOB_STATUS_STREAM,
+        ]
+        self._job_statuses: list[wire.JobStatus] = []
+        self._last_send: dict[tuple[str, str], float] = {}
+        self.job_states: dict[str, tuple[str, float]] = {}  # job -> (state, updated_at), for /metrics
         self.progress = Progress(straggler_factor=settings.straggler_factor, stale_after=settings.job_stale_after_s)
         self._stragglers: set[tuple[str, int]] = set()
         self.cluster: Cluster | None = None
@@ -115,6 +128,7 @@ class Orchestrator:
             ("ingest", self._ingest_loop),
             ("evaluate", self._evaluate_loop),
             ("persist", self._persist_loop),
+            ("jobs", self._jobs_loop),
         ):
             self._tasks.append(asyncio.create_task(self._supervised(name, loop), name=name))
 
@@ -209,6 +223,14 @@ class Orchestrator:
             for entry_id, fields in entries:
                 unacked.append(entry_id)
                 self._fold_report(fields.get(wire.TRAINER_FIELD) if fields else None, entry_time(entry_id))
+            return
+        if stream == wire.JOB_STATUS_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                try:
+                    self._job_statuses.append(wire.decode_job_status((fields or {}).get(wire.JOB_STATUS_FIELD, b"")))
+                except wire.WireError as exc:
+                    log.warning("event=job_status_rejected reason=%s detail=%s", exc.reason, exc)
             return
         for entry_id, fields in entries:
             unacked.append(entry_id)
@@ -338,6 +360,85 @@ class Orchestrator:
                 else:
                     db.record_event(s, kind=item.kind, node=item.node, reason=item.reason, at=item.at)
 
+    # --- jobs -----------------------------------------------------------------------------------
+    async def _jobs_loop(self) -> None:
+        """Level-triggered: store what agents reported, then move every active job on."""
+        while not self._stop.is_set():
+            await self.reconcile_jobs()
+            await asyncio.sleep(self.settings.evaluate_interval_s)
+
+    async def reconcile_jobs(self) -> None:
+        statuses, self._job_statuses = self._job_statuses, []
+        now = self.clock.now()
+        try:
+            async with self._db_lock:
+                sends = await asyncio.to_thread(self._reconcile_jobs_db, statuses, now)
+        except Exception:
+            self._job_statuses[:0] = statuses  # not stored: try again next tick
+            raise
+        for kind, job_id, nodes, spec, addr, port in sends:
+            await self._send(kind, job_id, nodes=nodes, spec=spec, addr=addr, port=port)
+
+    async def _send(
+        self, kind: str, job_id: str, *, nodes: list[str], spec: dict[str, Any], addr: str, port: int
+    ) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for rank, node in enumerate(nodes):
+            cmd = wire.JobCommand(
+                v=wire.PROTOCOL_VERSION,
+                kind=cast(Literal["launch", "stop"], kind),
+                job=job_id,
+                node_rank=rank,
+                nodes=len(nodes),
+                gpus_per_node=spec["gpus_per_node"],
+                master_addr=addr,
+                master_port=port,
+                argv=list(spec["entrypoint"]),
+                env={**spec.get("env", {}), **_ds_env(spec)},
+                grace_s=self.settings.job_stop_grace_s,
+            )
+            pipe.xadd(wire.node_commands_key(node), {wire.COMMAND_FIELD: wire.encode(cmd)}, maxlen=10_000)
+        await pipe.execute()
+        log.info("event=job_command job=%s kind=%s nodes=%s", job_id, kind, nodes)
+
+    def _reconcile_jobs_db(
+        self, statuses: list[wire.JobStatus], now: float
+    ) -> list[tuple[str, str, list[str], dict[str, Any], str, int]]:
+        from services.jobs import ACTIVE, decide
+
+        sends = []
+        with self.sessions.begin() as s:
+            for st in statuses:
+                try:
+                    db.set_job_node_status(s, job_id=st.job, node=st.node, status=msgspec.to_builtins(st), at=now)
+                except KeyError:
+                    log.warning("event=job_status_unknown_job job=%s node=%s", st.job, st.node)
+            for job in db.list_jobs(s, states=ACTIVE):
+                d = decide(
+                    state=job.state,
+                    nodes=job.assigned_nodes,
+                    status=job.node_status,
+                    since=job.updated_at,
+                    now=now,
+                    start_timeout=self.settings.job_start_timeout_s,
+                )
+                if d.state != job.state:
+                    db.set_job_state(s, job_id=job.id, state=d.state, reason=d.reason, at=now)
+                    log.info("event=job_transition job=%s to=%s reason=%r", job.id, d.state, d.reason)
+                key = (job.id, d.send or "")
+                if d.send and (
+                    d.state != job.state or now - self._last_send.get(key, 0.0) >= self.settings.job_resend_s
+                ):
+                    self._last_send[key] = now
+                    sends.append(
+                        (d.send, job.id, list(job.assigned_nodes), dict(job.spec), job.master_addr, job.master_port)
+                    )
+            cutoff = now - self.settings.job_stale_after_s
+            self.job_states = {
+                j.id: (j.state, j.updated_at) for j in db.list_jobs(s) if j.state in ACTIVE or j.updated_at > cutoff
+            }
+        return sends
+
     # --- persist --------------------------------------------------------------------------------
     async def _persist_loop(self) -> None:
         while not self._stop.is_set():
@@ -395,6 +496,92 @@ class Orchestrator:
                 db.upsert_telemetry(s, updates=updates[i : i + 500], at=self.clock.now())
 
     # --- operator actions -----------------------------------------------------------------------
+    async def create_job(self, spec: dict[str, Any], *, idempotency_key: str | None, actor: str) -> tuple[str, bool]:
+        """Place and store a job. Returns (job id, created); a repeated idempotency key returns
+        the first job. Raises :class:`PlacementRefused` with the failed constraint; nothing is
+        written then."""
+        from services.jobs import ACTIVE, master_port
+        from services.placement import NodeCapacity, Placement, PlacementRequest, place
+
+        assert self.cluster is not None
+        cluster = self.cluster
+
+        def write() -> tuple[str, bool]:
+            with self.sessions.begin() as s:
+                if idempotency_key:
+                    prior = db.job_by_idempotency_key(s, key=idempotency_key)
+                    if prior is not None:
+                        return prior.id, False
+                used: dict[str, int] = {}
+                for j in db.list_jobs(s, states=ACTIVE):
+                    for n in j.assigned_nodes:
+                        used[n] = used.get(n, 0) + int(j.spec.get("gpus_per_node", 0))
+                caps = [
+                    NodeCapacity(
+                        name=name,
+                        state=v.health.state.value,
+                        schedulable=v.schedulable,
+                        gpus=sum(1 for g in v.latest.gpus if not g.lost) if v.latest else 0,
+                        gpus_used=used.get(name, 0),
+                        labels=v.labels,
+                    )
+                    for name, v in list(cluster.nodes.items())
+                ]
+                req = PlacementRequest(
+                    nodes=spec["nodes"], gpus_per_node=spec["gpus_per_node"], selector=spec["selector"]
+                )
+                result = place(caps, req)
+                if not isinstance(result, Placement):
+                    raise PlacementRefused(result.reason)
+                job_id = uuid.uuid4().hex[:12]
+                first = cluster.nodes[result.nodes[0]]
+                addr = first.labels.get(self.settings.job_master_addr_label, result.nodes[0])
+                db.create_job(
+                    s,
+                    job_id=job_id,
+                    name=spec["name"],
+                    spec=spec,
+                    assigned_nodes=list(result.nodes),
+                    master_addr=addr,
+                    master_port=master_port(job_id),
+                    idempotency_key=idempotency_key,
+                    at=self.clock.now(),
+                    actor=actor,
+                )
+                return job_id, True
+
+        async with self._db_lock:
+            return await asyncio.to_thread(write)
+
+    async def stop_job(self, job_id: str, *, actor: str) -> bool:
+        """Ask a job to stop: STOPPING and a stop command to every assigned node. Idempotent;
+        a job already finished stays as it is. Raises KeyError for an unknown job."""
+        from services.jobs import TERMINAL
+
+        def write() -> tuple[bool, list[str], dict[str, Any], str, int]:
+            with self.sessions.begin() as s:
+                job = db.get_job(s, job_id=job_id)
+                if job is None:
+                    raise KeyError(job_id)
+                if job.state in TERMINAL or job.state == "STOPPING":
+                    return False, [], {}, "", 0
+                db.set_job_state(
+                    s,
+                    job_id=job_id,
+                    state="STOPPING",
+                    reason=f"stop asked by {actor}",
+                    at=self.clock.now(),
+                    actor=actor,
+                )
+                return True, list(job.assigned_nodes), dict(job.spec), job.master_addr, job.master_port
+
+        async with self._db_lock:
+            changed, nodes, spec, addr, port = await asyncio.to_thread(write)
+        if changed:
+            self._last_send[(job_id, "stop")] = self.clock.now()
+            await self._send("stop", job_id, nodes=nodes, spec=spec, addr=addr, port=port)
+        return changed
+
     async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:
         """Cordon/uncordon: written to the database first, then applied in memory."""
 
@@ -412,6 +599,12 @@ class Orchestrator:
         if self.cluster is not None and name in self.cluster.nodes:
             self.cluster.set_schedulable(name, schedulable)
         return changed
+
+
+def _ds_env(spec: dict[str, Any]) -> dict[str, str]:
+    """The job's DeepSpeed config travels to the ranks as JSON in PULSE_DEEPSPEED_CONFIG."""
+    cfg = spec.get("deepspeed_config")
+    return {"PULSE_DEEPSPEED_CONFIG": json.dumps(cfg)} if cfg else {}
 
 
 _REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,6 +36,7 @@ class EventPublic(BaseModel):
     time: str
     kind: str
     node: str | None
+    job: str | None = None
     from_state: str | None
     to_state: str | None
     reason: str
@@ -56,3 +57,45 @@ class CordonRequest(BaseModel):
 class CordonPublic(BaseModel):
     node: NodePublic
     changed: bool
+
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+ENV_KEY = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+
+
+class JobCreate(BaseModel):
+    """``POST /v1/jobs``. Unknown fields are refused, so a typo never silently drops a setting."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN)
+    nodes: int = Field(ge=1, le=4096)
+    gpus_per_node: int = Field(ge=0, le=64)
+    entrypoint: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(min_length=1, max_length=256)
+    deepspeed_config: dict[str, Any] = Field(default_factory=dict)
+    env: dict[Annotated[str, Field(pattern=ENV_KEY)], Annotated[str, Field(max_length=8192)]] = Field(
+        default_factory=dict, max_length=256
+    )
+    selector: dict[str, str] = Field(default_factory=dict, max_length=32)
+
+
+class JobPublic(BaseModel):
+    id: str
+    name: str
+    state: str
+    reason: str
+    assigned_nodes: list[str]
+    nodes: int
+    gpus_per_node: int
+    entrypoint: list[str]
+    master_addr: str
+    master_port: int
+    node_status: dict[str, Any]
+    created_at: float
+    updated_at: float
+    progress: dict[str, Any]
+
+
+class JobsPublic(BaseModel):
+    data: list[JobPublic]
+    count: int

@@ -1,0 +1,323 @@
+"""The agent's job launcher: start, supervise and stop this node's share of a training job.
+
+Commands come from the node's command stream (``wire.node_commands_key``); the id of the last
+one handled is kept in ``state_dir`` so a restarted agent neither replays nor misses any. Both
+commands are idempotent.
+
+- **launch**: a preflight of the node's GPUs (NVML: every GPU answers and none is lost; a quick
+  matmul on each CUDA device when torch sees one; on a machine without GPUs it says it checked
+  nothing), then the ranks, all in one new process group, through DeepSpeed's per-node launcher
+  (``python -m deepspeed.launcher.launch --world_info=... --node_rank R --master_addr A
+  --master_port P``: what ``deepspeed --no_ssh`` runs on each node, with the world given directly
+  rather than through a hostfile the orchestrator would have to write on every node), on GPUs and
+  on the CPU alike. Without DeepSpeed installed, ``gpus_per_node`` (at least one) plain processes
+  with the torch.distributed environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+  ``MASTER_ADDR``, ``MASTER_PORT``) set. Output goes to ``state_dir/<job>.log``.
+- **stop**: SIGTERM to the whole process group, SIGKILL after ``grace_s``.
+- **exit**: when every rank has exited, a ``JobStatus(exited)`` with the first non-zero exit code
+  (or 0) and the tail of the log.
+- **restart**: the running jobs are recorded in ``state_dir/jobs.json``; a restarted agent
+  re-attaches to ranks that are still alive (watching their pids) and reports ranks that died
+  while it was away as ``lost``. It never orphans ranks silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from clusterpulse import wire
+
+log = logging.getLogger("pulse.agent.launcher")
+
+LOG_TAIL_BYTES = 4000
+
+
+@dataclass
+class RunningJob:
+    job: str
+    node_rank: int
+    pids: list[int]
+    pgid: int
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)  # empty when re-attached
+    stopping: bool = False
+
+
+def preflight() -> tuple[bool, str]:
+    """Check this node's GPUs before launching. (ok, what was checked)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return True, f"no NVML ({type(exc).__name__}): checked nothing"
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        for i in range(count):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            pynvml.nvmlDeviceGetMemoryInfo(h)
+    except pynvml.NVMLError as exc:
+        return False, f"NVML: GPU check failed: {exc}"
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            for d in range(torch.cuda.device_count()):
+                a = torch.ones((1024, 1024), device=f"cuda:{d}")
+                if float((a @ a)[0, 0]) != 1024.0:
+                    return False, f"matmul on cuda:{d} gave a wrong result"
+    except ImportError:
+        return True, f"NVML: {count} GPUs answer; torch not installed, no matmul"
+    return True, f"NVML: {count} GPUs answer; matmul ok"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(FileNotFoundError):  # a zombie is not alive
+        if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
+            return False
+    return True
+
+
+class Launcher:
+    def __init__(
+        self,
+        *,
+        node: str,
+        redis_client: aioredis.Redis,
+        state_dir: Path,
+        poll_s: float = 0.2,
+        python: str = sys.executable,
+    ) -> None:
+        self.node = node
+        self.redis = redis_client
+        self.state_dir = state_dir
+        self.poll_s = poll_s
+        self.python = python
+        self.jobs: dict[str, RunningJob] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        state_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- state file -----------------------------------------------------------------------------
+    @property
+    def _jobs_file(self) -> Path:
+        return self.state_dir / "jobs.json"
+
+    @property
+    def _cursor_file(self) -> Path:
+        return self.state_dir / "last_command_id"
+
+    def _save(self) -> None:
+        data = {j.job: {"node_rank": j.node_rank, "pids": j.pids, "pgid": j.pgid} for j in self.jobs.values()}
+        tmp = self._jobs_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self._jobs_file)  # atomic: a crash leaves the old or the new file, never half
+
+    async def _status(self, job: str, node_rank: int, state: str, **kw: Any) -> None:
+        st = wire.JobStatus(v=wire.PROTOCOL_VERSION, job=job, node=self.node, node_rank=node_rank, state=state, **kw)  # type: ignore[arg-type]
+        await self.redis.xadd(wire.JOB_STATUS_STREAM, {wire.JOB_STATUS_FIELD: wire.encode(st)}, maxlen=100_000)
+        log.info("event=job_status job=%s node=%s state=%s %s", job, self.node, state, kw.get("exit_code", ""))
+
+    async def reattach(self) -> None:
+        """After a restart: watch ranks still alive, report the ones that died meanwhile."""
+        if not self._jobs_file.exists():
+            return
+        for job, rec in json.loads(self._jobs_file.read_text()).items():
+            pids = [p for p in rec["pids"] if _alive(p)]
+            if pids:
+                rj = RunningJob(job, rec["node_rank"], rec["pids"], rec["pgid"])
+                self.jobs[job] = rj
+                self._spawn(self._watch(rj))
+                log.info("event=job_reattached job=%s pids=%s", job, pids)
+            else:
+                await self._status(
+                    job,
+                    rec["node_rank"],
+                    "lost",
+                    detail="the ranks exited while the agent was down",
+                    log_tail=self._tail(job),
+                )
+        self._save()
+
+    # --- commands -------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.reattach()
+        key = wire.node_commands_key(self.node)
+        last = self._cursor_file.read_text().strip() if self._cursor_file.exists() else "0"
+        while not stop.is_set():
+            try:
+                resp: Any = await self.redis.xread({key: last}, count=100, block=500)
+            except (ConnectionError, OSError, aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+                log.warning("event=commands_unavailable error=%r", str(exc))
+                await asyncio.sleep(1.0)
+                continue
+            items = resp.items() if isinstance(resp, dict) else (resp or [])
+            for _, entries in items:
+                for entry_id, fields in entries[0] if entries and isinstance(entries[0], list) else entries:
+                    await self.handle(fields.get(wire.COMMAND_FIELD))
+                    last = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                    self._cursor_file.write_text(last)
+        for t in list(self._tasks):
+            t.cancel()
+
+    async def handle(self, payload: bytes | None) -> None:
+        try:
+            cmd = wire.decode_job_command(payload or b"")
+        except wire.WireError as exc:
+            log.warning("event=command_rejected reason=%s detail=%s", exc.reason, exc)
+            return
+        if cmd.kind == "launch":
+            await self.launch(cmd)
+        else:
+            await self.stop(cmd.job, grace_s=cmd.grace_s)
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def argv(self, cmd: wire.JobCommand) -> list[list[str]]:
+        """The command line(s) of this node's ranks: DeepSpeed's per-node launcher (what
+        ``deepspeed --no_ssh --node_rank R`` runs on each node, given the world as ``--world_info``
+        instead of a hostfile) when DeepSpeed is installed; it sets RANK, LOCAL_RANK, WORLD_SIZE and
+        MASTER_* for each local rank. Else one plain process per local rank, that environment
+        set by us."""
+        entry = list(cmd.argv)
+        local = max(1, cmd.gpus_per_node)
+        if importlib.util.find_spec("deepspeed") is not None:
+            world = {f"node{i}": list(range(local)) for i in range(cmd.nodes)}
+            info = base64.urlsafe_b64encode(json.dumps(world).encode()).decode()
+            script = ["--module", *entry[1:]] if entry[:1] == ["-m"] else entry
+            return [
+                [
+                    self.python, "-m", "deepspeed.launcher.launch", f"--world_info={info}",
+                    f"--node_rank={cmd.node_rank}", f"--master_addr={cmd.master_addr}",
+                    f"--master_port={cmd.master_port}", "--no_local_rank", *script,
+                ]
+            ]  # fmt: skip
+        return [[self.python, *entry] for _ in range(local)]
+
+    async def launch(self, cmd: wire.JobCommand) -> None:
+        if cmd.job in self.jobs:
+            return  # already running here: launch is idempotent
+        ok, detail = await asyncio.to_thread(preflight)
+        if not ok:
+            await self._status(cmd.job, cmd.node_rank, "preflight_failed", detail=detail)
+            return
+        lines = self.argv(cmd)
+        local = max(1, cmd.gpus_per_node)
+        logf = (self.state_dir / f"{cmd.job}.log").open("ab")
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for i, line in enumerate(lines):
+                env = {**os.environ, **cmd.env, "PULSE_JOB_ID": cmd.job, "PULSE_NODE": self.node}
+                if "deepspeed.launcher.launch" not in line:
+                    env.update(
+                        RANK=str(cmd.node_rank * local + i),
+                        LOCAL_RANK=str(i),
+                        WORLD_SIZE=str(cmd.nodes * local),
+                        LOCAL_WORLD_SIZE=str(local),
+                        MASTER_ADDR=cmd.master_addr,
+                        MASTER_PORT=str(cmd.master_port),
+                    )
+                procs.append(
+                    subprocess.Popen(
+                        line,
+                        env=env,
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        process_group=0 if i == 0 else procs[0].pid,
+                    )
+                )
+        except OSError as exc:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+            await self._status(
+                cmd.job, cmd.node_rank, "exited", exit_code=127, detail=f"cannot start {lines[0][0]}: {exc}"
+            )
+            return
+        finally:
+            logf.close()
+        rj = RunningJob(cmd.job, cmd.node_rank, [p.pid for p in procs], procs[0].pid, procs)
+        self.jobs[cmd.job] = rj
+        self._save()
+        await self._status(cmd.job, cmd.node_rank, "started", pids=rj.pids, detail=detail)
+        self._spawn(self._watch(rj))
+
+    async def _watch(self, rj: RunningJob) -> None:
+        """Wait for every rank; then report the exit. Re-attached ranks have no exit code."""
+        while True:
+            if rj.procs:
+                codes = [p.poll() for p in rj.procs]
+                if all(c is not None for c in codes):
+                    code = next((c for c in codes if c), 0)
+                    break
+                if any(c not in (None, 0) for c in codes) and not rj.stopping:
+                    # one rank failed: the others would hang in a collective; stop them
+                    self._spawn(self.stop(rj.job, grace_s=5.0))
+            elif not any(_alive(p) for p in rj.pids):
+                code = None
+                break
+            await asyncio.sleep(self.poll_s)
+        self.jobs.pop(rj.job, None)
+        self._save()
+        if code is None:
+            await self._status(
+                rj.job,
+                rj.node_rank,
+                "lost",
+                detail="re-attached ranks exited; exit code unknown",
+                log_tail=self._tail(rj.job),
+            )
+        else:
+            await self._status(rj.job, rj.node_rank, "exited", exit_code=code, log_tail=self._tail(rj.job))
+
+    async def stop(self, job: str, *, grace_s: float) -> None:
+        rj = self.jobs.get(job)
+        if rj is None or rj.stopping:
+            return
+        rj.stopping = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rj.pgid, signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while loop.time() < deadline and any(_alive(p) for p in rj.pids):
+            for p in rj.procs:
+                p.poll()  # reap, so a dead rank is not a zombie
+            await asyncio.sleep(self.poll_s)
+        if any(_alive(p) for p in rj.pids):
+            log.warning("event=job_kill job=%s after_grace_s=%g", job, grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(rj.pgid, signal.SIGKILL)
+
+    def _tail(self, job: str) -> str:
+        path = self.state_dir / f"{job}.log"
+        if not path.exists():
+            return ""
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - LOG_TAIL_BYTES))
+            return fh.read().decode(errors="replace")

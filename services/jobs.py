@@ -1,0 +1,81 @@
+"""A job's life as a pure function of what its nodes' agents reported.
+
+States: ``PENDING`` (placed, nothing sent) -> ``STARTING`` (launch sent to every assigned node)
+-> ``RUNNING`` (every node's ranks started) -> ``SUCCEEDED`` (every node exited 0) or
+``FAILED`` (a preflight failed, a node's ranks exited non-zero or were lost, or the start
+timed out); ``STOPPING`` (a stop was asked) -> ``STOPPED`` (every node's ranks are gone).
+
+:func:`decide` looks at the current state, the latest status per node and the time, and says
+what the job's state should be and which commands to send; the orchestrator persists the state
+change (with its event) and sends the commands. Running it twice changes nothing
+(level-triggered): launch and stop are idempotent at the agent too.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+ACTIVE = ("PENDING", "STARTING", "RUNNING", "STOPPING")
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+JOB_STATES = (*ACTIVE, *TERMINAL)
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: str
+    reason: str
+    send: str | None = None  # "launch" or "stop": to every assigned node
+
+
+def _last_line(status: Mapping[str, object]) -> str:
+    tail = str(status.get("log_tail") or "").strip().splitlines()
+    return f"; last log line: {tail[-1][:200]}" if tail else ""
+
+
+def decide(
+    *,
+    state: str,
+    nodes: Sequence[str],
+    status: Mapping[str, Mapping[str, object]],
+    since: float,
+    now: float,
+    start_timeout: float,
+) -> Decision:
+    """What to do with a job in ``state`` since ``since``, given ``status[node]`` (the latest
+    JobStatus of each node as a dict). A command in ``send`` with an unchanged state is a resend:
+    the caller sends it at most every few seconds, so a command lost in a crash is sent again."""
+    if state in TERMINAL:
+        return Decision(state, "")
+    states = {n: str(status[n]["state"]) for n in nodes if n in status}
+    if state == "PENDING":
+        return Decision("STARTING", f"launch sent to {', '.join(nodes)}", send="launch")
+    if state == "STOPPING":
+        running = [n for n in nodes if states.get(n) == "started"]
+        if not running:
+            return Decision("STOPPED", "every node's ranks are gone")
+        return Decision("STOPPING", "", send="stop")  # re-sent (rate-limited by the caller) until gone
+    for n in nodes:
+        st = status.get(n, {})
+        if states.get(n) == "preflight_failed":
+            return Decision("FAILED", f"preflight failed on {n}: {st.get('detail', '')}", send="stop")
+        if states.get(n) == "lost":
+            return Decision("FAILED", f"the ranks on {n} were lost: {st.get('detail', '')}", send="stop")
+        if states.get(n) == "exited" and st.get("exit_code") != 0:
+            return Decision("FAILED", f"ranks on {n} exited with {st.get('exit_code')}{_last_line(st)}", send="stop")
+    if nodes and all(states.get(n) == "exited" for n in nodes):
+        return Decision("SUCCEEDED", f"every node's ranks exited 0 ({len(nodes)} nodes)")
+    if state == "STARTING":
+        if all(states.get(n) in ("started", "exited") for n in nodes):
+            return Decision("RUNNING", f"ranks started on {', '.join(nodes)}")
+        missing = [n for n in nodes if n not in states]
+        if now - since > start_timeout:
+            return Decision("FAILED", f"no start from {', '.join(missing)} within {start_timeout:g}s", send="stop")
+        return Decision(state, "", send="launch")  # re-sent (rate-limited) until every node answers
+    return Decision(state, "")
+
+
+def master_port(job_id: str, *, base: int = 29500, span: int = 500) -> int:
+    """A rendezvous port for the job, stable across orchestrator restarts."""
+    return base + zlib.crc32(job_id.encode()) % span

@@ -1,0 +1,184 @@
+"""Jobs over REST end to end: a real orchestrator, real `pulse agent` processes with simulated
+telemetry and their real launcher (the DeepSpeed launcher in per-node mode), real rank processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import REDIS_URL, REPO, free_port, pulse_env, spawn, stop, wait_for
+
+pytestmark = pytest.mark.e2e
+
+RANK = str(REPO / "tests" / "fixtures" / "jobs" / "rank.py")
+TOKEN = "jobs-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class Stack:
+    def __init__(self, tmp: Path) -> None:
+        import redis
+
+        redis.Redis.from_url(REDIS_URL).flushdb()
+        self.tmp = tmp
+        self.port = free_port()
+        self.env = pulse_env(
+            PULSE_REDIS_URL=REDIS_URL,
+            PULSE_DATABASE_URL=f"sqlite:///{tmp / 'pulse.db'}",
+            PULSE_HEARTBEAT_INTERVAL_S="0.3",
+            PULSE_DEGRADED_AFTER_S="3",
+            PULSE_LOST_AFTER_S="120",
+            PULSE_EVALUATE_INTERVAL_S="0.1",
+            PULSE_PERSIST_INTERVAL_S="0.5",
+            PULSE_API_TOKEN=TOKEN,
+            PULSE_AGENT_STATE_DIR=str(tmp / "agents"),
+            PULSE_JOB_STOP_GRACE_S="3",
+            PULSE_JOB_START_TIMEOUT_S="60",
+        )
+        self.procs: dict[str, Any] = {}
+        self.api = f"http://127.0.0.1:{self.port}"
+
+    def orchestrator(self) -> None:
+        self.procs["orch"] = spawn(["orchestrator", "--port", str(self.port)], env=self.env, log=self.tmp / "orch.log")
+        wait_for(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
+
+    def agent(self, node: str, *extra: str) -> None:
+        args = ["agent", "--node", node, "--source", "simulated", "--interval", "0.3", "--label", "addr=127.0.0.1"]
+        self.procs[node] = spawn([*args, *extra], env=self.env, log=self.tmp / f"{node}.log")
+
+    def get(self, path: str, **kw: Any) -> Any:
+        r = httpx.get(f"{self.api}{path}", timeout=5, **kw)
+        r.raise_for_status()
+        return r.json()
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> httpx.Response:
+        return httpx.post(f"{self.api}{path}", json=body, headers={**AUTH, **kw.pop("headers", {})}, timeout=10, **kw)
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        out: dict[str, Any] = self.get(f"/v1/jobs/{job_id}")
+        return out
+
+    def wait_state(self, job_id: str, state: str, timeout: float = 60) -> dict[str, Any]:
+        wait_for(lambda: self.job(job_id)["state"] == state, timeout=timeout, what=f"job {job_id} {state}")
+        return self.job(job_id)
+
+
+def spec(name: str, nodes: int = 2, seconds: float = 2.0, **kw: Any) -> dict[str, Any]:
+    args = [RANK, "--seconds", str(seconds), *kw.pop("args", [])]
+    return {"name": name, "nodes": nodes, "gpus_per_node": 1, "entrypoint": args, **kw}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("jobs"))
+    s.orchestrator()
+    s.agent("job-a")
+    s.agent("job-b")
+    s.agent("job-bad", "--fault", "pcie_x8@0")
+    try:
+        wait_for(
+            lambda: (
+                {n["name"]: n["state"] for n in s.get("/v1/nodes")["data"]}
+                == {"job-a": "HEALTHY", "job-b": "HEALTHY", "job-bad": "DEGRADED"}
+            ),
+            timeout=60,
+            what="two HEALTHY nodes and one DEGRADED",
+        )
+        yield s
+    finally:
+        for p in s.procs.values():
+            stop(p)
+
+
+def test_job_runs_to_success_on_healthy_nodes_only(stack: Stack) -> None:
+    r = stack.post("/v1/jobs", spec("ok"))
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["state"] == "PENDING" and sorted(job["assigned_nodes"]) == ["job-a", "job-b"]  # never job-bad
+    stack.wait_state(job["id"], "RUNNING", timeout=60)
+    done = stack.wait_state(job["id"], "SUCCEEDED", timeout=60)
+    assert {n: st["exit_code"] for n, st in done["node_status"].items()} == {"job-a": 0, "job-b": 0}
+    states = [e["to_state"] for e in stack.get("/v1/events", params={"job": job["id"]})["data"]]
+    assert states == ["PENDING", "STARTING", "RUNNING", "SUCCEEDED"]
+    metrics = httpx.get(f"{stack.api}/metrics", timeout=5).text
+    assert f'pulse_job_state{{job="{job["id"]}",state="SUCCEEDED"}} 1' in metrics
+
+
+def test_stopped_job_leaves_no_rank_behind(stack: Stack) -> None:
+    pid_dir = stack.tmp / "pids"
+    pid_dir.mkdir()
+    job = stack.post("/v1/jobs", spec("long", seconds=120, args=["--pid-dir", str(pid_dir)])).json()
+    stack.wait_state(job["id"], "RUNNING")
+    wait_for(lambda: len(list(pid_dir.glob("*.pid"))) == 2, timeout=60, what="both ranks up")
+    pids = [int(p.read_text()) for p in pid_dir.glob("*.pid")]
+    r = stack.post(f"/v1/jobs/{job['id']}/stop")
+    assert r.status_code == 200 and r.json()["state"] == "STOPPING"
+    assert stack.post(f"/v1/jobs/{job['id']}/stop").json()["state"] in ("STOPPING", "STOPPED")  # idempotent
+    stack.wait_state(job["id"], "STOPPED", timeout=30)
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+
+    assert all(gone(p) for p in pids), pids
+
+
+def test_failing_rank_fails_the_job_with_its_exit_code(stack: Stack) -> None:
+    job = stack.post("/v1/jobs", spec("bad", seconds=0.5, args=["--exit-code", "3"])).json()
+    failed = stack.wait_state(job["id"], "FAILED")
+    assert "exited with" in failed["reason"]
+
+
+def test_refusals_and_bad_specs_write_nothing(stack: Stack) -> None:
+    before = stack.get("/v1/jobs")["count"]
+    r = stack.post("/v1/jobs", spec("too-big", nodes=3))
+    assert r.status_code == 409
+    assert "3 nodes with 1 free GPUs each requested, 2 HEALTHY and schedulable match" in r.json()["detail"]
+    assert "1 state DEGRADED" in r.json()["detail"]
+    cases = [
+        ({k: v for k, v in spec("x").items() if k != "entrypoint"}, "entrypoint"),
+        ({**spec("x"), "entrypoint": []}, "entrypoint"),
+        ({**spec("x"), "nodes": 0}, "nodes"),
+        ({**spec("x"), "colour": "blue"}, "colour"),
+        ({**spec("x"), "env": {"1BAD": "x"}}, "env"),
+    ]
+    for body, field in cases:
+        r = stack.post("/v1/jobs", body)
+        assert r.status_code == 422, (field, r.text)
+        assert field in json.dumps(r.json()["detail"]), (field, r.text)
+    huge = stack.post("/v1/jobs", {**spec("x"), "env": {"BIG": "x" * 400_000}})
+    assert huge.status_code == 413 and "exceeds" in huge.json()["detail"]
+    assert httpx.post(f"{stack.api}/v1/jobs", json=spec("x"), timeout=5).status_code == 401
+    assert stack.get("/v1/jobs")["count"] == before
+
+
+def test_idempotency_key_returns_the_first_job(stack: Stack) -> None:
+    first = stack.post("/v1/jobs", spec("idem", seconds=0.5), headers={"Idempotency-Key": "k-1"})
+    again = stack.post("/v1/jobs", spec("idem", seconds=0.5), headers={"Idempotency-Key": "k-1"})
+    assert first.status_code == 201 and again.status_code == 200
+    assert first.json()["id"] == again.json()["id"]
+    stack.wait_state(first.json()["id"], "SUCCEEDED")
+
+
+def test_orchestrator_killed_mid_job_tracks_it_to_completion(stack: Stack) -> None:
+    job = stack.post("/v1/jobs", spec("survivor", seconds=8)).json()
+    stack.wait_state(job["id"], "RUNNING")
+    stack.procs["orch"].kill()
+    stack.procs["orch"].wait()
+    time.sleep(1.0)
+    stack.orchestrator()
+    assert stack.job(job["id"])["state"] == "RUNNING"  # the record survived
+    done = stack.wait_state(job["id"], "SUCCEEDED", timeout=60)
+    assert done["assigned_nodes"] == job["assigned_nodes"]
+    events = [e["to_state"] for e in stack.get("/v1/events", params={"job": job["id"]})["data"]]
+    assert events == ["PENDING", "STARTING", "RUNNING", "SUCCEEDED"]

@@ -289,6 +289,92 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
+    rows = [("JOB", "NAME", "STATE", "NODES", "STEP", "LOSS", "MFU", "REASON")]
+    for j in jobs:
+        p = j.get("progress") or {}
+        loss, mfu = p.get("loss"), p.get("mfu_ratio")
+        rows.append(
+            (
+                j["id"],
+                j["name"],
+                j["state"],
+                ",".join(j["assigned_nodes"]),
+                str(p.get("step", "-")),
+                "-" if loss is None else f"{loss:.4f}",
+                "-" if mfu is None else f"{mfu:.3f}",
+                j["reason"][:80],
+            )
+        )
+    return _table(rows)
+
+
+def _follow(job_id: str, every: float = 1.0) -> int:
+    """Stream a job's state and progress until it ends; exit 0 only for SUCCEEDED."""
+    last = ""
+    while True:
+        j = _call("GET", f"/v1/jobs/{job_id}")
+        p = j.get("progress") or {}
+        line = f"{j['state']:<10} step={p.get('step', '-')} loss={p.get('loss')} mfu={p.get('mfu_ratio')} " + (
+            f"tokens/s={p.get('tokens_per_s')} ({j['reason']})"
+        )
+        if line != last:
+            print(f"{time.strftime('%H:%M:%S')} {job_id} {line}", flush=True)
+            last = line
+        if j["state"] in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return 0 if j["state"] == "SUCCEEDED" else 1
+        time.sleep(every)
+
+
+def _pairs(items: Sequence[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise SystemExit(f"pulse jobs start: {flag} {item!r}: expected KEY=VALUE")
+        out[k] = v
+    return out
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        params = {"state": args.state} if args.state else {}
+        data = _call("GET", "/v1/jobs", params=params)
+        print(json.dumps(data, indent=2) if args.json else format_jobs(data["data"]))
+        return 0
+    if args.action == "start":
+        entry = list(args.entry)
+        if not entry or not args.name:
+            raise SystemExit("pulse jobs start: --name and an entrypoint after -- are required")
+        body: dict[str, Any] = {
+            "name": args.name,
+            "nodes": args.nodes,
+            "gpus_per_node": args.gpus_per_node,
+            "entrypoint": entry,
+            "env": _pairs(args.env, "--env"),
+            "selector": _pairs(args.selector, "--selector"),
+        }
+        if args.deepspeed_config:
+            with open(args.deepspeed_config) as fh:
+                body["deepspeed_config"] = json.load(fh)
+        headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
+        job = _call("POST", "/v1/jobs", json=body, headers=headers)
+        print(
+            json.dumps(job, indent=2)
+            if args.json
+            else f"job {job['id']} {job['state']} on {', '.join(job['assigned_nodes'])}"
+        )
+        return _follow(job["id"]) if args.follow else 0
+    if not args.rest:
+        raise SystemExit(f"pulse jobs {args.action}: JOB is required")
+    job_id = args.rest[0]
+    job = _call("POST", f"/v1/jobs/{job_id}/stop") if args.action == "stop" else _call("GET", f"/v1/jobs/{job_id}")
+    if args.follow:
+        return _follow(job_id)
+    print(json.dumps(job, indent=2) if args.json else format_jobs([job]))
+    return 0
+
+
 # --- demo / bench -------------------------------------------------------------------------------
 
 
@@ -355,6 +441,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_events)
 
+    j = sub.add_parser("jobs", help="start, list, show, stop training jobs")
+    j.add_argument("action", choices=("start", "list", "show", "stop"))
+    j.add_argument("rest", nargs="*", help="JOB (show/stop); for start, the entrypoint goes after --")
+    j.add_argument("--name")
+    j.add_argument("--nodes", type=int, default=1)
+    j.add_argument("--gpus-per-node", type=int, default=1)
+    j.add_argument("--deepspeed-config", help="a DeepSpeed JSON config file")
+    j.add_argument("--env", action="append", default=[], help="KEY=VALUE for the ranks (repeatable)")
+    j.add_argument("--selector", action="append", default=[], help="node label KEY=VALUE (repeatable)")
+    j.add_argument("--idempotency-key")
+    j.add_argument("--state")
+    j.add_argument("--follow", action="store_true", help="stream state and progress until the job ends")
+    j.add_argument("--json", action="store_true")
+    j.set_defaults(fn=cmd_jobs)
+
     m = sub.add_parser("demo", help="orchestrator + 16 simulated nodes on this machine, with a fault")
     m.add_argument("--nodes", type=int, default=16)
     m.add_argument("--port", type=int, default=0, help="orchestrator port (0: a free one)")
@@ -381,7 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    entry: list[str] = []
+    if "--" in argv and "jobs" in argv[: argv.index("--")]:  # pulse jobs start ... -- ENTRYPOINT
+        cut = argv.index("--")
+        argv, entry = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    args.entry = entry
     _setup_logging(args.verbose)
     try:
         rc: int = args.fn(args)

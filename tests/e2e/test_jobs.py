@@ -182,3 +182,19 @@ def test_orchestrator_killed_mid_job_tracks_it_to_completion(stack: Stack) -> No
     assert done["assigned_nodes"] == job["assigned_nodes"]
     events = [e["to_state"] for e in stack.get("/v1/events", params={"job": job["id"]})["data"]]
     assert events == ["PENDING", "STARTING", "RUNNING", "SUCCEEDED"]
+
+
+def test_cli_starts_and_follows_a_job_to_success(stack: Stack) -> None:
+    import subprocess
+
+    from tests.support import PULSE
+
+    env = {**stack.env, "PULSE_API_URL": stack.api}
+    out = subprocess.run(
+        [*PULSE, "jobs", "start", "--name", "cli", "--nodes", "2", "--follow", "--", RANK, "--seconds", "1"],
+        env=env, capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCEEDED" in out.stdout.splitlines()[-1]
+    listed = subprocess.run([*PULSE, "jobs", "list"], env=env, capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert "cli" in listed.stdout and "SUCCEEDED" in listed.stdout

@@ -192,9 +192,11 @@ def test_cli_starts_and_follows_a_job_to_success(stack: Stack) -> None:
     env = {**stack.env, "PULSE_API_URL": stack.api}
     out = subprocess.run(
         [*PULSE, "jobs", "start", "--name", "cli", "--nodes", "2", "--follow", "--", RANK, "--seconds", "1"],
-        env=env, capture_output=True, text=True, timeout=120, cwd=REPO,
+        env=env, capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCEEDED" in out.stdout.splitlines()[-1]
-    listed = subprocess.run([*PULSE, "jobs", "list"], env=env, capture_output=True, text=True, timeout=30, cwd=REPO)
+    listed = subprocess.run(
+        [*PULSE, "jobs", "list"], env=env, capture_output=True, text=True, timeout=30, cwd=REPO, check=True
+    )
     assert "cli" in listed.stdout and "SUCCEEDED" in listed.stdout

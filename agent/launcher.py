@@ -45,6 +45,14 @@ log = logging.getLogger("pulse.agent.launcher")
 
 LOG_TAIL_BYTES = 4000
 
+# Runs "$@", survives the group's SIGTERM (a handler, not an ignore, so the ranks still get it),
+# waits until the ranks' launcher is really gone, and writes its exit code to the file "$0".
+_RC_SHELL = (
+    '"$@" & pid=$!; trap ":" TERM; '
+    "while :; do wait $pid; rc=$?; kill -0 $pid 2>/dev/null || break; done; "
+    'echo $rc > "$0"; exit $rc'
+)
+
 
 @dataclass
 class RunningJob:
@@ -241,9 +249,14 @@ class Launcher:
                         MASTER_ADDR=cmd.master_addr,
                         MASTER_PORT=str(cmd.master_port),
                     )
+                # A shell records the exit code in a file, so a restarted agent that re-attaches
+                # (and so is no longer the parent) can still read how the ranks ended.
+                rc_file = self.state_dir / f"{cmd.job}.{i}.rc"
+                rc_file.unlink(missing_ok=True)
+                wrapped = ["/bin/sh", "-c", _RC_SHELL, str(rc_file), *line]
                 procs.append(
                     subprocess.Popen(
-                        line,
+                        wrapped,
                         env=env,
                         stdout=logf,
                         stderr=subprocess.STDOUT,
@@ -268,18 +281,21 @@ class Launcher:
         self._spawn(self._watch(rj))
 
     async def _watch(self, rj: RunningJob) -> None:
-        """Wait for every rank; then report the exit. Re-attached ranks have no exit code."""
+        """Wait for every rank; then report the exit. For re-attached ranks the code comes from
+        the file their shell wrote; none there means ``lost``."""
+        code: int | None
         while True:
             if rj.procs:
                 codes = [p.poll() for p in rj.procs]
                 if all(c is not None for c in codes):
-                    code = next((c for c in codes if c), 0)
+                    code = next((c for c in codes if c), 0) or 0
                     break
                 if any(c not in (None, 0) for c in codes) and not rj.stopping:
                     # one rank failed: the others would hang in a collective; stop them
                     self._spawn(self.stop(rj.job, grace_s=5.0))
             elif not any(_alive(p) for p in rj.pids):
-                code = None
+                codes_read = [self._rc(rj.job, i) for i in range(len(rj.pids))]
+                code = None if None in codes_read else next((c for c in codes_read if c), 0)
                 break
             await asyncio.sleep(self.poll_s)
         self.jobs.pop(rj.job, None)
@@ -312,6 +328,13 @@ class Launcher:
             log.warning("event=job_kill job=%s after_grace_s=%g", job, grace_s)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(rj.pgid, signal.SIGKILL)
+
+    def _rc(self, job: str, index: int) -> int | None:
+        path = self.state_dir / f"{job}.{index}.rc"
+        try:
+            return int(path.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
 
     def _tail(self, job: str) -> str:
         path = self.state_dir / f"{job}.log"

@@ -1,0 +1,92 @@
+"""The agent's launcher on its own: a real Redis, real rank processes, an agent restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import redis
+import redis.asyncio as aioredis
+
+from agent.launcher import Launcher
+from clusterpulse import wire
+from tests.support import REPO
+
+RANK = str(REPO / "tests" / "fixtures" / "jobs" / "rank.py")
+
+
+def _cmd(job: str, seconds: float, exit_code: int = 0) -> wire.JobCommand:
+    return wire.JobCommand(
+        v=wire.PROTOCOL_VERSION, kind="launch", job=job, nodes=1, gpus_per_node=1, master_port=29999,
+        argv=[RANK, "--seconds", str(seconds), "--exit-code", str(exit_code)],
+    )  # fmt: skip
+
+
+def _statuses(url: str) -> list[wire.JobStatus]:
+    r = redis.Redis.from_url(url)
+    out = [wire.decode_job_status(f[wire.JOB_STATUS_FIELD]) for _, f in r.xrange(wire.JOB_STATUS_STREAM)]
+    r.close()
+    return out
+
+
+async def _until(cond: object, limit_s: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while not cond():  # type: ignore[operator]
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def test_restarted_agent_reattaches_and_reads_the_exit_code(redis_url: str, tmp_path: Path) -> None:
+    async def body() -> None:
+        client = aioredis.from_url(redis_url)
+        first = Launcher(node="n1", redis_client=client, state_dir=tmp_path, python=sys.executable)
+        await first.launch(_cmd("j1", seconds=4, exit_code=7))
+        assert [s.state for s in _statuses(redis_url)] == ["started"]
+        pids = first.jobs["j1"].pids
+        orphans = first.jobs["j1"].procs  # a dead agent's Popen objects: reaped below, not by GC
+        for t in list(first._tasks):  # the agent dies (its watcher with it); the ranks live on
+            t.cancel()
+        assert json.loads((tmp_path / "jobs.json").read_text())["j1"]["pids"] == pids
+        second = Launcher(node="n1", redis_client=client, state_dir=tmp_path, python=sys.executable)
+        await second.reattach()
+        assert "j1" in second.jobs
+        await _until(lambda: len(_statuses(redis_url)) == 2)
+        last = _statuses(redis_url)[-1]
+        assert (last.state, last.exit_code) == ("exited", 7)
+        assert "rank 0 done" in last.log_tail
+        assert json.loads((tmp_path / "jobs.json").read_text()) == {}
+        for p in orphans:
+            p.wait()
+        await client.aclose()
+
+    asyncio.run(body())
+
+
+def test_ranks_dead_while_the_agent_was_away_are_reported(redis_url: str, tmp_path: Path) -> None:
+    (tmp_path / "jobs.json").write_text(json.dumps({"ghost": {"node_rank": 0, "pids": [2**22 + 12345], "pgid": 1}}))
+
+    async def body() -> None:
+        client = aioredis.from_url(redis_url)
+        await Launcher(node="n1", redis_client=client, state_dir=tmp_path).reattach()
+        await client.aclose()
+
+    asyncio.run(body())
+    [st] = _statuses(redis_url)
+    assert (st.job, st.state) == ("ghost", "lost")
+
+
+def test_stop_terminates_the_process_group(redis_url: str, tmp_path: Path) -> None:
+    async def body() -> None:
+        client = aioredis.from_url(redis_url)
+        launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path, python=sys.executable)
+        await launcher.launch(_cmd("j2", seconds=120))
+        await asyncio.sleep(1.0)
+        await launcher.stop("j2", grace_s=10)
+        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"], limit_s=30)
+        await client.aclose()
+
+    asyncio.run(body())
+    assert _statuses(redis_url)[-1].exit_code != 0

@@ -1,0 +1,65 @@
+"""The job lifecycle decision, through every state and its guards."""
+
+from __future__ import annotations
+
+from services.jobs import decide, master_port
+
+NODES = ["a", "b"]
+
+
+def d(state: str, status: dict[str, dict[str, object]], *, since: float = 0.0, now: float = 1.0):  # type: ignore[no-untyped-def]
+    return decide(state=state, nodes=NODES, status=status, since=since, now=now, start_timeout=60.0)
+
+
+def started() -> dict[str, object]:
+    return {"state": "started"}
+
+
+def exited(code: int, tail: str = "") -> dict[str, object]:
+    return {"state": "exited", "exit_code": code, "log_tail": tail}
+
+
+def test_pending_launches_and_starting_resends_until_every_node_answers() -> None:
+    assert d("PENDING", {}).state == "STARTING" and d("PENDING", {}).send == "launch"
+    r = d("STARTING", {"a": started()})
+    assert (r.state, r.send) == ("STARTING", "launch")
+    r = d("STARTING", {"a": started(), "b": started()})
+    assert (r.state, r.send, r.reason) == ("RUNNING", None, "ranks started on a, b")
+
+
+def test_success_needs_every_node_to_exit_zero() -> None:
+    assert d("RUNNING", {"a": exited(0), "b": started()}).state == "RUNNING"
+    assert d("RUNNING", {"a": exited(0), "b": exited(0)}).state == "SUCCEEDED"
+    assert d("STARTING", {"a": exited(0), "b": exited(0)}).state == "SUCCEEDED"  # a very short job
+
+
+def test_failures_stop_the_others_and_say_why() -> None:
+    r = d("RUNNING", {"a": exited(3, "step 4\nCUDA error: out of memory\n"), "b": started()})
+    assert (r.state, r.send) == ("FAILED", "stop")
+    assert r.reason == "ranks on a exited with 3; last log line: CUDA error: out of memory"
+    r = d("STARTING", {"a": {"state": "preflight_failed", "detail": "GPU 3 lost"}})
+    assert (r.state, r.reason) == ("FAILED", "preflight failed on a: GPU 3 lost")
+    assert d("RUNNING", {"a": {"state": "lost", "detail": "x"}, "b": started()}).state == "FAILED"
+    r = d("STARTING", {"a": started()}, since=0.0, now=61.0)
+    assert (r.state, r.reason) == ("FAILED", "no start from b within 60s")
+
+
+def test_stopping_until_every_rank_is_gone_and_terminal_states_stay() -> None:
+    r = d("STOPPING", {"a": started(), "b": exited(143)})
+    assert (r.state, r.send) == ("STOPPING", "stop")
+    assert d("STOPPING", {"a": exited(143), "b": exited(143)}).state == "STOPPED"
+    assert d("STOPPING", {}).state == "STOPPED"  # never launched
+    for state in ("SUCCEEDED", "FAILED", "STOPPED"):
+        r = d(state, {"a": started()})
+        assert (r.state, r.send) == (state, None)
+
+
+def test_decisions_are_level_triggered() -> None:
+    status = {"a": started(), "b": started()}
+    first = d("STARTING", status)
+    assert d(first.state, status).state == first.state == "RUNNING"
+
+
+def test_master_port_is_stable_and_in_range() -> None:
+    assert master_port("abc") == master_port("abc")
+    assert all(29500 <= master_port(str(i)) < 30000 for i in range(1000))

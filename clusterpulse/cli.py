@@ -375,6 +375,29 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    p = _call("GET", f"/v1/jobs/{args.job}/plan")
+    if args.json:
+        print(json.dumps(p, indent=2))
+        return 0
+    print(f"job {p['job']} generation {p['generation']}: {p['reason']}")
+    if p.get("refused"):
+        print(f"  REFUSED (old plan stays): {p['refused']}")
+    rows = [("RANK", "NODE", "ROLE")]
+    for rank, node in p["ranks"].items():
+        r = int(rank)
+        role = (
+            f"proxied by {p['proxies'][rank]}"
+            if rank in p["proxies"]
+            else "excluded"
+            if r in p["excluded"]
+            else "participant"
+        )
+        rows.append((rank, node, role))
+    print(_table(rows))
+    return 0
+
+
 # --- demo / bench -------------------------------------------------------------------------------
 
 
@@ -455,6 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--follow", action="store_true", help="stream state and progress until the job ends")
     j.add_argument("--json", action="store_true")
     j.set_defaults(fn=cmd_jobs)
+
+    pl = sub.add_parser("plan", help="a job's gradient-aggregation plan in force")
+    pl.add_argument("job")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(fn=cmd_plan)
 
     m = sub.add_parser("demo", help="orchestrator + 16 simulated nodes on this machine, with a fault")
     m.add_argument("--nodes", type=int, default=16)

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     psu_input_imbalance_amperes: float = Field(1.5, gt=0)
     gpu_power_peer_gap_ratio: float = Field(0.05, gt=0, lt=1)
 
+    # Gradient aggregation plans (services/planner.py)
+    max_proxied_per_rank: int = Field(1, ge=1)
+
     # Training progress (services/progress.py)
     straggler_factor: float = Field(1.5, gt=1)
     job_stale_after_s: float = Field(300.0, gt=0)

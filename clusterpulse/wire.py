@@ -270,6 +270,21 @@ class JobStatus(msgspec.Struct, kw_only=True, frozen=True):
     log_tail: Annotated[str, msgspec.Meta(max_length=16384)] = ""
 
 
+class RankRegistration(msgspec.Struct, kw_only=True, frozen=True):
+    """A training process announcing itself, whatever launched it (DeepSpeed, torchrun, Slurm,
+    the agents): plans work for jobs the orchestrator did not start."""
+
+    v: int
+    job: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    rank: NonNegInt
+    node: NodeName
+    local_rank: NonNegInt = 0
+    world_size: Annotated[int, msgspec.Meta(ge=1)]
+
+
+REGISTRATION_STREAM = "pulse:{trainer}:registrations"
+REGISTRATION_FIELD = b"rank"
+
 JOB_STATUS_STREAM = "pulse:{jobs}:status"
 JOB_STATUS_FIELD = b"status"
 COMMAND_FIELD = b"cmd"
@@ -295,7 +310,7 @@ class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
     event: Annotated[str, msgspec.Meta(max_length=512)] | None = None
 
 
-_T = TypeVar("_T", TrainerReport, JobCommand, JobStatus)
+_T = TypeVar("_T", TrainerReport, JobCommand, JobStatus, RankRegistration)
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
 
@@ -326,3 +341,7 @@ def decode_job_command(payload: bytes | str) -> JobCommand:
 
 def decode_job_status(payload: bytes | str) -> JobStatus:
     return _decode(JobStatus, payload, what="job status")
+
+
+def decode_registration(payload: bytes | str) -> RankRegistration:
+    return _decode(RankRegistration, payload, what="rank registration")

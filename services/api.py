@@ -26,7 +26,7 @@ from services.cluster import NodeView
 from services.deps import Operator, OrchestratorDep
 from services.health import State
 from services.jobs import JOB_STATES
-from services.metrics import CONTENT_TYPE, Renderer, job_state_lines
+from services.metrics import CONTENT_TYPE, Renderer, job_state_lines, plan_lines
 from services.orchestrator import Orchestrator, PlacementRefused
 from services.schemas import (
     CordonPublic,
@@ -38,6 +38,7 @@ from services.schemas import (
     JobsPublic,
     NodePublic,
     NodesPublic,
+    PlanPublic,
 )
 
 log = logging.getLogger("pulse.orchestrator.api")
@@ -158,6 +159,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             progress=orch.progress,
             extra=(
                 *job_state_lines(orch.job_states),
+                *plan_lines(orch.plans.plans, orch.plans.refused),
                 "# HELP pulse_leader 1 when this replica leads.",
                 "# TYPE pulse_leader gauge",
                 "pulse_leader 1",
@@ -295,6 +297,22 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     @app.get("/v1/jobs/{job_id}", response_model=JobPublic)
     async def get_job(job_id: str, orch: OrchestratorDep) -> JobPublic:
         return await _get_job(orch, job_id)
+
+    @app.get("/v1/jobs/{job_id}/plan", response_model=PlanPublic)
+    async def get_plan(job_id: str, orch: OrchestratorDep) -> PlanPublic:
+        p = orch.plans.plans.get(job_id)
+        if p is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} has no plan (no rank registered)")
+        return PlanPublic(
+            job=p.job,
+            generation=p.generation,
+            participants=p.participants,
+            proxies=p.proxies,
+            excluded=p.excluded,
+            reason=p.reason,
+            refused=orch.plans.refused.get(job_id),
+            ranks={str(r): i.node for r, i in sorted(orch.plans.ranks.get(job_id, {}).items())},
+        )
 
     @app.post("/v1/jobs/{job_id}/stop", response_model=JobPublic)
     async def stop_job(job_id: str, orch: OrchestratorDep, actor: Operator) -> JobPublic:

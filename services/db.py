@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect, select, text
+from sqlalchemy import Engine, create_engine, event, func, inspect, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.models import EventRow, GpuRow, JobRow, NodeRow
+from services.models import EventRow, GpuRow, JobRankRow, JobRow, NodeRow, PlanRow
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -211,9 +211,10 @@ def record_event(
     reason: str,
     at: float,
     node: str | None = None,
+    job: str | None = None,
     actor: str = "orchestrator",
 ) -> EventRow:
-    ev = EventRow(at=at, kind=kind, node=node, reason=reason, actor=actor)
+    ev = EventRow(at=at, kind=kind, node=node, job=job, reason=reason, actor=actor)
     session.add(ev)
     return ev
 
@@ -343,3 +344,56 @@ def set_job_node_status(session: Session, *, job_id: str, node: str, status: dic
         raise KeyError(job_id)
     row.node_status = {**row.node_status, node: status}
     row.updated_at = at
+
+
+# --- Ranks and plans ---------------------------------------------------------------------------
+
+
+def upsert_ranks(session: Session, *, rows: Sequence[dict[str, Any]]) -> None:
+    """Store registrations (job, rank, node, local_rank, world_size, registered_at); a rank that
+    registers again (a restarted process) replaces its row."""
+    if not rows:
+        return
+    stmt = _insert(session)(JobRankRow).values(list(rows))
+    cols = ("node", "local_rank", "world_size", "registered_at")
+    session.execute(
+        stmt.on_conflict_do_update(index_elements=["job", "rank"], set_={c: stmt.excluded[c] for c in cols})
+    )
+
+
+def load_ranks(session: Session) -> list[JobRankRow]:
+    return list(session.scalars(select(JobRankRow).order_by(JobRankRow.job, JobRankRow.rank)))
+
+
+def record_plan(
+    session: Session,
+    *,
+    job: str,
+    generation: int,
+    participants: list[int],
+    proxies: dict[str, int],
+    excluded: list[int],
+    reason: str,
+    at: float,
+) -> None:
+    session.add(
+        PlanRow(
+            job=job,
+            generation=generation,
+            participants=participants,
+            proxies=proxies,
+            excluded=excluded,
+            reason=reason,
+            at=at,
+        )
+    )
+    session.add(
+        EventRow(at=at, kind="plan", job=job, reason=f"generation {generation}: {reason}", actor="orchestrator")
+    )
+
+
+def latest_plans(session: Session) -> list[PlanRow]:
+    """The plan in force for every job: its highest generation."""
+    newest = select(PlanRow.job, func.max(PlanRow.generation).label("g")).group_by(PlanRow.job).subquery()
+    q = select(PlanRow).join(newest, (PlanRow.job == newest.c.job) & (PlanRow.generation == newest.c.g))
+    return list(session.scalars(q.order_by(PlanRow.job)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from clusterpulse import wire
 from clusterpulse.wire import THROTTLE_REASONS
@@ -234,4 +235,25 @@ def job_state_lines(states: dict[str, tuple[str, float]]) -> list[str]:
     out = ["# HELP pulse_job_state 1 for the job's current state, 0 for the others.", "# TYPE pulse_job_state gauge"]
     for job, (state, _) in sorted(states.items()):
         out += [f'pulse_job_state{{job="{escape(job)}",state="{s}"}} {1 if s == state else 0}' for s in JOB_STATES]
+    return out
+
+
+def plan_lines(plans: dict[str, Any], refused: dict[str, str]) -> list[str]:
+    """The plan in force per job: generation, proxied and excluded ranks, and refusals."""
+    out: list[str] = []
+    for metric, help_, get in (
+        ("pulse_job_plan_generation", "Generation of the job's aggregation plan in force.", lambda p: p.generation),
+        ("pulse_job_proxied_ranks", "Ranks whose gradient a neighbour carries.", lambda p: len(p.proxies)),
+        ("pulse_job_excluded_ranks", "Ranks excluded from the job (LOST nodes).", lambda p: len(p.excluded)),
+    ):
+        out += [f"# HELP {metric} {help_}", f"# TYPE {metric} gauge"]
+        out += [f'{metric}{{job="{escape(j)}"}} {get(p)}' for j, p in sorted(plans.items())]
+    out += [
+        "# HELP pulse_job_plan_refused 1 while no valid new plan exists (the old one stays).",
+        "# TYPE pulse_job_plan_refused gauge",
+    ]
+    out += [
+        f'pulse_job_plan_refused{{job="{escape(j)}"}} {1 if j in refused else 0}'
+        for j in sorted(plans.keys() | refused.keys())
+    ]
     return out

@@ -87,3 +87,30 @@ class JobRow(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class JobRankRow(Base):
+    """A registered training rank: which node it runs on (the planner's rank -> node map)."""
+
+    __tablename__ = "job_ranks"
+
+    job: Mapped[str] = mapped_column(String(64), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[str] = mapped_column(String(64))
+    local_rank: Mapped[int] = mapped_column(Integer, default=0)
+    world_size: Mapped[int] = mapped_column(Integer)
+    registered_at: Mapped[float] = mapped_column(Float)
+
+
+class PlanRow(Base):
+    """Every generation of every job's aggregation plan. Append-only; the newest is in force."""
+
+    __tablename__ = "plans"
+
+    job: Mapped[str] = mapped_column(String(64), primary_key=True)
+    generation: Mapped[int] = mapped_column(Integer, primary_key=True)
+    participants: Mapped[list[int]] = mapped_column(JSON)
+    proxies: Mapped[dict[str, int]] = mapped_column(JSON)
+    excluded: Mapped[list[int]] = mapped_column(JSON)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    at: Mapped[float] = mapped_column(Float)

@@ -24,6 +24,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import msgspec
@@ -38,6 +39,8 @@ from clusterpulse.settings import Settings
 from services import db
 from services.cluster import Cluster, ClusterEvent
 from services.health import Policy, Transition
+from services.planner import PlannerPolicy
+from services.plans import PlanChange, PlanKeeper, PlanRefused
 from services.progress import Progress
 
 log = logging.getLogger("pulse.orchestrator")
@@ -70,7 +73,21 @@ def entry_time(entry_id: bytes | str) -> float:
     return int(raw.split("-", 1)[0]) / 1000.0
 
 
-Outboxed = Transition | ClusterEvent
+@dataclass(frozen=True)
+class Registered:
+    """A rank registration to store (table job_ranks)."""
+
+    reg: wire.RankRegistration
+    at: float
+
+
+@dataclass(frozen=True)
+class StoredPlan:
+    change: PlanChange | PlanRefused
+    at: float
+
+
+Outboxed = Transition | ClusterEvent | Registered | StoredPlan
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
@@ -93,8 +110,11 @@ class Orchestrator:
             *wire.heartbeat_stream_keys(settings.heartbeat_stream_shards),
             wire.TRAINER_STREAM,
             wire.JOB_STATUS_STREAM,
+            wire.REGISTRATION_STREAM,
         ]
         self._job_statuses: list[wire.JobStatus] = []
+        self.plans = PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=settings.max_proxied_per_rank))
+        self._ranks_changed = False
         self._last_send: dict[tuple[str, str], float] = {}
         self.job_states: dict[str, tuple[str, float]] = {}  # job -> (state, updated_at), for /metrics
         self.progress = Progress(straggler_factor=settings.straggler_factor, stale_after=settings.job_stale_after_s)
@@ -115,6 +135,9 @@ class Orchestrator:
         rows = await asyncio.to_thread(self._load)
         for r in rows:
             self.cluster.restore(**r)
+        ranks, plans = await asyncio.to_thread(self._load_plans)
+        self.plans.restore(ranks=ranks, plans=plans)
+        await self._until_ok("plans", self._republish_plans)
         for stream in self.streams:
             await self._until_ok("consumer group", lambda s=stream: self._ensure_group(s))  # type: ignore[misc]
         await self._read_pending()
@@ -196,6 +219,24 @@ class Orchestrator:
                 for r in db.load_nodes(s)
             ]
 
+    def _load_plans(self) -> tuple[dict[str, dict[int, str]], dict[str, wire.Plan]]:
+        with self.sessions() as s:
+            ranks: dict[str, dict[int, str]] = {}
+            for r in db.load_ranks(s):
+                ranks.setdefault(r.job, {})[r.rank] = r.node
+            plans = {
+                p.job: wire.Plan(
+                    job=p.job,
+                    generation=p.generation,
+                    participants=list(p.participants),
+                    proxies=dict(p.proxies),
+                    excluded=list(p.excluded),
+                    reason=p.reason,
+                )
+                for p in db.latest_plans(s)
+            }
+            return ranks, plans
+
     async def _ensure_group(self, stream: str) -> None:
         try:
             await self.redis.xgroup_create(stream, wire.ORCHESTRATOR_GROUP, id="0", mkstream=True)
@@ -223,6 +264,18 @@ class Orchestrator:
             for entry_id, fields in entries:
                 unacked.append(entry_id)
                 self._fold_report(fields.get(wire.TRAINER_FIELD) if fields else None, entry_time(entry_id))
+            return
+        if stream == wire.REGISTRATION_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                try:
+                    reg = wire.decode_registration((fields or {}).get(wire.REGISTRATION_FIELD, b""))
+                except wire.WireError as exc:
+                    log.warning("event=registration_rejected reason=%s detail=%s", exc.reason, exc)
+                    continue
+                if self.plans.register(reg):
+                    self._ranks_changed = True
+                    self._outbox.append(Registered(reg, entry_time(entry_id)))
             return
         if stream == wire.JOB_STATUS_STREAM:
             for entry_id, fields in entries:
@@ -310,6 +363,10 @@ class Orchestrator:
                 await self.clock.sync()
             now = self.clock.now()
             transitions, events = self.cluster.evaluate(now=now)
+            if transitions or self._ranks_changed:
+                self._ranks_changed = False
+                with contextlib.suppress(*_REDIS_DOWN):  # the next change replans again
+                    await self._replan(now)
             for job in self.progress.expire(now=now):
                 self._stragglers = {k for k in self._stragglers if k[0] != job}
             self._outbox.extend(events)
@@ -357,8 +414,56 @@ class Orchestrator:
                         reason=item.reason,
                         at=item.at,
                     )
+                elif isinstance(item, Registered):
+                    r = item.reg
+                    db.upsert_ranks(
+                        s,
+                        rows=[
+                            {"job": r.job, "rank": r.rank, "node": r.node, "local_rank": r.local_rank,
+                             "world_size": r.world_size, "registered_at": item.at}
+                        ],
+                    )  # fmt: skip
+                elif isinstance(item, StoredPlan):
+                    c = item.change
+                    if isinstance(c, PlanChange):
+                        p = c.plan
+                        db.record_plan(
+                            s, job=p.job, generation=p.generation, participants=p.participants,
+                            proxies=p.proxies, excluded=p.excluded, reason=p.reason, at=item.at,
+                        )  # fmt: skip
+                    else:
+                        db.record_event(s, kind="plan_refused", reason=c.reason, at=item.at, job=c.job)
                 else:
                     db.record_event(s, kind=item.kind, node=item.node, reason=item.reason, at=item.at)
+
+    # --- plans ----------------------------------------------------------------------------------
+    async def _replan(self, now: float) -> None:
+        """New plan generations go to Redis at once (key + channel), then to the outbox."""
+        assert self.cluster is not None
+        changes = self.plans.replan(self.cluster)
+        published = [c for c in changes if isinstance(c, PlanChange)]
+        if published:
+            pipe = self.redis.pipeline(transaction=False)
+            for pc in published:
+                pipe.set(wire.job_plan_key(pc.job), wire.encode(pc.plan))
+                pipe.publish(wire.PLAN_CHANNEL, pc.job)
+            await pipe.execute()
+        for change in changes:
+            self._outbox.append(StoredPlan(change, now))
+            if isinstance(change, PlanChange):
+                log.info(
+                    "event=plan job=%s generation=%d reason=%r", change.job, change.plan.generation, change.plan.reason
+                )
+            else:
+                log.warning("event=plan_refused job=%s reason=%r", change.job, change.reason)
+
+    async def _republish_plans(self) -> None:
+        """After a start: the plans in force go back into Redis (it may have restarted)."""
+        if self.plans.plans:
+            pipe = self.redis.pipeline(transaction=False)
+            for job, p in self.plans.plans.items():
+                pipe.set(wire.job_plan_key(job), wire.encode(p))
+            await pipe.execute()
 
     # --- jobs -----------------------------------------------------------------------------------
     async def _jobs_loop(self) -> None:

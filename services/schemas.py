@@ -99,3 +99,14 @@ class JobPublic(BaseModel):
 class JobsPublic(BaseModel):
     data: list[JobPublic]
     count: int
+
+
+class PlanPublic(BaseModel):
+    job: str
+    generation: int
+    participants: list[int]
+    proxies: dict[str, int]
+    excluded: list[int]
+    reason: str
+    refused: str | None = None  # why the newest inputs have no valid plan (the old one stays)
+    ranks: dict[str, str]  # rank -> node

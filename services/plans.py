@@ -1,0 +1,85 @@
+"""The plan lifecycle: registered ranks and the aggregation plan in force for each job.
+
+Training ranks register (``wire.RankRegistration``) whatever launched them, so plans work for
+jobs the orchestrator did not start; a job gets its first plan once all ``world_size`` ranks
+have registered. After every health evaluation that changed a node, and
+after every registration, :meth:`PlanKeeper.replan` calls the pure planner
+(``services/planner.py``) for each job with the job's rank -> node map, its nodes' topology labels
+and health, and the plan in force. A new generation is published at once (Redis key
+``wire.job_plan_key(job)`` plus a ``wire.PLAN_CHANNEL`` message) and stored (table ``plans``,
+an event). When no valid plan exists the old one stays in force, and the refusal is an event and
+``pulse_job_plan_refused{job}``. No I/O here: the orchestrator publishes and persists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from clusterpulse import wire
+from services.cluster import Cluster
+from services.health import State
+from services.planner import PlannerPolicy, RankInfo, Refusal, plan
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    job: str
+    plan: wire.Plan
+
+
+@dataclass(frozen=True)
+class PlanRefused:
+    job: str
+    reason: str
+
+
+class PlanKeeper:
+    def __init__(self, *, policy: PlannerPolicy) -> None:
+        self.policy = policy
+        self.ranks: dict[str, dict[int, RankInfo]] = {}
+        self.plans: dict[str, wire.Plan] = {}
+        self.refused: dict[str, str] = {}
+        self.world: dict[str, int] = {}  # job -> world size its ranks announced
+
+    def register(self, reg: wire.RankRegistration) -> bool:
+        """Fold a registration; True when the job's rank -> node map changed."""
+        self.world[reg.job] = reg.world_size
+        job = self.ranks.setdefault(reg.job, {})
+        before = job.get(reg.rank)
+        job[reg.rank] = RankInfo(rank=reg.rank, node=reg.node)
+        return before != job[reg.rank]
+
+    def restore(self, *, ranks: Mapping[str, Mapping[int, str]], plans: Mapping[str, wire.Plan]) -> None:
+        for job, m in ranks.items():
+            self.ranks[job] = {r: RankInfo(rank=r, node=n) for r, n in m.items()}
+        self.plans.update(plans)
+
+    def replan(self, cluster: Cluster) -> list[PlanChange | PlanRefused]:
+        """A new generation for every job whose inputs changed; refusals that are new."""
+        out: list[PlanChange | PlanRefused] = []
+        for job, ranks in sorted(self.ranks.items()):
+            if len(ranks) < self.world.get(job, 0):
+                continue  # not every rank has registered yet: no plan for half a job
+            nodes = {r.node for r in ranks.values()}
+            health: dict[str, State] = {n: cluster.nodes[n].health.state for n in nodes if n in cluster.nodes}
+            labels = {n: cluster.nodes[n].labels for n in nodes if n in cluster.nodes}
+            prev = self.plans.get(job)
+            result = plan(
+                job=job,
+                ranks=[ranks[r] for r in sorted(ranks)],
+                labels=labels,
+                health=health,
+                previous=prev,
+                policy=self.policy,
+            )
+            if isinstance(result, Refusal):
+                if self.refused.get(job) != result.reason:
+                    self.refused[job] = result.reason
+                    out.append(PlanRefused(job, result.reason))
+                continue
+            self.refused.pop(job, None)
+            if prev is None or result.generation != prev.generation:
+                self.plans[job] = result
+                out.append(PlanChange(job, result))
+        return out

@@ -1,0 +1,84 @@
+"""Plan lifecycle on real Redis and SQLite: registration, a new generation when a node's health
+changes, publication (key + channel), persistence across a restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+import redis.asyncio as aioredis
+
+from agent.daemon import NodeAgent, run_agents
+from agent.publisher import HeartbeatPublisher
+from agent.simulated import SimulatedNode
+from clusterpulse import wire
+from services.orchestrator import Orchestrator
+from tests.integration.test_ingest import _settings, _until, _with_orchestrator
+
+
+def _register(url: str, job: str, world: int) -> None:
+    r = redis.Redis.from_url(url)
+    for rank in range(world):
+        reg = wire.RankRegistration(v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=f"p{rank}", world_size=world)
+        r.xadd(wire.REGISTRATION_STREAM, {wire.REGISTRATION_FIELD: wire.encode(reg)})
+    r.close()
+
+
+def _plan_in_redis(url: str, job: str) -> wire.Plan | None:
+    import msgspec
+
+    r = redis.Redis.from_url(url)
+    raw = r.get(wire.job_plan_key(job))
+    r.close()
+    return None if raw is None else msgspec.json.decode(raw, type=wire.Plan)
+
+
+def test_degraded_node_gets_a_new_generation_published_and_stored(redis_url: str, sqlite_url: str) -> None:
+    settings = _settings(redis_url, sqlite_url, recover_after=1)
+
+    async def body(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        client = aioredis.from_url(redis_url)
+        sims = [SimulatedNode(f"p{i}", gpus=2) for i in range(4)]
+        agents = [
+            NodeAgent(node=s.node, gpu=s, gpu_source="simulated", interval_s=0.05, sim=s,
+                      labels={"nvlink_domain": f"d{i // 2}", "switch": "s0", "rack": "r0"})
+            for i, s in enumerate(sims)
+        ]  # fmt: skip
+        stop = asyncio.Event()
+        pub = HeartbeatPublisher(client, shards=1, maxlen=10_000, ttl_s=10)
+        task = asyncio.create_task(run_agents(agents, pub, interval_s=0.05, stop=stop))
+        sub = client.pubsub()
+        await sub.subscribe(wire.PLAN_CHANNEL)
+        _register(redis_url, "job1", 4)
+        await _until(lambda: "job1" in orch.plans.plans)
+        first = orch.plans.plans["job1"]
+        assert (first.generation, first.participants, first.proxies) == (1, [0, 1, 2, 3], {})
+        sims[2].faults.add("pcie_x8")
+        await _until(lambda: orch.plans.plans["job1"].generation == 2)
+        second = orch.plans.plans["job1"]
+        assert second.proxies == {"2": 3} and second.participants == [0, 1, 3]  # same nvlink_domain d1
+        assert _plan_in_redis(redis_url, "job1") == second
+        messages = []
+        for _ in range(20):
+            m = await sub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+            if m:
+                messages.append(m["data"])
+        assert b"job1" in messages
+        sims[2].faults.clear()
+        await _until(lambda: orch.plans.plans["job1"].generation == 3 and not orch.plans.plans["job1"].proxies)
+        await asyncio.sleep(0.3)  # the outbox
+        stop.set()
+        await task
+        await sub.aclose()
+        await client.aclose()
+
+    asyncio.run(_with_orchestrator(settings, body))
+    redis.Redis.from_url(redis_url).delete(wire.job_plan_key("job1"))
+
+    async def after(orch: Orchestrator) -> None:
+        p = orch.plans.plans["job1"]
+        assert p.generation == 3 and orch.plans.ranks["job1"][2].node == "p2"
+        assert _plan_in_redis(redis_url, "job1") == p  # republished at start
+
+    asyncio.run(_with_orchestrator(settings, after))

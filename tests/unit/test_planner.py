@@ -242,6 +242,18 @@ def test_a_carrier_that_fails_is_replaced_and_the_reason_says_why() -> None:
     )
 
 
+def test_a_lower_cap_moves_only_the_overflow() -> None:
+    ranks = [RankInfo(0, "a"), RankInfo(1, "a"), RankInfo(2, "b"), RankInfo(3, "c")]
+    health = {"a": H, "b": D, "c": D}
+    p1 = ok(run(ranks, health, cap=2))
+    assert p1.proxies == {"2": 0, "3": 0}
+    p2 = ok(run(ranks, health, previous=p1, cap=1))
+    assert (p2.generation, p2.proxies) == (2, {"2": 0, "3": 1})  # rank 2 keeps its carrier; 3 moves
+    assert p2.reason == (
+        "rank 3 (node c) DEGRADED -> carrier rank 0 replaced by rank 1 (ring order): rank 0 is at max_proxied_per_rank=1"
+    )
+
+
 def test_generation_increments_only_on_change() -> None:
     ranks = one_per_node(4)
     p1 = ok(run(ranks, healthy(ranks)))
@@ -396,6 +408,8 @@ def test_property_deterministic_under_shuffled_input(data: st.DataObject, seed: 
     r2, l2, hh2 = shuffled(rng, ranks, labels, h2)
     b = run(r2, hh2, l2, previous=previous, cap=cap)
     assert a == b
+    if isinstance(a, Plan) and isinstance(b, Plan):
+        assert encode(a) == encode(b)  # byte for byte: proxies built in rank order, not input order
 
 
 @settings(max_examples=200, deadline=None)
@@ -410,20 +424,31 @@ def test_property_topology_preference(data: st.DataObject) -> None:
     result = run(ranks, health, labels, cap=cap)
     if not isinstance(result, Plan):
         return
+    check_nearest(ranks, labels, cap, result, set(result.proxies))
+
+
+def check_nearest(ranks: Sequence[RankInfo], labels: Labels, cap: int, result: Plan, fresh: set[str]) -> None:
+    """For every degraded rank in ``fresh`` (assigned anew, not kept) with carrier ``c``: every
+    *other* participant with spare capacity in the final plan is strictly farther by ``(tier, ring
+    distance)``. Loads only grow during the greedy pass, so spare at the end means spare then."""
     node_of = {r.rank: r.node for r in ranks}
     size = max(node_of) + 1
     load: dict[int, int] = {}
     for c in result.proxies.values():
         load[c] = load.get(c, 0) + 1
+    spare = [p for p in result.participants if load.get(p, 0) < cap]
 
     def key(d: int, p: int) -> tuple[int, int]:
         return ref_tier(node_of[d], node_of[p], labels), (p - d) % size
 
-    for k, c in result.proxies.items():
-        d = int(k)
-        for p in result.participants:
-            if p != c and load.get(p, 0) < cap:
+    for k in fresh:
+        d, c = int(k), result.proxies[k]
+        for p in spare:
+            if p != c:
                 assert key(d, c) < key(d, p), (d, c, p)
+        # the headline corollary: a same-nvlink_domain participant left with room => a same-domain carrier
+        if any(ref_tier(node_of[d], node_of[p], labels) == 0 for p in spare):
+            assert ref_tier(node_of[d], node_of[c], labels) == 0
 
 
 def arbitrary_previous(
@@ -462,9 +487,12 @@ def test_property_minimal_churn_and_generations(data: st.DataObject) -> None:
         return
     # every degraded rank whose previous carrier is still a participant keeps it (the previous
     # plan honoured the same cap, so each such carrier still has room for what it carried)
+    kept = set()
     for k, c in first.proxies.items():
         if k in second.proxies and c in second.participants:
             assert second.proxies[k] == c
+            kept.add(k)
+    check_nearest(ranks, labels, cap, second, set(second.proxies) - kept)  # new assignments: nearest first
     changed = (first.participants, first.proxies, first.excluded) != (
         second.participants,
         second.proxies,

@@ -1,0 +1,197 @@
+"""``python -m trainer.example`` end to end: two real DeepSpeed ranks on gloo reporting to Redis,
+an emergency checkpoint on SIGUSR2, and the same script launched as a job through the real stack
+(orchestrator + ``pulse agent`` processes) with its progress on the orchestrator's /metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import pytest
+import redis
+
+from clusterpulse import wire
+from tests.support import REDIS_URL, REPO, free_port, pulse_env, spawn, stop, wait_for
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "trainer-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _entries(client: redis.Redis, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    return cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream))
+
+
+def _reports(url: str) -> list[wire.TrainerReport]:
+    client = redis.Redis.from_url(url)
+    try:
+        return [wire.decode_trainer_report(f[wire.TRAINER_FIELD]) for _, f in _entries(client, wire.TRAINER_STREAM)]
+    finally:
+        client.close()
+
+
+def _registrations(url: str) -> list[wire.RankRegistration]:
+    client = redis.Redis.from_url(url)
+    try:
+        return [
+            wire.decode_registration(f[wire.REGISTRATION_FIELD]) for _, f in _entries(client, wire.REGISTRATION_STREAM)
+        ]
+    finally:
+        client.close()
+
+
+def test_two_ranks_train_report_and_checkpoint_on_sigusr2(redis_url: str, tmp_path: Path) -> None:
+    port = free_port()
+    ckpt = tmp_path / "ckpt"
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    for rank in range(2):
+        env = pulse_env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PULSE_REDIS_URL=redis_url,
+            PULSE_PEAK_FLOPS="1e11",
+            PULSE_JOB_ID="t1",
+            PULSE_NODE=f"node{rank}",
+        )
+        args = ["--steps", "10", "--checkpoint-dir", str(ckpt), "--step-delay", "0.3"]
+        with logs[rank].open("wb") as fh:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "trainer.example", *args], env=env, cwd=REPO, stdout=fh, stderr=fh
+                )
+            )
+    try:
+        wait_for(
+            lambda: any(r.rank == 0 and r.step >= 2 for r in _reports(redis_url)),
+            timeout=240,
+            what="rank 0 past step 2",
+            every=0.1,
+        )
+        procs[0].send_signal(signal.SIGUSR2)
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = [log.read_text(errors="replace") for log in logs]
+    assert [p.returncode for p in procs] == [0, 0], out
+    summary = json.loads([line for line in out[0].splitlines() if line.startswith('{"steps"')][-1])
+    assert summary["steps"] == 10 and summary["world_size"] == 2
+    assert summary["final_loss"] < summary["first_loss"]
+
+    reps = _reports(redis_url)
+    assert sorted((r.rank, r.step) for r in reps) == [(r, s) for r in range(2) for s in range(1, 11)]
+    for r in reps:
+        assert r.job == "t1" and r.node == f"node{r.rank}"
+        assert r.loss is not None and math.isfinite(r.loss)
+        assert r.tokens_per_s is not None and r.tokens_per_s > 0
+        assert r.mfu_ratio is not None and r.mfu_ratio > 0
+    regs = _registrations(redis_url)
+    assert sorted((g.job, g.rank, g.world_size) for g in regs) == [("t1", 0, 2), ("t1", 1, 2)]
+
+    saved = [d for d in ckpt.iterdir() if d.is_dir() and d.name.startswith("emergency-step")]
+    assert saved, f"no checkpoint under {ckpt}: {list(ckpt.iterdir()) if ckpt.exists() else 'missing'}"
+    assert any(saved[0].iterdir())
+
+
+# --- through the real stack (the Stack pattern of tests/e2e/test_jobs.py) ------------------------
+
+
+class Stack:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.env = pulse_env(
+            PULSE_REDIS_URL=REDIS_URL,
+            PULSE_DATABASE_URL=f"sqlite:///{tmp / 'pulse.db'}",
+            PULSE_HEARTBEAT_INTERVAL_S="0.3",
+            PULSE_DEGRADED_AFTER_S="3",
+            PULSE_LOST_AFTER_S="120",
+            PULSE_EVALUATE_INTERVAL_S="0.1",
+            PULSE_PERSIST_INTERVAL_S="0.5",
+            PULSE_API_TOKEN=TOKEN,
+            PULSE_AGENT_STATE_DIR=str(tmp / "agents"),
+            PULSE_JOB_STOP_GRACE_S="3",
+            PULSE_JOB_START_TIMEOUT_S="120",
+        )
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.api = f"http://127.0.0.1:{self.port}"
+
+    def orchestrator(self) -> None:
+        self.procs["orch"] = spawn(["orchestrator", "--port", str(self.port)], env=self.env, log=self.tmp / "orch.log")
+        wait_for(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
+
+    def agent(self, node: str) -> None:
+        args = ["agent", "--node", node, "--source", "simulated", "--interval", "0.3", "--label", "addr=127.0.0.1"]
+        self.procs[node] = spawn(args, env=self.env, log=self.tmp / f"{node}.log")
+
+    def get(self, path: str) -> Any:
+        r = httpx.get(f"{self.api}{path}", timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
+
+
+def test_example_job_through_orchestrator_and_agents(redis_url: str, tmp_path: Path) -> None:
+    s = Stack(tmp_path)
+    try:
+        s.orchestrator()
+        s.agent("tr-a")
+        s.agent("tr-b")
+        wait_for(
+            lambda: (
+                {n["name"]: n["state"] for n in s.get("/v1/nodes")["data"]} == {"tr-a": "HEALTHY", "tr-b": "HEALTHY"}
+            ),
+            timeout=60,
+            what="two HEALTHY nodes",
+        )
+        body = {
+            "name": "example",
+            "nodes": 2,
+            "gpus_per_node": 1,
+            "entrypoint": ["-m", "trainer.example", "--steps", "20"],
+            "env": {"PULSE_PEAK_FLOPS": "1e11"},
+        }
+        r = httpx.post(f"{s.api}/v1/jobs", json=body, headers=AUTH, timeout=10)
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        wanted = [
+            f'pulse_job_step{{job="{job_id}"}}',
+            f'pulse_job_mfu_ratio{{job="{job_id}"}}',
+            f'pulse_job_loss{{job="{job_id}"}}',
+        ]
+        seen: set[str] = set()
+        states: list[str] = []
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            state = s.get(f"/v1/jobs/{job_id}")["state"]
+            if not states or states[-1] != state:
+                states.append(state)
+            metrics = httpx.get(f"{s.api}/metrics", timeout=5).text
+            seen |= {w for w in wanted if w in metrics}
+            if state in ("SUCCEEDED", "FAILED", "STOPPED") and (seen == set(wanted) or state != "SUCCEEDED"):
+                break
+            time.sleep(0.2)
+        assert states[-1] == "SUCCEEDED", (states, s.get(f"/v1/jobs/{job_id}"), s.logs())
+        assert "RUNNING" in states, states
+        assert seen == set(wanted), (seen, s.logs())
+        assert sorted(g.rank for g in _registrations(redis_url) if g.job == job_id) == [0, 1]
+    finally:
+        for p in s.procs.values():
+            stop(p)

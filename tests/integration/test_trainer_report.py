@@ -1,0 +1,174 @@
+"""trainer.report against a real Redis: registration, reports on the wire, Redis down, safety."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import cast
+
+import pytest
+import redis
+
+from clusterpulse import wire
+from clusterpulse.retry import Backoff
+from tests.support import wait_for
+from trainer.mfu import mfu
+from trainer.report import LossSpikeDetector, TrainerReporter, cosine_warmup
+
+
+def _entries(client: redis.Redis, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    return cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream))
+
+
+def _reports(url: str) -> list[wire.TrainerReport]:
+    client = redis.Redis.from_url(url)
+    try:
+        return [wire.decode_trainer_report(f[wire.TRAINER_FIELD]) for _, f in _entries(client, wire.TRAINER_STREAM)]
+    finally:
+        client.close()
+
+
+def _registrations(url: str) -> list[wire.RankRegistration]:
+    client = redis.Redis.from_url(url)
+    try:
+        return [
+            wire.decode_registration(f[wire.REGISTRATION_FIELD]) for _, f in _entries(client, wire.REGISTRATION_STREAM)
+        ]
+    finally:
+        client.close()
+
+
+def test_registration_and_reports_reach_redis(redis_url: str) -> None:
+    reporter = TrainerReporter(
+        job="j1",
+        rank=1,
+        node="n1",
+        world_size=2,
+        local_rank=0,
+        redis_url=redis_url,
+        flops_per_token=1e6,
+        peak_flops_per_device=1e11,
+        tokens_per_step=256,
+    )
+    wait_for(lambda: _registrations(redis_url), timeout=5, what="registration")
+    (reg,) = _registrations(redis_url)
+    assert (reg.job, reg.rank, reg.node, reg.local_rank, reg.world_size) == ("j1", 1, "n1", 0, 2)
+    for step in range(1, 6):
+        reporter.report(step=step, loss=2.0 / step, grad_norm=0.5, loss_scale=None, step_time_s=0.5)
+    assert reporter.close(timeout=5)
+    reps = _reports(redis_url)
+    assert [r.step for r in reps] == [1, 2, 3, 4, 5]
+    first = reps[0]
+    assert (first.job, first.rank, first.node, first.loss, first.grad_norm) == ("j1", 1, "n1", 2.0, 0.5)
+    assert first.tokens_per_s == pytest.approx(512.0)  # 256 tokens / 0.5 s
+    # 512 tok/s * 1e6 FLOP/token / 1e11 FLOP/s = 5.12e-3
+    assert first.mfu_ratio == pytest.approx(5.12e-3)
+    assert first.mfu_ratio == pytest.approx(
+        mfu(tokens_per_s=512, flops_per_token=1e6, ranks=1, peak_flops_per_device=1e11)
+    )
+    assert first.event is None
+    assert reporter.published == 5 and reporter.dropped == 0
+
+
+def test_env_fallbacks(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PULSE_JOB_ID", "envjob")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("PULSE_NODE", "envnode")
+    monkeypatch.setenv("PULSE_REDIS_URL", redis_url)
+    monkeypatch.setenv("PULSE_PEAK_FLOPS", "2e11")
+    with TrainerReporter(flops_per_token=1e6, tokens_per_step=100) as reporter:
+        assert (reporter.job, reporter.rank, reporter.local_rank, reporter.world_size) == ("envjob", 3, 1, 4)
+        assert reporter.peak_flops_per_device == 2e11
+        reporter.report(step=1, loss=1.0, step_time_s=1.0)
+    (reg,) = _registrations(redis_url)
+    assert (reg.job, reg.rank, reg.node, reg.local_rank, reg.world_size) == ("envjob", 3, "envnode", 1, 4)
+    (rep,) = _reports(redis_url)
+    assert rep.mfu_ratio == pytest.approx(100 * 1e6 / 2e11)
+
+
+def test_bad_identity_is_refused(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PULSE_JOB_ID", raising=False)
+    with pytest.raises(ValueError, match="PULSE_JOB_ID"):
+        TrainerReporter(redis_url=redis_url)
+    with pytest.raises(ValueError, match="rank=2, world_size=2"):
+        TrainerReporter(job="j", rank=2, world_size=2, node="n", redis_url=redis_url)
+
+
+def test_redis_down_never_blocks_or_raises() -> None:
+    reporter = TrainerReporter(
+        job="j-down",
+        rank=0,
+        node="n1",
+        world_size=1,
+        redis_url="redis://127.0.0.1:1/0",
+        flops_per_token=1e6,
+        peak_flops_per_device=1e11,
+        tokens_per_step=64,
+        queue_size=50,
+        timeout_s=0.2,
+        backoff=Backoff(base_s=0.01, cap_s=0.05),
+    )
+    worst = 0.0
+    for step in range(1, 101):
+        t0 = time.perf_counter()
+        reporter.report(step=step, loss=1.0, grad_norm=1.0, step_time_s=0.01)
+        worst = max(worst, time.perf_counter() - t0)
+    assert worst < 0.05, f"report() took {worst * 1000:.1f} ms with Redis down"
+    assert reporter.dropped >= 50  # 100 queued into a bound of 50: the oldest went
+    t0 = time.perf_counter()
+    assert reporter.close(timeout=1.0) is False
+    assert time.perf_counter() - t0 < 2.0
+    assert reporter.failures >= 1 and reporter.published == 0
+
+
+def test_spike_event_is_reported(redis_url: str) -> None:
+    with TrainerReporter(job="j", rank=0, node="n", world_size=1, redis_url=redis_url, every=10) as reporter:
+        assert reporter.report(step=1, loss=1.0) is None  # not due
+        rep = reporter.report(step=2, loss=50.0)  # an event is published whatever the cadence
+        assert rep is not None and rep.event is not None and rep.event.startswith("loss_spike ")
+        rep = reporter.report(step=3, loss=float("nan"))
+        assert rep is not None and rep.event is not None and rep.event.startswith("nonfinite_loss ")
+    reps = _reports(redis_url)
+    assert [r.step for r in reps] == [2, 3]
+    assert reps[1].loss is None  # NaN travels as JSON null
+    assert reporter.events == 2
+
+
+def test_loss_spike_detector_exact() -> None:
+    det = LossSpikeDetector(window=3, factor=10.0)
+    assert det.update(1, 2.0) is None
+    assert det.update(2, 1.0) is None
+    assert det.update(3, 10.0) is None  # 10 == 10 x 1.0: not over
+    reason = det.update(4, 10.5)
+    assert reason is not None and reason.split()[0] == "loss_spike"
+    assert "loss=10.5 at step 4 > 10 x min 1" in reason
+    # step 2's 1.0 leaves the window of 3 at step 5: the minimum is then 10.0
+    assert det.update(5, 20.0) is None
+    assert det.update(6, float("inf")) == "nonfinite_loss loss=inf at step 6"
+    assert det.update(7, 1.0, grad_norm=float("nan")) == "nonfinite_grad_norm grad_norm=nan at step 7"
+    assert LossSpikeDetector().update(1, None) is None
+
+
+@pytest.mark.parametrize(
+    ("step", "expected"),
+    [
+        (0, 0.0),
+        (5, 0.5e-3),  # warmup: 1e-3 * 5 / 10
+        (10, 1e-3),  # peak
+        (55, 1e-4 + 0.9e-3 * 0.5),  # halfway through the decay: cos(pi / 2) = 0
+        (100, 1e-4),
+        (150, 1e-4),
+    ],
+)
+def test_cosine_warmup_exact(step: int, expected: float) -> None:
+    got = cosine_warmup(step, warmup=10, total=100, base_lr=1e-3, min_lr=1e-4)
+    assert math.isclose(got, expected, rel_tol=1e-12, abs_tol=1e-15)
+
+
+def test_cosine_warmup_quarter() -> None:
+    # p = 0.25: 0 + 1 * (1 + cos(pi / 4)) / 2 = (1 + 0.7071067811865476) / 2
+    assert cosine_warmup(25, warmup=0, total=100, base_lr=1.0) == pytest.approx(0.8535533905932737, rel=1e-12)
+    with pytest.raises(ValueError, match="total=5"):
+        cosine_warmup(1, warmup=10, total=5, base_lr=1.0)

@@ -1,0 +1,351 @@
+"""A small GPT trained with DeepSpeed on a learnable synthetic sequence, reporting to ClusterPulse.
+
+``python -m trainer.example [--steps N] ...`` runs on CPUs (gloo) and on GPUs (nccl, bf16 where
+supported) unchanged. It is launched by the ``deepspeed`` launcher (which passes
+``--local_rank``), by ``torchrun``, or by anything that sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; with none of them set it runs as a single
+rank on a free local port.
+
+Data: sequences where the next token is ``(3 * token + 1) % vocab`` from a random start, so
+the loss falls within a few steps; each rank draws its own batches (seeded by ``--seed`` and the
+rank), the model starts identical on every rank.
+
+Reporting (``--report``, the default, when ``PULSE_REDIS_URL`` is set): every rank publishes a
+:class:`clusterpulse.wire.TrainerReport` per optimizer step through
+:class:`trainer.report.TrainerReporter` to ``PULSE_REDIS_URL``; a Redis that does not answer at
+start is logged and retried in the background, never waited for. MFU needs a peak: the GPU's
+from the table in :mod:`trainer.mfu`, or ``PULSE_PEAK_FLOPS`` (required on a CPU).
+
+Emergency checkpoint: ``SIGUSR2`` to any rank asks for ``engine.save_checkpoint`` into
+``--checkpoint-dir`` (tag ``emergency-stepN``) at the next step boundary, then training goes
+on. All ranks must save together, so with a checkpoint dir each step ends with a one-element
+max all-reduce of the "requested" flag.
+
+Rank 0 prints one JSON line at the end: ``{"steps", "first_loss", "final_loss", "world_size"}``
+(losses averaged over ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.mfu import model_flops_per_token, peak_flops
+from trainer.report import StepTimer, TrainerReporter, cosine_warmup, env_peak_flops
+
+log = logging.getLogger("pulse.trainer.example")
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a 4x GELU MLP, each residual."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
+        mlp: torch.Tensor = self.mlp(self.ln2(x))
+        return x + mlp
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, *, vocab: int, seq_len: int, hidden: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(seq_len, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def synthetic_batch(gen: torch.Generator, *, batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets of sequences following ``t -> (3 t + 1) % vocab``."""
+    seq = torch.empty(batch, seq_len + 1, dtype=torch.long)
+    seq[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
+    for i in range(1, seq_len + 1):
+        seq[:, i] = (seq[:, i - 1] * 3 + 1) % vocab
+    return seq[:, :-1], seq[:, 1:]
+
+
+# --- setup ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer.example", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=0, help="linear warmup steps before the cosine decay")
+    p.add_argument("--job", default=os.environ.get("PULSE_JOB_ID") or "local", help="job id in the reports")
+    p.add_argument(
+        "--report",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="publish a TrainerReport per step to PULSE_REDIS_URL (default on)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", type=Path, default=None, help="where SIGUSR2 saves an emergency checkpoint")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", type=Path, default=None, help="DeepSpeed JSON config")
+    p.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        help="seconds of sleep added to each step (simulates a bigger model; lets tests signal mid-run)",
+    )
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    args = p.parse_args(argv)
+    for name in ("steps", "seq_len", "layers", "hidden", "heads", "vocab"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
+    if args.hidden % args.heads:
+        p.error(f"--hidden={args.hidden}: expected a multiple of --heads={args.heads}")
+    return args
+
+
+def default_config(*, bf16: bool) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 1_000_000_000,
+        "wall_clock_breakdown": False,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def load_config(path: Path | None, *, bf16: bool) -> dict[str, Any]:
+    """The job's DeepSpeed config: ``PULSE_DEEPSPEED_CONFIG`` (JSON, set by the agents), else the
+    ``--deepspeed_config`` file, else :func:`default_config`."""
+    raw = os.environ.get("PULSE_DEEPSPEED_CONFIG")
+    if raw:
+        try:
+            cfg = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"PULSE_DEEPSPEED_CONFIG: not valid JSON ({exc})") from None
+        if not isinstance(cfg, dict):
+            raise SystemExit(f"PULSE_DEEPSPEED_CONFIG: expected a JSON object, got {type(cfg).__name__}")
+        if cfg:
+            return cfg
+    if path is not None:
+        loaded = json.loads(path.read_text())
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"--deepspeed_config={path}: expected a JSON object")
+        return loaded
+    return default_config(bf16=bf16)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _single_rank_env() -> None:
+    """Without a launcher: one rank on this host (DeepSpeed would otherwise look for MPI)."""
+    if "RANK" in os.environ:
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def _redis_answers(url: str) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        return bool(client.ping())
+    except (redis.exceptions.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def _grad_norm(model: nn.Module) -> float | None:
+    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in model.parameters() if p.grad is not None]
+    if not norms:
+        return None
+    return float(torch.linalg.vector_norm(torch.stack(norms)))
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    _single_rank_env()
+    if args.local_rank is not None and "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(args.local_rank)
+
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    config = load_config(args.deepspeed_config, bf16=cuda and torch.cuda.is_bf16_supported())
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = TinyGPT(vocab=args.vocab, seq_len=args.seq_len, hidden=args.hidden, layers=args.layers, heads=args.heads)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        # cosine_warmup with base_lr=1 is the factor on the optimizer's configured lr
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: cosine_warmup(s, warmup=args.warmup, total=args.steps, base_lr=1.0, min_lr=0.1)
+        )
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=config,
+        lr_scheduler=None if "scheduler" in config else schedule,  # a configured scheduler wins
+    )
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokens_per_step = micro * gas * args.seq_len
+
+    reporter = None
+    url = os.environ.get("PULSE_REDIS_URL", "")
+    if args.report and not url:
+        log.info("event=reporting_off rank=%d reason=PULSE_REDIS_URL_unset", rank)
+    if args.report and url:
+        if not _redis_answers(url):
+            log.warning("event=redis_unavailable url=%s rank=%d note=reports_retried_in_background", url, rank)
+        dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else None
+        device_name = torch.cuda.get_device_name(local_rank) if cuda else "cpu"
+        peak = env_peak_flops()
+        if peak is None and dtype is not None:
+            peak = peak_flops(device_name, dtype=dtype)
+        if peak is None:
+            log.info("event=mfu_unavailable device=%r note=set_PULSE_PEAK_FLOPS rank=%d", device_name, rank)
+        reporter = TrainerReporter(
+            job=args.job,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world,
+            redis_url=url,
+            flops_per_token=model_flops_per_token(
+                params=n_params, layers=args.layers, hidden=args.hidden, seq_len=args.seq_len
+            ),
+            peak_flops_per_device=peak,
+            tokens_per_step=tokens_per_step,
+        )
+
+    checkpoint_requested = False
+
+    def on_sigusr2(signum: int, frame: FrameType | None) -> None:
+        nonlocal checkpoint_requested
+        checkpoint_requested = True
+
+    signal.signal(signal.SIGUSR2, on_sigusr2)
+
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    first_loss = final_loss = float("nan")
+    timer = StepTimer()
+    try:
+        for step in range(1, args.steps + 1):
+            losses = []
+            grad_norm = None
+            for _ in range(gas):
+                x, y = synthetic_batch(gen, batch=micro, seq_len=args.seq_len, vocab=args.vocab)
+                loss = engine(x.to(engine.device), y.to(engine.device))
+                engine.backward(loss)
+                if engine.is_gradient_accumulation_boundary():
+                    grad_norm = _grad_norm(engine.module)  # reduced grads, before step() clears them
+                engine.step()
+                losses.append(loss.item())
+            if args.step_delay > 0:
+                time.sleep(args.step_delay)
+            step_loss = sum(losses) / len(losses)
+            first_loss = step_loss if step == 1 else first_loss
+            final_loss = step_loss
+            engine_norm = engine.get_global_grad_norm()
+            if engine_norm is not None:
+                grad_norm = float(engine_norm)
+
+            if args.checkpoint_dir is not None:
+                flag = torch.tensor([1.0 if checkpoint_requested else 0.0], device=engine.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item() > 0:
+                    tag = f"emergency-step{step}"
+                    engine.save_checkpoint(str(args.checkpoint_dir), tag=tag, client_state={"step": step})
+                    checkpoint_requested = False
+                    if rank == 0:
+                        log.info(
+                            json.dumps({"event": "checkpoint", "step": step, "dir": str(args.checkpoint_dir / tag)})
+                        )
+            elif checkpoint_requested:
+                log.warning("event=checkpoint_ignored rank=%d reason=no_checkpoint_dir", rank)
+                checkpoint_requested = False
+
+            step_time = timer.lap()
+            if reporter is not None:
+                scale = getattr(engine.optimizer, "cur_scale", None) if engine.fp16_enabled() else None
+                reporter.report(
+                    step=step,
+                    loss=step_loss,
+                    grad_norm=grad_norm,
+                    loss_scale=float(scale) if scale is not None else None,
+                    step_time_s=step_time,
+                )
+    finally:
+        if reporter is not None:
+            reporter.close(timeout=5.0)
+
+    mean = torch.tensor([first_loss, final_loss], device=engine.device)
+    dist.all_reduce(mean)
+    mean /= world
+    if rank == 0:
+        summary = {"steps": args.steps, "first_loss": mean[0].item(), "final_loss": mean[1].item(), "world_size": world}
+        print(json.dumps(summary), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -74,7 +74,7 @@ def test_two_ranks_train_report_and_checkpoint_on_sigusr2(redis_url: str, tmp_pa
             )
     try:
         wait_for(
-            lambda: any(r.rank == 0 and r.step >= 2 for r in _reports(redis_url)),
+            lambda: any(r.job == "t1" and r.rank == 0 and r.step >= 2 for r in _reports(redis_url)),
             timeout=240,
             what="rank 0 past step 2",
             every=0.1,
@@ -93,14 +93,15 @@ def test_two_ranks_train_report_and_checkpoint_on_sigusr2(redis_url: str, tmp_pa
     assert summary["steps"] == 10 and summary["world_size"] == 2
     assert summary["final_loss"] < summary["first_loss"]
 
-    reps = _reports(redis_url)
-    assert sorted((r.rank, r.step) for r in reps) == [(r, s) for r in range(2) for s in range(1, 11)]
+    reps = [r for r in _reports(redis_url) if r.job == "t1"]  # the test DB may be shared
+    # at-least-once delivery: a round trip that timed out under load is resent whole
+    assert sorted({(r.rank, r.step) for r in reps}) == [(r, s) for r in range(2) for s in range(1, 11)]
     for r in reps:
         assert r.job == "t1" and r.node == f"node{r.rank}"
         assert r.loss is not None and math.isfinite(r.loss)
         assert r.tokens_per_s is not None and r.tokens_per_s > 0
         assert r.mfu_ratio is not None and r.mfu_ratio > 0
-    regs = _registrations(redis_url)
+    regs = [g for g in _registrations(redis_url) if g.job == "t1"]
     assert sorted((g.job, g.rank, g.world_size) for g in regs) == [("t1", 0, 2), ("t1", 1, 2)]
 
     saved = [d for d in ckpt.iterdir() if d.is_dir() and d.name.startswith("emergency-step")]

@@ -13,61 +13,20 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import REDIS_URL, REPO, free_port, pulse_env, spawn, stop, wait_for
+from tests.stack import Stack as BaseStack
+from tests.support import REDIS_URL, REPO, stop, wait_for
 
 pytestmark = pytest.mark.e2e
 
 RANK = str(REPO / "tests" / "fixtures" / "jobs" / "rank.py")
-TOKEN = "jobs-token-0123456789"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-class Stack:
+class Stack(BaseStack):
     def __init__(self, tmp: Path) -> None:
         import redis
 
         redis.Redis.from_url(REDIS_URL).flushdb()
-        self.tmp = tmp
-        self.port = free_port()
-        self.env = pulse_env(
-            PULSE_REDIS_URL=REDIS_URL,
-            PULSE_DATABASE_URL=f"sqlite:///{tmp / 'pulse.db'}",
-            PULSE_HEARTBEAT_INTERVAL_S="0.3",
-            PULSE_DEGRADED_AFTER_S="3",
-            PULSE_LOST_AFTER_S="120",
-            PULSE_EVALUATE_INTERVAL_S="0.1",
-            PULSE_PERSIST_INTERVAL_S="0.5",
-            PULSE_API_TOKEN=TOKEN,
-            PULSE_AGENT_STATE_DIR=str(tmp / "agents"),
-            PULSE_JOB_STOP_GRACE_S="3",
-            PULSE_JOB_START_TIMEOUT_S="60",
-        )
-        self.procs: dict[str, Any] = {}
-        self.api = f"http://127.0.0.1:{self.port}"
-
-    def orchestrator(self) -> None:
-        self.procs["orch"] = spawn(["orchestrator", "--port", str(self.port)], env=self.env, log=self.tmp / "orch.log")
-        wait_for(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
-
-    def agent(self, node: str, *extra: str) -> None:
-        args = ["agent", "--node", node, "--source", "simulated", "--interval", "0.3", "--label", "addr=127.0.0.1"]
-        self.procs[node] = spawn([*args, *extra], env=self.env, log=self.tmp / f"{node}.log")
-
-    def get(self, path: str, **kw: Any) -> Any:
-        r = httpx.get(f"{self.api}{path}", timeout=5, **kw)
-        r.raise_for_status()
-        return r.json()
-
-    def post(self, path: str, body: Any = None, **kw: Any) -> httpx.Response:
-        return httpx.post(f"{self.api}{path}", json=body, headers={**AUTH, **kw.pop("headers", {})}, timeout=10, **kw)
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        out: dict[str, Any] = self.get(f"/v1/jobs/{job_id}")
-        return out
-
-    def wait_state(self, job_id: str, state: str, timeout: float = 60) -> dict[str, Any]:
-        wait_for(lambda: self.job(job_id)["state"] == state, timeout=timeout, what=f"job {job_id} {state}")
-        return self.job(job_id)
+        super().__init__(tmp, PULSE_JOB_START_TIMEOUT_S="60")
 
 
 def spec(name: str, nodes: int = 2, seconds: float = 2.0, **kw: Any) -> dict[str, Any]:

@@ -11,41 +11,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, cast
 
 import httpx
 import pytest
-import redis
 
-from clusterpulse import wire
-from tests.support import REDIS_URL, REPO, free_port, pulse_env, spawn, stop, wait_for
+from tests.stack import Stack, registrations, reports
+from tests.support import REPO, free_port, pulse_env, stop, wait_for
 
 pytestmark = pytest.mark.e2e
-
-TOKEN = "trainer-token-0123456789"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def _entries(client: redis.Redis, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    return cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream))
-
-
-def _reports(url: str) -> list[wire.TrainerReport]:
-    client = redis.Redis.from_url(url)
-    try:
-        return [wire.decode_trainer_report(f[wire.TRAINER_FIELD]) for _, f in _entries(client, wire.TRAINER_STREAM)]
-    finally:
-        client.close()
-
-
-def _registrations(url: str) -> list[wire.RankRegistration]:
-    client = redis.Redis.from_url(url)
-    try:
-        return [
-            wire.decode_registration(f[wire.REGISTRATION_FIELD]) for _, f in _entries(client, wire.REGISTRATION_STREAM)
-        ]
-    finally:
-        client.close()
 
 
 def test_two_ranks_train_report_and_checkpoint_on_sigusr2(redis_url: str, tmp_path: Path) -> None:
@@ -74,7 +47,7 @@ def test_two_ranks_train_report_and_checkpoint_on_sigusr2(redis_url: str, tmp_pa
             )
     try:
         wait_for(
-            lambda: any(r.job == "t1" and r.rank == 0 and r.step >= 2 for r in _reports(redis_url)),
+            lambda: any(r.job == "t1" and r.rank == 0 and r.step >= 2 for r in reports(redis_url)),
             timeout=240,
             what="rank 0 past step 2",
             every=0.1,
@@ -93,7 +66,7 @@ def test_two_ranks_train_report_and_checkpoint_on_sigusr2(redis_url: str, tmp_pa
     assert summary["steps"] == 10 and summary["world_size"] == 2
     assert summary["final_loss"] < summary["first_loss"]
 
-    reps = [r for r in _reports(redis_url) if r.job == "t1"]  # the test DB may be shared
+    reps = [r for r in reports(redis_url) if r.job == "t1"]  # the test DB may be shared
     # at-least-once delivery: a round trip that timed out under load is resent whole
     assert sorted({(r.rank, r.step) for r in reps}) == [(r, s) for r in range(2) for s in range(1, 11)]
     for r in reps:
@@ -101,7 +74,7 @@ def test_two_ranks_train_report_and_checkpoint_on_sigusr2(redis_url: str, tmp_pa
         assert r.loss is not None and math.isfinite(r.loss)
         assert r.tokens_per_s is not None and r.tokens_per_s > 0
         assert r.mfu_ratio is not None and r.mfu_ratio > 0
-    regs = [g for g in _registrations(redis_url) if g.job == "t1"]
+    regs = [g for g in registrations(redis_url) if g.job == "t1"]
     assert sorted((g.job, g.rank, g.world_size) for g in regs) == [("t1", 0, 2), ("t1", 1, 2)]
 
     saved = [d for d in ckpt.iterdir() if d.is_dir() and d.name.startswith("emergency-step")]
@@ -109,48 +82,8 @@ def test_two_ranks_train_report_and_checkpoint_on_sigusr2(redis_url: str, tmp_pa
     assert any(saved[0].iterdir())
 
 
-# --- through the real stack (the Stack pattern of tests/e2e/test_jobs.py) ------------------------
-
-
-class Stack:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.port = free_port()
-        self.env = pulse_env(
-            PULSE_REDIS_URL=REDIS_URL,
-            PULSE_DATABASE_URL=f"sqlite:///{tmp / 'pulse.db'}",
-            PULSE_HEARTBEAT_INTERVAL_S="0.3",
-            PULSE_DEGRADED_AFTER_S="3",
-            PULSE_LOST_AFTER_S="120",
-            PULSE_EVALUATE_INTERVAL_S="0.1",
-            PULSE_PERSIST_INTERVAL_S="0.5",
-            PULSE_API_TOKEN=TOKEN,
-            PULSE_AGENT_STATE_DIR=str(tmp / "agents"),
-            PULSE_JOB_STOP_GRACE_S="3",
-            PULSE_JOB_START_TIMEOUT_S="120",
-        )
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.api = f"http://127.0.0.1:{self.port}"
-
-    def orchestrator(self) -> None:
-        self.procs["orch"] = spawn(["orchestrator", "--port", str(self.port)], env=self.env, log=self.tmp / "orch.log")
-        wait_for(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
-
-    def agent(self, node: str) -> None:
-        args = ["agent", "--node", node, "--source", "simulated", "--interval", "0.3", "--label", "addr=127.0.0.1"]
-        self.procs[node] = spawn(args, env=self.env, log=self.tmp / f"{node}.log")
-
-    def get(self, path: str) -> Any:
-        r = httpx.get(f"{self.api}{path}", timeout=5)
-        r.raise_for_status()
-        return r.json()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
-
-
 def test_example_job_through_orchestrator_and_agents(redis_url: str, tmp_path: Path) -> None:
-    s = Stack(tmp_path)
+    s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="120")
     try:
         s.orchestrator()
         s.agent("tr-a")
@@ -169,7 +102,7 @@ def test_example_job_through_orchestrator_and_agents(redis_url: str, tmp_path: P
             "entrypoint": ["-m", "trainer.example", "--steps", "20"],
             "env": {"PULSE_PEAK_FLOPS": "1e11"},
         }
-        r = httpx.post(f"{s.api}/v1/jobs", json=body, headers=AUTH, timeout=10)
+        r = s.post("/v1/jobs", body)
         assert r.status_code == 201, r.text
         job_id = r.json()["id"]
         wanted = [
@@ -192,7 +125,7 @@ def test_example_job_through_orchestrator_and_agents(redis_url: str, tmp_path: P
         assert states[-1] == "SUCCEEDED", (states, s.get(f"/v1/jobs/{job_id}"), s.logs())
         assert "RUNNING" in states, states
         assert seen == set(wanted), (seen, s.logs())
-        assert sorted(g.rank for g in _registrations(redis_url) if g.job == job_id) == [0, 1]
+        assert sorted(g.rank for g in registrations(redis_url) if g.job == job_id) == [0, 1]
     finally:
         for p in s.procs.values():
             stop(p)

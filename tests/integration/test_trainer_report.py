@@ -4,38 +4,14 @@ from __future__ import annotations
 
 import math
 import time
-from typing import cast
 
 import pytest
-import redis
 
-from clusterpulse import wire
 from clusterpulse.retry import Backoff
+from tests.stack import registrations, reports
 from tests.support import wait_for
 from trainer.mfu import mfu
 from trainer.report import LossSpikeDetector, TrainerReporter, cosine_warmup
-
-
-def _entries(client: redis.Redis, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    return cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream))
-
-
-def _reports(url: str) -> list[wire.TrainerReport]:
-    client = redis.Redis.from_url(url)
-    try:
-        return [wire.decode_trainer_report(f[wire.TRAINER_FIELD]) for _, f in _entries(client, wire.TRAINER_STREAM)]
-    finally:
-        client.close()
-
-
-def _registrations(url: str) -> list[wire.RankRegistration]:
-    client = redis.Redis.from_url(url)
-    try:
-        return [
-            wire.decode_registration(f[wire.REGISTRATION_FIELD]) for _, f in _entries(client, wire.REGISTRATION_STREAM)
-        ]
-    finally:
-        client.close()
 
 
 def test_registration_and_reports_reach_redis(redis_url: str) -> None:
@@ -50,13 +26,13 @@ def test_registration_and_reports_reach_redis(redis_url: str) -> None:
         peak_flops_per_device=1e11,
         tokens_per_step=256,
     )
-    wait_for(lambda: _registrations(redis_url), timeout=5, what="registration")
-    (reg,) = _registrations(redis_url)
+    wait_for(lambda: registrations(redis_url), timeout=5, what="registration")
+    (reg,) = registrations(redis_url)
     assert (reg.job, reg.rank, reg.node, reg.local_rank, reg.world_size) == ("j1", 1, "n1", 0, 2)
     for step in range(1, 6):
         reporter.report(step=step, loss=2.0 / step, grad_norm=0.5, loss_scale=None, step_time_s=0.5)
     assert reporter.close(timeout=5)
-    reps = _reports(redis_url)
+    reps = reports(redis_url)
     assert [r.step for r in reps] == [1, 2, 3, 4, 5]
     first = reps[0]
     assert (first.job, first.rank, first.node, first.loss, first.grad_norm) == ("j1", 1, "n1", 2.0, 0.5)
@@ -82,9 +58,9 @@ def test_env_fallbacks(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
         assert (reporter.job, reporter.rank, reporter.local_rank, reporter.world_size) == ("envjob", 3, 1, 4)
         assert reporter.peak_flops_per_device == 2e11
         reporter.report(step=1, loss=1.0, step_time_s=1.0)
-    (reg,) = _registrations(redis_url)
+    (reg,) = registrations(redis_url)
     assert (reg.job, reg.rank, reg.node, reg.local_rank, reg.world_size) == ("envjob", 3, "envnode", 1, 4)
-    (rep,) = _reports(redis_url)
+    (rep,) = reports(redis_url)
     assert rep.mfu_ratio == pytest.approx(100 * 1e6 / 2e11)
 
 
@@ -130,7 +106,7 @@ def test_spike_event_is_reported(redis_url: str) -> None:
         assert rep is not None and rep.event is not None and rep.event.startswith("loss_spike ")
         rep = reporter.report(step=3, loss=float("nan"))
         assert rep is not None and rep.event is not None and rep.event.startswith("nonfinite_loss ")
-    reps = _reports(redis_url)
+    reps = reports(redis_url)
     assert [r.step for r in reps] == [2, 3]
     assert reps[1].loss is None  # NaN travels as JSON null
     assert reporter.events == 2

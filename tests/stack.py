@@ -1,0 +1,81 @@
+"""A real ClusterPulse stack for end-to-end tests: an orchestrator and `pulse agent` processes
+(simulated telemetry, real launcher) on free ports, plus readers of the trainer streams."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import redis
+
+from clusterpulse import wire
+from tests.support import REDIS_URL, free_port, pulse_env, spawn, wait_for
+
+TOKEN = "stack-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class Stack:
+    def __init__(self, tmp: Path, **env: str) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.env = pulse_env(
+            PULSE_REDIS_URL=REDIS_URL,
+            PULSE_DATABASE_URL=f"sqlite:///{tmp / 'pulse.db'}",
+            PULSE_HEARTBEAT_INTERVAL_S="0.3",
+            PULSE_DEGRADED_AFTER_S="3",
+            PULSE_LOST_AFTER_S="120",
+            PULSE_EVALUATE_INTERVAL_S="0.1",
+            PULSE_PERSIST_INTERVAL_S="0.5",
+            PULSE_API_TOKEN=TOKEN,
+            PULSE_AGENT_STATE_DIR=str(tmp / "agents"),
+            PULSE_JOB_STOP_GRACE_S="3",
+            **env,
+        )
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.api = f"http://127.0.0.1:{self.port}"
+
+    def orchestrator(self) -> None:
+        self.procs["orch"] = spawn(["orchestrator", "--port", str(self.port)], env=self.env, log=self.tmp / "orch.log")
+        wait_for(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
+
+    def agent(self, node: str, *extra: str) -> None:
+        args = ["agent", "--node", node, "--source", "simulated", "--interval", "0.3", "--label", "addr=127.0.0.1"]
+        self.procs[node] = spawn([*args, *extra], env=self.env, log=self.tmp / f"{node}.log")
+
+    def get(self, path: str, **kw: Any) -> Any:
+        r = httpx.get(f"{self.api}{path}", timeout=5, **kw)
+        r.raise_for_status()
+        return r.json()
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> httpx.Response:
+        return httpx.post(f"{self.api}{path}", json=body, headers={**AUTH, **kw.pop("headers", {})}, timeout=10, **kw)
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        out: dict[str, Any] = self.get(f"/v1/jobs/{job_id}")
+        return out
+
+    def wait_state(self, job_id: str, state: str, timeout: float = 60) -> dict[str, Any]:
+        wait_for(lambda: self.job(job_id)["state"] == state, timeout=timeout, what=f"job {job_id} {state}")
+        return self.job(job_id)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
+
+
+def _entries(url: str, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    client = redis.Redis.from_url(url)
+    try:
+        return cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream))
+    finally:
+        client.close()
+
+
+def reports(url: str) -> list[wire.TrainerReport]:
+    return [wire.decode_trainer_report(f[wire.TRAINER_FIELD]) for _, f in _entries(url, wire.TRAINER_STREAM)]
+
+
+def registrations(url: str) -> list[wire.RankRegistration]:
+    return [wire.decode_registration(f[wire.REGISTRATION_FIELD]) for _, f in _entries(url, wire.REGISTRATION_STREAM)]

@@ -228,6 +228,16 @@ class Plan(msgspec.Struct, kw_only=True, frozen=True):
     reason: str = ""
 
 
+MAX_PLAN_BYTES = 1024 * 1024
+"""A plan names every rank of a job: about 10 bytes a rank, so this holds ~100,000 ranks."""
+
+
+def decode_plan(payload: bytes | str) -> Plan:
+    """Decode and validate a plan read from :func:`job_plan_key` or raise :class:`WireError`
+    (``too_large``, ``json``, ``schema``). Plans carry no protocol version: the generation orders them."""
+    return _decode(Plan, payload, what="plan", max_bytes=MAX_PLAN_BYTES)
+
+
 class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     """A command from the orchestrator to one node's agent, on ``node_commands_key(node)``.
 
@@ -310,7 +320,7 @@ class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
     event: Annotated[str, msgspec.Meta(max_length=512)] | None = None
 
 
-_T = TypeVar("_T", TrainerReport, JobCommand, JobStatus, RankRegistration)
+_T = TypeVar("_T", TrainerReport, JobCommand, JobStatus, RankRegistration, Plan)
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
 
@@ -326,8 +336,9 @@ def _decode(kind: type[_T], payload: bytes | str, *, what: str, max_bytes: int =
         raise WireError("schema", f"{what} invalid: {exc}") from None
     except msgspec.DecodeError as exc:
         raise WireError("json", f"{what} is not valid JSON: {exc}") from None
-    if obj.v != PROTOCOL_VERSION:
-        raise WireError("version", f"{what} protocol v={obj.v}, expected {PROTOCOL_VERSION}")
+    version = getattr(obj, "v", PROTOCOL_VERSION)  # plans are ordered by their generation instead
+    if version != PROTOCOL_VERSION:
+        raise WireError("version", f"{what} protocol v={version}, expected {PROTOCOL_VERSION}")
     return obj
 
 

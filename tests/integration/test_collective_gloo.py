@@ -10,10 +10,8 @@ the cost of starting 4 interpreters; the hang and kill scenarios get a world eac
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from clusterpulse.wire import Plan
-from tests.support import free_port
+from tests import gloo
 from trainer.collective import ReroutedAllReduce, ddp_comm_hook
 
 pytestmark = pytest.mark.timeout(60)
@@ -256,9 +254,7 @@ def _bucket_errors(got: list[torch.Tensor], contributors: list[int], *, step: in
 def worker(scenario: str, rank: int, out_dir: Path) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
     result = scenario_plans(rank) if scenario == "plans" else scenario_fault(rank, scenario)
-    tmp = out_dir / f"rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(result))
-    tmp.rename(out_dir / f"rank{rank}.json")
+    gloo.write_result(out_dir, rank, result)
     dist.destroy_process_group()
 
 
@@ -266,42 +262,7 @@ def worker(scenario: str, rank: int, out_dir: Path) -> None:
 
 
 def run_world(scenario: str, out_dir: Path, *, ranks: list[int], timeout: float) -> dict[int, dict[str, Any]]:
-    """Start 4 ranks, wait for the results of ``ranks``, kill whatever is left (by pid)."""
-    # PYTHONPATH: the ranks run this file as a script and import `trainer` and `tests.support`
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO)}
-    procs: dict[int, subprocess.Popen[bytes]] = {}
-    logs = {rank: out_dir / f"rank{rank}.log" for rank in ALL}
-    try:
-        for rank in ALL:
-            with logs[rank].open("wb") as fh:
-                procs[rank] = subprocess.Popen(
-                    [sys.executable, "-W", "error", __file__, scenario, str(rank), str(out_dir)],
-                    env=env,
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    start_new_session=True,
-                )
-        deadline = time.monotonic() + timeout
-        for rank in ranks:
-            while not (out_dir / f"rank{rank}.json").exists():
-                failed = [r for r, p in procs.items() if r in ranks and p.poll() not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    why = f"ranks {failed} failed" if failed else f"no result from rank {rank} within {timeout}s"
-                    raise AssertionError(f"{scenario}: {why}\n" + _tails(logs))
-                time.sleep(0.05)
-        for rank in ranks:
-            assert procs[rank].wait(max(1.0, deadline - time.monotonic())) == 0, _tails(logs)
-        return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in ranks}
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-
-
-def _tails(logs: dict[int, Path]) -> str:
-    return "\n".join(f"--- rank {r}\n{p.read_text(errors='replace')[-3000:]}" for r, p in logs.items() if p.exists())
+    return gloo.run_world(__file__, scenario, out_dir, world=WORLD, ranks=ranks, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -102,3 +102,18 @@ def test_fuzz_malformed_heartbeats_never_crash_and_are_counted(payload: bytes) -
     accepted = len(CLUSTER.nodes) > before_nodes or sum(CLUSTER.rejected.values()) == before_rejected
     rejected = sum(CLUSTER.rejected.values()) == before_rejected + 1
     assert accepted != rejected  # each one is either folded or counted as rejected, never both or neither
+
+
+def test_plans_decode_and_malformed_ones_name_what_is_wrong() -> None:
+    plan = wire.Plan(job="j", generation=3, participants=[0, 1, 3], proxies={"2": 3}, excluded=[], reason="r")
+    assert wire.decode_plan(wire.encode(plan)) == plan
+    cases = [
+        (b"{", "json", "not valid JSON"),
+        (b'{"job": "j", "generation": "three", "participants": [0]}', "schema", "generation"),
+        (b'{"generation": 1, "participants": [0]}', "schema", "job"),
+        (b" " * (wire.MAX_PLAN_BYTES + 1), "too_large", "exceeds"),
+    ]
+    for payload, reason, needle in cases:
+        with pytest.raises(wire.WireError) as exc:
+            wire.decode_plan(payload)
+        assert exc.value.reason == reason and needle in str(exc.value), payload[:40]

@@ -315,6 +315,9 @@ class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
     tokens_per_s: NonNegFloat | None = None
     mfu_ratio: NonNegFloat | None = None
     plan_generation: NonNegInt | None = None
+    # Degraded ranks this rank, as their carrier, gave up on at this step (they hung or died
+    # mid-step); the orchestrator's next plan excludes them until they register again.
+    unreachable_ranks: Annotated[list[NonNegInt], msgspec.Meta(max_length=4096)] | None = None
     # A training-safety event seen at this step, or None. The first word is the kind
     # (``loss_spike``, ``nonfinite_loss``, ``nonfinite_grad_norm``), the rest a readable reason.
     event: Annotated[str, msgspec.Meta(max_length=512)] | None = None

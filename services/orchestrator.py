@@ -308,6 +308,15 @@ class Orchestrator:
         if report is None:
             return
         self.cluster.set_progress(report.node, at)
+        for rank in report.unreachable_ranks or ():
+            if self.plans.rank_unreachable(report.job, rank):
+                self._ranks_changed = True
+                reason = (
+                    f"job {report.job} rank {rank}: its carrier rank {report.rank} gave up on it at step "
+                    f"{report.step}; excluded until it registers again"
+                )
+                node = self.plans.ranks[report.job][rank].node
+                self._outbox.append(ClusterEvent("rank_unreachable", reason, at, node))
         if report.event:
             kind = report.event.split(" ", 1)[0]
             reason = f"job {report.job} rank {report.rank} step {report.step}: {report.event}"

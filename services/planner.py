@@ -10,6 +10,10 @@
   the reduced result back, so the summed gradient equals the one without proxies. A carrier is
   therefore never DEGRADED or LOST and never on the degraded rank's own node.
 - ``LOST``: the rank is *excluded* (neither participant nor proxied).
+- A rank in ``unreachable`` is excluded whatever its node's health: a carrier gave up on it
+  (it hung or died mid-step), or an earlier plan excluded it. An excluded rank received no
+  reduced gradient, so its parameters have diverged from the others': it may come back only
+  through a restart, which re-registers it (``services/plans.py`` keeps that set).
 - A node missing from ``health`` counts as ``SUSPECT`` (it participates): treating it as LOST
   would drop healthy work for want of a record, and as HEALTHY would claim more than we know.
   The reason of a plan says so where it matters.
@@ -57,7 +61,7 @@ does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from clusterpulse.wire import TOPOLOGY_LABELS, Plan
@@ -129,6 +133,7 @@ class _Job:
     known: Mapping[str, State]  # nodes with a health record
     labels: Mapping[str, Mapping[str, str]]
     cap: int
+    unreachable: frozenset[int] = frozenset()
 
     def state(self, rank: int) -> State:
         return self.known.get(self.node_of[rank], UNKNOWN_HEALTH)
@@ -139,6 +144,10 @@ class _Job:
     def state_text(self, rank: int) -> str:
         s = self.state(rank)
         return str(s) if self.node_of[rank] in self.known else f"{s} (no health record)"
+
+    def excluded_text(self, rank: int) -> str:
+        why = "unreachable (excluded until it re-registers)" if rank in self.unreachable else "LOST"
+        return f"{self.name(rank)} {why} -> excluded"
 
     def carrier_text(self, degraded: int, carrier: int) -> str:
         near = tier(self.node_of[degraded], self.node_of[carrier], self.labels)
@@ -153,6 +162,7 @@ def plan(
     health: Mapping[str, State],
     previous: Plan | None,
     policy: PlannerPolicy,
+    unreachable: Collection[int] = frozenset(),
 ) -> Plan | Refusal:
     """The job's next aggregation plan, or a :class:`Refusal` (then keep the old plan).
 
@@ -168,15 +178,22 @@ def plan(
 
     node_of = {r.rank: r.node for r in ranks}
     known = {n: State(health[n]) for n in set(node_of.values()) if n in health}
-    view = _Job(node_of=node_of, known=known, labels=labels, cap=policy.max_proxied_per_rank)
+    view = _Job(
+        node_of=node_of,
+        known=known,
+        labels=labels,
+        cap=policy.max_proxied_per_rank,
+        unreachable=frozenset(unreachable),
+    )
     order = sorted(node_of)
-    participants = [r for r in order if view.state(r) in PARTICIPATING]
-    degraded = [r for r in order if view.state(r) is State.DEGRADED]
-    excluded = [r for r in order if view.state(r) is State.LOST]
+    reachable = [r for r in order if r not in view.unreachable]
+    participants = [r for r in reachable if view.state(r) in PARTICIPATING]
+    degraded = [r for r in reachable if view.state(r) is State.DEGRADED]
+    excluded = [r for r in order if r in view.unreachable or view.state(r) is State.LOST]
 
     if not participants:
         return Refusal(
-            f"job {job}: no participant left ({len(degraded)} DEGRADED, {len(excluded)} LOST of {len(order)} ranks)"
+            f"job {job}: no participant left ({len(degraded)} DEGRADED, {len(excluded)} excluded of {len(order)} ranks)"
         )
     if len(degraded) > len(participants) * view.cap:
         return Refusal(
@@ -256,7 +273,7 @@ def _describe_first(
         head += f"; no health record for node {', '.join(unknown)} (treated as SUSPECT)"
     items = [head]
     items += [f"{view.name(d)} DEGRADED -> proxied by {view.carrier_text(d, c)}" for d, c in sorted(carrier.items())]
-    items += [f"{view.name(r)} LOST -> excluded" for r in excluded]
+    items += [view.excluded_text(r) for r in excluded]
     return "; ".join(items)
 
 
@@ -286,7 +303,7 @@ def _describe_change(
                 items.append(f"{view.name(r)} {view.state_text(r)} -> participates again")
         elif r in now_excluded:
             if r not in was_excluded:
-                items.append(f"{view.name(r)} LOST -> excluded")
+                items.append(view.excluded_text(r))
         elif r not in before:
             items.append(f"{view.name(r)} DEGRADED -> proxied by {view.carrier_text(r, carrier[r])}")
         elif before[r] != carrier[r]:

@@ -9,6 +9,13 @@ and health, and the plan in force. A new generation is published at once (Redis 
 ``wire.job_plan_key(job)`` plus a ``wire.PLAN_CHANNEL`` message) and stored (table ``plans``,
 an event). When no valid plan exists the old one stays in force, and the refusal is an event and
 ``pulse_job_plan_refused{job}``. No I/O here: the orchestrator publishes and persists.
+
+Exclusion is sticky. A rank a plan excluded (its node LOST), or one a carrier reported
+unreachable (it hung or died mid-step: :meth:`PlanKeeper.rank_unreachable`), received no reduced
+gradient, so its parameters have diverged: it stays excluded, whatever its node's health
+becomes, until it registers again (a restarted rank does, from a checkpoint). After an
+orchestrator restart the excluded ranks of the restored plans are unreachable again, so a
+restart loses none of this.
 """
 
 from __future__ import annotations
@@ -41,19 +48,36 @@ class PlanKeeper:
         self.plans: dict[str, wire.Plan] = {}
         self.refused: dict[str, str] = {}
         self.world: dict[str, int] = {}  # job -> world size its ranks announced
+        self.unreachable: dict[str, set[int]] = {}  # job -> ranks excluded until they re-register
 
     def register(self, reg: wire.RankRegistration) -> bool:
-        """Fold a registration; True when the job's rank -> node map changed."""
+        """Fold a registration; True when the job's rank -> node map changed or an unreachable
+        rank came back (a restarted rank registers again)."""
         self.world[reg.job] = reg.world_size
         job = self.ranks.setdefault(reg.job, {})
         before = job.get(reg.rank)
         job[reg.rank] = RankInfo(rank=reg.rank, node=reg.node)
-        return before != job[reg.rank]
+        unreachable = self.unreachable.get(reg.job, set())
+        back = reg.rank in unreachable
+        unreachable.discard(reg.rank)
+        return back or before != job[reg.rank]
+
+    def rank_unreachable(self, job: str, rank: int) -> bool:
+        """A carrier gave up on ``rank``; True when that is news (the next replan excludes it)."""
+        if rank not in self.ranks.get(job, {}):
+            return False
+        unreachable = self.unreachable.setdefault(job, set())
+        if rank in unreachable:
+            return False
+        unreachable.add(rank)
+        return True
 
     def restore(self, *, ranks: Mapping[str, Mapping[int, str]], plans: Mapping[str, wire.Plan]) -> None:
         for job, m in ranks.items():
             self.ranks[job] = {r: RankInfo(rank=r, node=n) for r, n in m.items()}
         self.plans.update(plans)
+        for job, p in plans.items():
+            self.unreachable.setdefault(job, set()).update(p.excluded)
 
     def replan(self, cluster: Cluster) -> list[PlanChange | PlanRefused]:
         """A new generation for every job whose inputs changed; refusals that are new."""
@@ -72,6 +96,7 @@ class PlanKeeper:
                 health=health,
                 previous=prev,
                 policy=self.policy,
+                unreachable=self.unreachable.get(job, set()),
             )
             if isinstance(result, Refusal):
                 if self.refused.get(job) != result.reason:
@@ -81,5 +106,6 @@ class PlanKeeper:
             self.refused.pop(job, None)
             if prev is None or result.generation != prev.generation:
                 self.plans[job] = result
+                self.unreachable.setdefault(job, set()).update(result.excluded)
                 out.append(PlanChange(job, result))
         return out

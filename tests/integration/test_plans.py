@@ -7,11 +7,13 @@ import asyncio
 
 import redis
 import redis.asyncio as aioredis
+from sqlalchemy.orm import Session
 
 from agent.daemon import NodeAgent, run_agents
 from agent.publisher import HeartbeatPublisher
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
+from services import db
 from services.orchestrator import Orchestrator
 from tests.integration.test_ingest import _settings, _until, _with_orchestrator
 
@@ -25,12 +27,10 @@ def _register(url: str, job: str, world: int) -> None:
 
 
 def _plan_in_redis(url: str, job: str) -> wire.Plan | None:
-    import msgspec
-
     r = redis.Redis.from_url(url)
     raw = r.get(wire.job_plan_key(job))
     r.close()
-    return None if raw is None else msgspec.json.decode(raw, type=wire.Plan)
+    return None if raw is None else wire.decode_plan(raw)
 
 
 def test_degraded_node_gets_a_new_generation_published_and_stored(redis_url: str, sqlite_url: str) -> None:
@@ -82,3 +82,53 @@ def test_degraded_node_gets_a_new_generation_published_and_stored(redis_url: str
         assert _plan_in_redis(redis_url, "job1") == p  # republished at start
 
     asyncio.run(_with_orchestrator(settings, after))
+
+
+def _report(url: str, job: str, rank: int, step: int, unreachable: list[int]) -> None:
+    r = redis.Redis.from_url(url)
+    rep = wire.TrainerReport(
+        v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=f"p{rank}", step=step, loss=1.0, unreachable_ranks=unreachable
+    )
+    r.xadd(wire.TRAINER_STREAM, {wire.TRAINER_FIELD: wire.encode(rep)})
+    r.close()
+
+
+def test_a_rank_its_carrier_gave_up_on_stays_excluded_until_it_registers_again(redis_url: str, sqlite_url: str) -> None:
+    """Sticky exclusion: its parameters diverged, so neither its node's health nor an orchestrator
+    restart brings it back; only a new registration (a restarted rank) does."""
+    settings = _settings(redis_url, sqlite_url, recover_after=1)
+
+    async def body(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        _register(redis_url, "job2", 4)
+        await _until(lambda: "job2" in orch.plans.plans)
+        assert orch.plans.plans["job2"].generation == 1
+        _report(redis_url, "job2", 3, 7, [2])  # rank 3 carried rank 2 and gave up on it
+        await _until(lambda: orch.plans.plans["job2"].generation == 2)
+        p = orch.plans.plans["job2"]
+        assert (p.participants, p.proxies, p.excluded) == ([0, 1, 3], {}, [2])
+        assert "unreachable" in p.reason
+        assert _plan_in_redis(redis_url, "job2") == p
+        _report(redis_url, "job2", 3, 8, [2])  # reported again: nothing new
+        await asyncio.sleep(0.3)
+        assert orch.plans.plans["job2"].generation == 2
+        await asyncio.sleep(0.3)  # the outbox
+
+    asyncio.run(_with_orchestrator(settings, body))
+
+    async def after_restart(orch: Orchestrator) -> None:
+        assert orch.plans.plans["job2"].excluded == [2]
+        orch._ranks_changed = True  # replan with nothing new: rank 2 must stay out
+        await asyncio.sleep(0.3)
+        assert orch.plans.plans["job2"].generation == 2
+        _register(redis_url, "job2", 4)  # the job restarted: every rank registers again
+        await _until(lambda: orch.plans.plans["job2"].generation == 3)
+        assert orch.plans.plans["job2"].participants == [0, 1, 2, 3]
+        await asyncio.sleep(0.3)
+
+    asyncio.run(_with_orchestrator(settings, after_restart))
+    engine = db.make_engine(sqlite_url)
+    with Session(engine) as s:
+        kinds = [e.kind for e in db.list_events(s, limit=1000)]
+    engine.dispose()
+    assert kinds.count("rank_unreachable") == 1

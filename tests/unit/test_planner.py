@@ -36,6 +36,7 @@ def run(
     labels: Labels | None = None,
     previous: Plan | None = None,
     cap: int = 1,
+    unreachable: frozenset[int] = frozenset(),
 ) -> Plan | Refusal:
     return plan(
         job="j",
@@ -44,6 +45,7 @@ def run(
         health=health,
         previous=previous,
         policy=PlannerPolicy(max_proxied_per_rank=cap),
+        unreachable=unreachable,
     )
 
 
@@ -133,6 +135,20 @@ def test_lost_is_excluded_and_suspect_or_unknown_participate() -> None:
     )
 
 
+def test_unreachable_ranks_are_excluded_whatever_their_health() -> None:
+    ranks = one_per_node(4)
+    first = ok(run(ranks, healthy(ranks, n2=D)))
+    assert first.proxies == {"2": 3}
+    p = ok(run(ranks, healthy(ranks, n2=D), previous=first, unreachable=frozenset({2})))
+    assert (p.generation, p.participants, p.proxies, p.excluded) == (2, [0, 1, 3], {}, [2])
+    assert p.reason == "rank 2 (node n2) unreachable (excluded until it re-registers) -> excluded"
+    # its node recovering changes nothing: the rank's parameters diverged
+    assert run(ranks, healthy(ranks), previous=p, unreachable=frozenset({2})) == p
+    # once it re-registers (no longer unreachable) it participates again
+    back = ok(run(ranks, healthy(ranks), previous=p))
+    assert back.participants == [0, 1, 2, 3] and back.excluded == [] and back.generation == 3
+
+
 def test_health_given_as_strings() -> None:
     ranks = one_per_node(3)
     as_strings: Any = {"n0": "HEALTHY", "n1": "DEGRADED", "n2": "LOST"}  # as read back from storage
@@ -164,7 +180,7 @@ def test_refusal_when_capacity_is_short() -> None:
 def test_refusal_when_no_participant_is_left() -> None:
     ranks = one_per_node(2)
     refused = run(ranks, {"n0": D, "n1": L})
-    assert refused == Refusal("job j: no participant left (1 DEGRADED, 1 LOST of 2 ranks)")
+    assert refused == Refusal("job j: no participant left (1 DEGRADED, 1 excluded of 2 ranks)")
     assert isinstance(run(ranks, {"n0": L, "n1": L}), Refusal)
 
 

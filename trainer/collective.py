@@ -70,17 +70,9 @@ since PyTorch 1.7, pytorch/pytorch#40948). NCCL honours wait timeouts only with 
 async error handling and then tears the communicator down; a GPU deployment should run the pair
 exchange on a gloo group (CPU staging) or accept that the carrier aborts its NCCL communicator.
 
-DeepSpeed (a later step, not built here): ZeRO stage 0 is plain data parallelism over gradient
-buckets, so this scheme applies as it is. Stages 1 and 2 partition the optimizer state (and, in 2,
-reduce-scatter the gradients): each rank updates its own slice of the parameters and the slices
-are all-gathered after the step, so at a plan switch the degraded rank's slice and its optimizer
-state must move to its carrier, or the all-gather waits on the degraded rank. Stage 3 is
-different in kind: the parameters themselves are partitioned and every layer's forward and
-backward all-gathers its shards, including the one the degraded rank owns. The degraded rank sits
-on the critical path of every layer, not just once per step at the gradient reduction, so it
-cannot simply leave the ring: its parameter shard (with gradients and optimizer state) has to be
-re-homed on a participant, which re-partitions the model at the plan switch and costs the carrier
-that memory, or the job is resharded without it.
+DeepSpeed: :mod:`trainer.deepspeed_reroute` routes a DeepSpeed engine's gradient reduction
+through this class for ZeRO stages 0-2 and says, stage by stage, what is and is not rerouted and
+why stage 3 is refused (a degraded rank owns a parameter shard every layer all-gathers).
 """
 
 from __future__ import annotations

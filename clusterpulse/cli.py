@@ -408,6 +408,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return rc
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from trainer.check_reroute import CheckConfig, CheckFailed, parse_ranks, run_check
+
+    cfg = CheckConfig(
+        world_size=args.world_size,
+        degrade=parse_ranks("--degrade", args.degrade),
+        exclude=parse_ranks("--exclude", args.exclude),
+        hang=args.hang,
+        steps=args.steps,
+        repeats=args.repeats,
+        hidden=args.hidden,
+        layers=args.layers,
+        batch=args.batch,
+        bucket_mb=args.bucket_mb,
+        lr=args.lr,
+        proxy_timeout_s=args.proxy_timeout,
+        stock_timeout_s=args.stock_timeout,
+        timeout_s=args.timeout,
+        tolerance=args.tolerance,
+        threads=args.threads,
+    )
+    try:
+        result = run_check(cfg)
+    except CheckFailed as exc:
+        print(f"pulse check reroute: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key}: {json.dumps(value)}")
+    return 0 if result["ok"] else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from clusterpulse.bench import run_bench
 
@@ -490,6 +524,36 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fault-after", type=float, default=20.0)
     m.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: until Ctrl-C)")
     m.set_defaults(fn=cmd_demo)
+
+    c = sub.add_parser("check", help="self-checks on this machine")
+    csub = c.add_subparsers(dest="check", required=True)
+    cr = csub.add_parser(
+        "reroute",
+        help="gloo ranks on this CPU: rerouted DDP against stock DDP (exactness, cost, a hung rank)",
+        description="Starts W gloo ranks on this machine, trains a small MLP with and without the plan "
+        "(degraded ranks carried by participants, excluded ranks left out) and prints one JSON object. "
+        "max_abs_param_diff is against stock DDP over the ranks not excluded. Exit 1 when the check fails.",
+    )
+    cr.add_argument("--world-size", type=int, default=4, metavar="W", help="ranks to start (default 4)")
+    cr.add_argument("--degrade", required=True, metavar="RANK[,RANK]", help="degraded ranks, carried by participants")
+    cr.add_argument("--exclude", metavar="RANK[,RANK]", help="excluded ranks (their gradients are left out)")
+    cr.add_argument("--hang", type=int, metavar="RANK", help="a degraded RANK that SIGSTOPs itself mid-run")
+    cr.add_argument("--steps", type=int, default=10, help="training steps compared for exactness (default 10)")
+    cr.add_argument("--repeats", type=int, default=10, help="timed rounds, medians reported (default 10)")
+    cr.add_argument("--hidden", type=int, default=2048, help="MLP width (default 2048: 16 MiB per layer)")
+    cr.add_argument("--layers", type=int, default=8, help="MLP layers (default 8: 128 MiB of gradients)")
+    cr.add_argument("--batch", type=int, default=8, help="samples per rank and step (default 8)")
+    cr.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size, MiB (DDP's default 25)")
+    cr.add_argument("--lr", type=float, default=1.0, help="SGD learning rate (default 1.0)")
+    cr.add_argument("--proxy-timeout", type=float, default=5.0, help="carrier's wait for a degraded rank, s (5)")
+    cr.add_argument("--stock-timeout", type=float, default=20.0, help="timeout of the stock all-reduce hang, s (20)")
+    cr.add_argument("--timeout", type=float, default=900.0, help="the whole check, s (default 900)")
+    cr.add_argument(
+        "--tolerance", type=float, default=1e-3, help="max_abs_param_diff allowed, relative to param_moved (1e-3)"
+    )
+    cr.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: CPUs / world size)")
+    cr.add_argument("--json", action="store_true", help="one JSON object (default: key: value lines)")
+    cr.set_defaults(fn=cmd_check)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

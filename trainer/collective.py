@@ -314,6 +314,7 @@ class _Step:
     budget: StepBudget
     buckets: list[_Bucket] = field(default_factory=list)
     posted: dict[int, deque[tuple[torch.Tensor, dist.Work]]] = field(default_factory=dict)
+    returned: int = 0  # carrier: buckets whose reduced result went back to the degraded ranks
 
 
 class ReroutedAllReduce:
@@ -610,6 +611,7 @@ class ReroutedAllReduce:
         if not route.proxies:
             return self._allreduce_mean(flat, group, len(route.participants))
 
+        self._return_reduced(step, wait=False)  # results already reduced go back before we block below
         buf = torch.empty(n + 1, dtype=reduce_dtype(flat.dtype, self.world_size))
         buf[:n].copy_(flat)
         count = 1
@@ -691,8 +693,18 @@ class ReroutedAllReduce:
         if route.role(self.rank) == "degraded":
             self._finish_degraded(step, route)
             return
-        for bucket in step.buckets:
+        self._return_reduced(step, wait=True)
+
+    def _return_reduced(self, step: _Step, *, wait: bool) -> None:
+        """Carrier: send reduced buckets back to the degraded ranks, in bucket order (the degraded
+        rank's receives are FIFO). ``wait=False`` sends only those already reduced, so a degraded
+        rank gets bucket ``i`` while the carrier still receives bucket ``i+1``."""
+        while step.returned < len(step.buckets):
+            bucket = step.buckets[step.returned]
             assert bucket.reduced is not None
+            if not wait and not bucket.reduced.done():
+                return
+            step.returned += 1
             out = bucket.reduced.wait()
             self.last_contributors.append(int(out[bucket.numel].item()))
             for degraded in self._live_carried():

@@ -36,6 +36,7 @@ def run(
     labels: Labels | None = None,
     previous: Plan | None = None,
     cap: int = 1,
+    *,
     unreachable: frozenset[int] = frozenset(),
 ) -> Plan | Refusal:
     return plan(

@@ -13,18 +13,26 @@ Usage in a DeepSpeed loop (``trainer/example.py`` is the complete version)::
 
 Contract of :class:`TrainerReporter`:
 
-- ``report()`` only computes a few floats and appends to a bounded in-memory queue; it never does
-  I/O, never blocks on Redis and never raises because of Redis. A daemon thread drains the queue
-  into ``XADD`` of :data:`clusterpulse.wire.TRAINER_STREAM` (field
-  :data:`clusterpulse.wire.TRAINER_FIELD`, trimmed approximately to ``maxlen``), one pipelined
-  round trip per batch and at most one per ``linger_s`` (0.05 s), with a socket timeout and no
-  hidden retries in the client. The thread first registers the rank (a
+- ``report()`` only computes a few floats and appends to a bounded in-memory queue under an
+  uncontended lock (about 2 us in a tight loop, 5-40 us right after a real step has pushed the
+  interpreter out of the CPU caches); it never does I/O, never wakes another thread (except for a
+  safety event), never blocks on Redis and never raises because of Redis.
+- A daemon thread wakes every ``flush_interval_s`` (0.5 s), takes everything queued and sends it
+  in one round trip per ``batch_size`` reports: one ``XADD`` of
+  :data:`clusterpulse.wire.TRAINER_STREAM` per report (field :data:`clusterpulse.wire.TRAINER_FIELD`,
+  trimmed approximately to ``maxlen``), written as one buffer of Redis protocol built here rather
+  than through the client's per-command pipeline, so the thread holds the interpreter for about
+  3 us per report and 0.1-0.5 ms per flush; the socket write and the wait for the replies release
+  it (``tests/bench/test_report_cost.py`` measures what all this adds to a step). The socket has
+  a timeout and the client no hidden retries. The first flush, at once, registers the rank (a
   :class:`clusterpulse.wire.RankRegistration` on :data:`clusterpulse.wire.REGISTRATION_STREAM`).
+  Delivery is at least once: a round trip that fails half way is sent again whole.
 - Redis down: the batch goes back to the head of the queue and the thread backs off
   (:class:`clusterpulse.retry.Backoff`, capped exponential with jitter); when the queue is full
   the *oldest* report is dropped and counted in :attr:`TrainerReporter.dropped` (the newest
-  reports are the ones worth having once Redis answers again). A permanent error (a Redis that
-  answers with an error) drops that batch, counted in ``rejected``, and logs it.
+  reports are the ones worth having once Redis answers again). A report Redis answers with an
+  error (a permanent one: a wrong type at the key) is dropped, counted in ``rejected``, and logged;
+  the others of its round trip count as published.
 - Per rank, not per job: ``tokens_per_s`` is this rank's tokens (``tokens_per_step`` is the
   rank's own share of a step: micro batch x accumulation x sequence length under data
   parallelism, the global tokens / world size under model parallelism) over its step time, and
@@ -35,7 +43,10 @@ Contract of :class:`TrainerReporter`:
   out forward and backward and overstate throughput several times. On a GPU the figure is right
   in the steady state as soon as the loop synchronises once per step (``loss.item()`` does).
 - ``every=N`` publishes steps divisible by N; a training-safety event (:class:`LossSpikeDetector`,
-  fed at every call) is published at once whatever the cadence, in the report's ``event``.
+  fed at every call) is published whatever the cadence, in the report's ``event``, and wakes the
+  thread to send it at once rather than at the next interval.
+- :meth:`TrainerReporter.flush` sends what is queued now and waits for it (before a checkpoint or
+  an exit); :meth:`TrainerReporter.close` flushes and stops the thread.
 
 Also here, small and pure: :class:`LossSpikeDetector` and :func:`cosine_warmup`.
 """
@@ -49,6 +60,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 import redis
@@ -60,8 +72,6 @@ from clusterpulse.retry import Backoff, is_transient
 from trainer import mfu as mfu_lib
 
 log = logging.getLogger("pulse.trainer.report")
-
-_BATCH = 256  # reports per pipelined round trip
 
 
 class StepTimer:
@@ -90,7 +100,10 @@ class LossSpikeDetector:
     :meth:`update` returns ``None`` for a normal step, else a reason whose first word is the kind
     (``nonfinite_loss``, ``nonfinite_grad_norm``, ``loss_spike``). Non-finite losses are not
     remembered; a spike is (a second spike in a row is still measured against the window's
-    minimum). The ratio test needs a positive minimum: with a minimum <= 0 it never fires.
+    minimum). The ratio test needs a positive minimum: with a minimum <= 0 it never fires. Steps
+    are expected to increase; a step below the last one seen (a resume from a checkpoint) starts
+    the window afresh. Constant time per step: the window's minimum is the head of a deque of
+    increasing losses (the classic sliding-window minimum), not a scan of the window.
     """
 
     def __init__(self, window: int = 100, factor: float = 10.0) -> None:
@@ -100,7 +113,9 @@ class LossSpikeDetector:
             raise ValueError(f"factor={factor}: expected > 1")
         self.window = window
         self.factor = factor
-        self._seen: collections.deque[tuple[int, float]] = collections.deque()
+        # (step, loss), steps and losses both increasing: each entry is the lowest loss seen
+        # since its step, so the head is the minimum of the window.
+        self._low: collections.deque[tuple[int, float]] = collections.deque()
 
     def update(self, step: int, loss: float | None, grad_norm: float | None = None) -> str | None:
         if loss is not None and not math.isfinite(loss):
@@ -109,17 +124,22 @@ class LossSpikeDetector:
             return f"nonfinite_grad_norm grad_norm={grad_norm} at step {step}"
         if loss is None:
             return None
-        while self._seen and self._seen[0][0] <= step - self.window:
-            self._seen.popleft()
+        low = self._low
+        if low and step < low[-1][0]:
+            low.clear()
+        while low and low[0][0] <= step - self.window:
+            low.popleft()
         reason = None
-        if self._seen:
-            low = min(v for _, v in self._seen)
-            if low > 0 and loss > self.factor * low:
+        if low:
+            least = low[0][1]
+            if least > 0 and loss > self.factor * least:
                 reason = (
-                    f"loss_spike loss={loss:.6g} at step {step} > {self.factor:g} x min {low:.6g} "
+                    f"loss_spike loss={loss:.6g} at step {step} > {self.factor:g} x min {least:.6g} "
                     f"of the last {self.window} steps"
                 )
-        self._seen.append((step, loss))
+        while low and low[-1][1] >= loss:
+            low.pop()
+        low.append((step, loss))
         return reason
 
 
@@ -174,6 +194,33 @@ def _default_node() -> str:
     return host if wire.valid_node_name(host) else host.split(".")[0]
 
 
+def _bulk(arg: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def xadd_prefix(stream: str, field: bytes, maxlen: int) -> bytes:
+    """Redis protocol of ``XADD stream MAXLEN ~ maxlen * field`` up to the value: one command per
+    payload is ``prefix + b"$<len>\r\n" + payload + b"\r\n"`` (see :func:`pack_xadds`)."""
+    args = (b"XADD", stream.encode(), b"MAXLEN", b"~", b"%d" % maxlen, b"*", field)
+    return b"*8\r\n" + b"".join(_bulk(a) for a in args)
+
+
+def pack_xadds(prefix: bytes, payloads: Iterable[bytes]) -> list[bytes]:
+    """The parts of one ``XADD`` per payload (``prefix`` from :func:`xadd_prefix`), to be joined.
+
+    What redis-py's pipeline would send for the same commands, without its per-command argument
+    handling: a few hundred nanoseconds a report instead of several microseconds.
+    """
+    parts: list[bytes] = []
+    add = parts.append
+    for payload in payloads:
+        add(prefix)
+        add(b"$%d\r\n" % len(payload))
+        add(payload)
+        add(b"\r\n")
+    return parts
+
+
 class TrainerReporter:
     """Publishes one :class:`clusterpulse.wire.TrainerReport` per (due) step from a background thread.
 
@@ -182,6 +229,12 @@ class TrainerReporter:
     ``WORLD_SIZE`` (else 1); ``redis_url`` to ``PULSE_REDIS_URL``; ``peak_flops_per_device`` to
     ``PULSE_PEAK_FLOPS``. MFU is reported when ``flops_per_token``, ``tokens_per_step``, a step time
     and a peak are all known, else ``None``. See the module docstring for the delivery contract.
+
+    Durations: ``flush_interval_s`` between the thread's sends (the latency of a report on the
+    wire; the thread's cost per step falls as it grows), ``timeout_s`` for connecting to Redis and
+    for each socket read and write, ``backoff`` between tries while Redis is down; :meth:`flush`
+    and :meth:`close` take their own timeouts. ``queue_size`` bounds the reports held while Redis
+    is away; ``batch_size`` bounds one round trip.
     """
 
     def __init__(
@@ -199,8 +252,9 @@ class TrainerReporter:
         every: int = 1,
         maxlen: int = 100_000,
         queue_size: int = 1024,
+        batch_size: int = 512,
         timeout_s: float = 2.0,
-        linger_s: float = 0.05,
+        flush_interval_s: float = 0.5,
         backoff: Backoff | None = None,
         spike_detector: LossSpikeDetector | None = None,
     ) -> None:
@@ -217,11 +271,24 @@ class TrainerReporter:
             raise ValueError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
         if local_rank < 0:
             raise ValueError(f"local_rank={local_rank}: expected >= 0")
-        for name, value in (("every", every), ("maxlen", maxlen), ("queue_size", queue_size)):
+        for name, value in (
+            ("every", every),
+            ("maxlen", maxlen),
+            ("queue_size", queue_size),
+            ("batch_size", batch_size),
+        ):
             if value < 1:
                 raise ValueError(f"{name}={value}: expected >= 1")
         if tokens_per_step is not None and tokens_per_step < 0:
             raise ValueError(f"tokens_per_step={tokens_per_step}: expected >= 0")
+        if flops_per_token is not None and not flops_per_token >= 0:
+            raise ValueError(f"flops_per_token={flops_per_token}: expected >= 0")
+        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
+            raise ValueError(f"peak_flops_per_device={peak_flops_per_device}: expected > 0 FLOP/s")
+        if not flush_interval_s > 0:
+            raise ValueError(f"flush_interval_s={flush_interval_s}: expected > 0 seconds")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s}: expected > 0 seconds")
         if redis_url is None:
             redis_url = os.environ.get("PULSE_REDIS_URL") or "redis://127.0.0.1:6379/0"
         self.job, self.rank, self.node, self.world_size = job, rank, node, world_size
@@ -232,9 +299,21 @@ class TrainerReporter:
         self.flops_per_token = flops_per_token
         self.peak_flops_per_device = peak_flops_per_device if peak_flops_per_device is not None else env_peak_flops()
         self.tokens_per_step = tokens_per_step
+        # MFU is linear in tokens/s: the ratio of one token a second, worked out once.
+        self._mfu_per_token_s = (
+            mfu_lib.mfu(
+                tokens_per_s=1.0,
+                flops_per_token=flops_per_token,
+                ranks=1,
+                peak_flops_per_device=self.peak_flops_per_device,
+            )
+            if flops_per_token is not None and self.peak_flops_per_device is not None
+            else None
+        )
         self.every = every
         self.maxlen = maxlen
-        self.linger_s = linger_s
+        self.batch_size = batch_size
+        self.flush_interval_s = flush_interval_s
         self.detector = spike_detector if spike_detector is not None else LossSpikeDetector()
 
         self.published = 0
@@ -242,6 +321,7 @@ class TrainerReporter:
         self.rejected = 0  # reports Redis refused with a permanent error
         self.failures = 0  # failed round trips (Redis down or slow)
         self.events = 0  # training-safety events seen
+        self.thread_cpu_s = 0.0  # CPU seconds the publishing thread has used, updated after each send
 
         self._redis = redis.Redis.from_url(
             redis_url,
@@ -249,14 +329,25 @@ class TrainerReporter:
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # our own backoff, on our own thread
         )
+        self._report_prefix = xadd_prefix(wire.TRAINER_STREAM, wire.TRAINER_FIELD, maxlen)
+        self._registration_command = b"".join(
+            pack_xadds(
+                xadd_prefix(wire.REGISTRATION_STREAM, wire.REGISTRATION_FIELD, maxlen),
+                [wire.encode(self.registration)],
+            )
+        )
+        self._conn: redis.connection.ConnectionInterface | None = None  # the thread's own, kept
         self._backoff = backoff if backoff is not None else Backoff()
+        # Shared with the publishing thread under _lock, a plain lock that report() holds for an
+        # append and the thread for a swap: never contended long, never a thread wake-up.
+        self._lock = threading.Lock()
         self._queue: collections.deque[wire.TrainerReport] = collections.deque()
         self._queue_size = queue_size
         self._inflight = 0
         self._register_pending = True  # sent by the thread first, retried like a report
-        self._cond = threading.Condition()
         self._closing = False
-        self._closed = threading.Event()  # cuts the linger short on close()
+        self._wake = threading.Event()  # the interval cut short: a safety event, flush(), close()
+        self._sent = threading.Condition()  # notified after each send attempt, for flush()
         self._thread = threading.Thread(target=self._run, name=f"pulse-reporter-{rank}", daemon=True)
         self._thread.start()
 
@@ -271,27 +362,25 @@ class TrainerReporter:
         loss_scale: float | None = None,
         step_time_s: float | None = None,
         plan_generation: int | None = None,
+        unreachable_ranks: list[int] | None = None,
     ) -> wire.TrainerReport | None:
-        """Queue this step's report (when due, or when a safety event fires); returns it, or
-        ``None`` when not due. Never blocks on Redis, never raises on its account. Non-finite
-        floats travel as JSON ``null`` and the ``event`` says which one was not finite."""
+        """Queue this step's report (when due, when a safety event fires, or when
+        ``unreachable_ranks`` names degraded ranks this rank as their carrier gave up on: those
+        go out at once, whatever the cadence); returns it, or ``None`` when not due. Never blocks
+        on Redis, never raises on its account. Non-finite floats travel as JSON ``null`` and the
+        ``event`` says which one was not finite."""
         event = self.detector.update(step, loss, grad_norm)
         if event is not None:
             self.events += 1
             log.warning("event=training_anomaly job=%s rank=%d step=%d reason=%r", self.job, self.rank, step, event)
-        if event is None and step % self.every != 0:
+        elif step % self.every != 0 and not unreachable_ranks:
             return None
         tokens_per_s = None
         mfu_ratio = None
         if step_time_s is not None and step_time_s > 0 and self.tokens_per_step is not None:
             tokens_per_s = self.tokens_per_step / step_time_s
-            if self.flops_per_token is not None and self.peak_flops_per_device is not None:
-                mfu_ratio = mfu_lib.mfu(
-                    tokens_per_s=tokens_per_s,
-                    flops_per_token=self.flops_per_token,
-                    ranks=1,
-                    peak_flops_per_device=self.peak_flops_per_device,
-                )
+            if self._mfu_per_token_s is not None:
+                mfu_ratio = tokens_per_s * self._mfu_per_token_s
         rep = wire.TrainerReport(
             v=wire.PROTOCOL_VERSION,
             job=self.job,
@@ -305,29 +394,39 @@ class TrainerReporter:
             tokens_per_s=tokens_per_s,
             mfu_ratio=mfu_ratio,
             plan_generation=plan_generation,
+            unreachable_ranks=unreachable_ranks or None,
             event=event[:512] if event is not None else None,
         )
-        with self._cond:
-            if len(self._queue) >= self._queue_size:
-                self._queue.popleft()
+        with self._lock:
+            queue = self._queue
+            if len(queue) >= self._queue_size:
+                queue.popleft()
                 self.dropped += 1
-            self._queue.append(rep)
-            self._cond.notify()
+            queue.append(rep)
+        if event is not None or unreachable_ranks:
+            self._wake.set()
         return rep
 
     @property
     def pending(self) -> int:
         """Reports queued or in flight, not yet acknowledged by Redis (the registration counts one)."""
-        with self._cond:
+        with self._lock:
             return len(self._queue) + self._inflight + int(self._register_pending)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Send what is queued now rather than at the next interval and wait at most ``timeout``
+        seconds for Redis to acknowledge it; True when nothing is pending. While the thread backs
+        off from a Redis that is down it keeps its backoff, so this waits out the timeout."""
+        self._wake.set()
+        with self._sent:
+            self._sent.wait_for(lambda: self.pending == 0 or not self._thread.is_alive(), timeout)
+        return self.pending == 0
 
     def close(self, timeout: float = 5.0) -> bool:
         """Flush what is queued (one last try even while backing off) and stop the thread, waiting
         at most ``timeout`` seconds. True when everything queued reached Redis."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        self._closed.set()
+        self._closing = True
+        self._wake.set()
         self._thread.join(timeout)
         left = self.pending
         if left or self._thread.is_alive():
@@ -338,7 +437,7 @@ class TrainerReporter:
                 left,
                 self.dropped,
             )
-        self._redis.close()
+        self._redis.close()  # disconnects the thread's connection too
         return left == 0
 
     def __enter__(self) -> TrainerReporter:
@@ -351,93 +450,116 @@ class TrainerReporter:
 
     # --- the publishing thread -------------------------------------------------------------
 
-    def _take(self, retry_at: float) -> list[wire.TrainerReport] | None:
-        """Wait for something to send (and for the backoff to pass); None when closing is done."""
-        with self._cond:
-            while True:
-                now = time.monotonic()
-                work = bool(self._queue) or self._register_pending
-                if self._closing:
-                    if not work:
-                        return None
-                    break  # flushing: no more backoff waits, one failure ends it
-                if work and now >= retry_at:
-                    break
-                self._cond.wait(timeout=max(0.0, retry_at - now) if work else None)
-            batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]
-            self._inflight = len(batch)
-            return batch
+    def _run(self) -> None:
+        retry_at = 0.0
+        wait_s = 0.0  # register at once
+        while True:
+            self._wake.wait(wait_s)
+            self._wake.clear()  # _closing is read after: a close() that set it is never missed
+            closing = self._closing
+            now = time.monotonic()
+            if not closing and now < retry_at:
+                wait_s = retry_at - now  # woken while backing off: the backoff stands
+                continue
+            if self._drain():
+                retry_at = 0.0
+                wait_s = self.flush_interval_s
+            else:
+                delay = self._backoff.next_delay()
+                retry_at = time.monotonic() + delay
+                wait_s = delay
+            with self._sent:
+                self._sent.notify_all()
+            self.thread_cpu_s = time.thread_time()  # this thread's, since it started
+            if closing:
+                return
 
-    def _give_back(self, batch: list[wire.TrainerReport]) -> None:
+    def _drain(self) -> bool:
+        """Send everything queued, ``batch_size`` reports a round trip. False after a transient
+        failure (that batch is back at the head of the queue), True otherwise."""
+        while True:
+            with self._lock:
+                register = self._register_pending
+                queue = self._queue
+                if not queue and not register:
+                    return True
+                batch: collections.deque[wire.TrainerReport] | list[wire.TrainerReport]
+                if len(queue) <= self.batch_size:
+                    batch, self._queue = queue, collections.deque()
+                else:
+                    batch = [queue.popleft() for _ in range(self.batch_size)]
+                self._inflight = len(batch)
+            try:
+                replies = self._send(register, batch)
+            except Exception as exc:
+                if is_transient(exc):
+                    self.failures += 1
+                    if self._backoff.failures == 0:  # the first failure of this outage
+                        log.warning(
+                            "event=redis_unavailable job=%s rank=%d error=%r failures=%d",
+                            self.job,
+                            self.rank,
+                            exc,
+                            self.failures,
+                        )
+                    self._give_back(batch)
+                    return False
+                # Permanent, before any reply (a Redis refusing the connection's setup): this batch
+                # is lost, the next one is tried.
+                replies = [exc] * (int(register) + len(batch))
+            if self._backoff.failures:
+                log.info("event=redis_reconnected job=%s rank=%d failures=%d", self.job, self.rank, self.failures)
+                self._backoff.reset()
+            errors = [e for e in replies if e is not None]
+            if errors:  # permanent: these reports are dropped, a retry would fail alike
+                log.error(
+                    "event=reports_rejected job=%s rank=%d count=%d error=%r",
+                    self.job,
+                    self.rank,
+                    len(errors),
+                    errors[0],
+                )
+            with self._lock:
+                self._inflight = 0
+                self._register_pending = False
+                rejected = sum(1 for e in replies[int(register) :] if e is not None)
+                self.rejected += rejected
+                self.published += len(batch) - rejected
+
+    def _send(self, register: bool, batch: Sequence[wire.TrainerReport]) -> list[Exception | None]:
+        """One round trip: the registration when due, then one ``XADD`` per report, written at once.
+
+        Returns each command's error reply or ``None``, in order; raises on a connection error or
+        a timeout (the connection is then dropped, so a retry starts clean)."""
+        encode = wire.encode
+        parts = pack_xadds(self._report_prefix, [encode(rep) for rep in batch])
+        if register:
+            parts.insert(0, self._registration_command)
+        commands = int(register) + len(batch)
+        conn = self._conn
+        if conn is None:  # connects, or raises; a connection dropped after an error reconnects on send
+            conn = self._conn = self._redis.connection_pool.get_connection()
+        try:
+            conn.send_packed_command([b"".join(parts)], check_health=False)  # type: ignore[no-untyped-call]
+            replies: list[Exception | None] = []
+            for _ in range(commands):
+                try:
+                    conn.read_response()
+                except redis.exceptions.ResponseError as exc:
+                    replies.append(exc)
+                else:
+                    replies.append(None)
+            return replies
+        except BaseException:
+            conn.disconnect()  # type: ignore[no-untyped-call]
+            raise
+
+    def _give_back(self, batch: Iterable[wire.TrainerReport]) -> None:
         """Put a failed batch back at the head, oldest dropped beyond the bound."""
-        with self._cond:
+        batch = list(batch)
+        with self._lock:
             self._inflight = 0
             room = self._queue_size - len(self._queue)
             keep = batch[-room:] if room > 0 else []
             self.dropped += len(batch) - len(keep)
             self._queue.extendleft(reversed(keep))
-
-    def _run(self) -> None:
-        retry_at = 0.0
-        down_logged = False
-        while True:
-            batch = self._take(retry_at)
-            if batch is None:
-                return
-            register = self._register_pending
-            pipe = self._redis.pipeline(transaction=False)
-            if register:
-                pipe.xadd(
-                    wire.REGISTRATION_STREAM,
-                    {wire.REGISTRATION_FIELD: wire.encode(self.registration)},
-                    maxlen=self.maxlen,
-                    approximate=True,
-                )
-            for rep in batch:
-                pipe.xadd(
-                    wire.TRAINER_STREAM,
-                    {wire.TRAINER_FIELD: wire.encode(rep)},
-                    maxlen=self.maxlen,
-                    approximate=True,
-                )
-            try:
-                pipe.execute()
-            except Exception as exc:
-                if is_transient(exc):
-                    self.failures += 1
-                    delay = self._backoff.next_delay()
-                    retry_at = time.monotonic() + delay
-                    if not down_logged:
-                        log.warning(
-                            "event=redis_unavailable job=%s rank=%d error=%r retry_in_s=%.2f",
-                            self.job,
-                            self.rank,
-                            exc,
-                            delay,
-                        )
-                        down_logged = True
-                    self._give_back(batch)
-                    if self._closing:
-                        return
-                    continue
-                log.error(
-                    "event=reports_rejected job=%s rank=%d count=%d error=%r", self.job, self.rank, len(batch), exc
-                )
-                with self._cond:
-                    self._inflight = 0
-                    self._register_pending = False
-                    self.rejected += len(batch)
-                continue
-            if down_logged:
-                log.info("event=redis_reconnected job=%s rank=%d failures=%d", self.job, self.rank, self.failures)
-                down_logged = False
-            self._backoff.reset()
-            retry_at = 0.0
-            with self._cond:
-                self._inflight = 0
-                self._register_pending = False
-                self.published += len(batch)
-            # At most one round trip per linger: the steps in between ride the next batch, so a
-            # fast training loop does not pay a thread wake-up and a socket write per step.
-            if self.linger_s > 0:
-                self._closed.wait(self.linger_s)

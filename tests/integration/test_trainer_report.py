@@ -6,7 +6,9 @@ import math
 import time
 
 import pytest
+import redis
 
+from clusterpulse import wire
 from clusterpulse.retry import Backoff
 from tests.stack import registrations, reports
 from tests.support import wait_for
@@ -110,6 +112,50 @@ def test_spike_event_is_reported(redis_url: str) -> None:
     assert [r.step for r in reps] == [2, 3]
     assert reps[1].loss is None  # NaN travels as JSON null
     assert reporter.events == 2
+
+
+def test_flush_sends_before_the_interval(redis_url: str) -> None:
+    """With an interval far beyond the test's deadline, only flush() can have sent these."""
+    reporter = TrainerReporter(
+        job="j", rank=0, node="n", world_size=1, redis_url=redis_url, flush_interval_s=600, batch_size=2
+    )
+    for step in range(1, 8):
+        reporter.report(step=step, loss=1.0, step_time_s=0.1)
+    assert reporter.flush(timeout=5)
+    assert [r.step for r in reports(redis_url)] == list(range(1, 8))  # in order, across 4 round trips
+    assert len(registrations(redis_url)) == 1
+    assert (reporter.published, reporter.pending) == (7, 0)
+    reporter.report(step=8, loss=1.0)
+    assert reporter.close(timeout=5)
+    assert [r.step for r in reports(redis_url)][-1] == 8
+
+
+def test_safety_event_does_not_wait_for_the_interval(redis_url: str) -> None:
+    with TrainerReporter(
+        job="j", rank=0, node="n", world_size=1, redis_url=redis_url, flush_interval_s=600
+    ) as reporter:
+        wait_for(lambda: registrations(redis_url), timeout=5, what="registration")
+        reporter.report(step=1, loss=1.0)
+        reporter.report(step=2, loss=float("inf"))
+        reps = wait_for(lambda: reports(redis_url), timeout=5, what="the event's report")
+        assert isinstance(reps, list) and reps[-1].event is not None and reps[-1].event.startswith("nonfinite_loss")
+
+
+def test_permanent_errors_are_counted_and_the_next_reports_go_through(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    client.set(wire.TRAINER_STREAM, b"not a stream")  # every XADD there answers WRONGTYPE
+    reporter = TrainerReporter(job="j", rank=0, node="n", world_size=1, redis_url=redis_url, flush_interval_s=600)
+    for step in range(1, 4):
+        reporter.report(step=step, loss=1.0)
+    assert reporter.flush(timeout=5)  # nothing pending: a rejected report is not retried
+    assert (reporter.rejected, reporter.published, reporter.failures) == (3, 0, 0)
+    assert len(registrations(redis_url)) == 1  # registration rode the same round trip and succeeded
+    client.delete(wire.TRAINER_STREAM)
+    client.close()
+    reporter.report(step=4, loss=1.0)
+    assert reporter.close(timeout=5)
+    assert [r.step for r in reports(redis_url)] == [4]
+    assert (reporter.rejected, reporter.published) == (3, 1)
 
 
 def test_loss_spike_detector_exact() -> None:

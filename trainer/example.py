@@ -16,13 +16,22 @@ Reporting (``--report``, the default, when ``PULSE_REDIS_URL`` is set): every ra
 start is logged and retried in the background, never waited for. MFU needs a peak: the GPU's
 from the table in :mod:`trainer.mfu`, or ``PULSE_PEAK_FLOPS`` (required on a CPU).
 
+Rerouting (``--reroute``, the default, with reporting on): the engine's gradient reduction goes
+through :class:`trainer.collective.ReroutedAllReduce` (:func:`trainer.deepspeed_reroute.attach`)
+and a :class:`trainer.follow.PlanFollower` puts the orchestrator's plans in force at step
+boundaries. A rank its carrier gave up on is reported (``unreachable_ranks``), so the next plan
+excludes it; a rank the plan in force excludes stops training and leaves with exit code 0 (its
+node was LOST; the others go on without it). ``--proxy-timeout`` (``PULSE_PROXY_TIMEOUT_S``,
+default 30 s) bounds what a hung degraded rank costs its carrier per step.
+
 Emergency checkpoint: ``SIGUSR2`` to any rank asks for ``engine.save_checkpoint`` into
 ``--checkpoint-dir`` (tag ``emergency-stepN``) at the next step boundary, then training goes
 on. All ranks must save together, so with a checkpoint dir each step ends with a one-element
 max all-reduce of the "requested" flag.
 
-Rank 0 prints one JSON line at the end: ``{"steps", "first_loss", "final_loss", "world_size"}``
-(losses averaged over ranks).
+The lowest participant (rank 0 unless a plan took it out) prints one JSON line at the end:
+``{"steps", "first_loss", "final_loss", "world_size", "plan_generation", "contributors"}`` (losses
+averaged over the ranks still contributing).
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer import deepspeed_reroute
+from trainer.collective import ReroutedAllReduce
+from trainer.follow import PlanFollower
 from trainer.mfu import model_flops_per_token, peak_flops
 from trainer.report import StepTimer, TrainerReporter, cosine_warmup, env_peak_flops
 
@@ -120,6 +132,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="publish a TrainerReport per step to PULSE_REDIS_URL (default on)",
     )
+    p.add_argument(
+        "--reroute",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="follow the orchestrator's gradient-aggregation plans (default on; needs reporting)",
+    )
+    p.add_argument(
+        "--proxy-timeout",
+        type=float,
+        default=_env_float("PULSE_PROXY_TIMEOUT_S", 30.0),
+        help="seconds a carrier waits for a degraded rank per step (PULSE_PROXY_TIMEOUT_S, default 30)",
+    )
+    p.add_argument("--plan-poll", type=float, default=1.0, help="seconds between plan reads besides notifications")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="where SIGUSR2 saves an emergency checkpoint")
     p.add_argument("--deepspeed_config", "--deepspeed-config", type=Path, default=None, help="DeepSpeed JSON config")
@@ -134,9 +159,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "seq_len", "layers", "hidden", "heads", "vocab"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
+    for name in ("proxy_timeout", "plan_poll"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected seconds > 0")
     if args.hidden % args.heads:
         p.error(f"--hidden={args.hidden}: expected a multiple of --heads={args.heads}")
     return args
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r}: expected seconds as a number") from None
 
 
 def default_config(*, bf16: bool) -> dict[str, Any]:
@@ -276,6 +314,13 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_step=tokens_per_step,
         )
 
+    reroute: ReroutedAllReduce | None = None
+    follower: PlanFollower | None = None
+    if args.reroute and reporter is not None:
+        reroute = ReroutedAllReduce(world_size=world, rank=rank, proxy_timeout_s=args.proxy_timeout)
+        deepspeed_reroute.attach(engine, reroute)
+        follower = PlanFollower(job=args.job, reroute=reroute, redis_url=url, poll_s=args.plan_poll)
+
     checkpoint_requested = False
 
     def on_sigusr2(signum: int, frame: FrameType | None) -> None:
@@ -308,9 +353,20 @@ def main(argv: list[str] | None = None) -> int:
             if engine_norm is not None:
                 grad_norm = float(engine_norm)
 
+            unreachable: list[int] = []
+            if follower is not None:
+                follower.boundary()
+                unreachable = sorted(follower.newly_missing())
+                if reroute is not None and reroute.role == "excluded":
+                    log.warning("event=excluded job=%s rank=%d step=%d note=leaving_training", args.job, rank, step)
+                    break
+
             if args.checkpoint_dir is not None:
                 flag = torch.tensor([1.0 if checkpoint_requested else 0.0], device=engine.device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if reroute is not None:
+                    reroute.allreduce_([flag])  # a mean > 0 when any rank asked; never waits on a lost rank
+                else:
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 if flag.item() > 0:
                     tag = f"emergency-step{step}"
                     engine.save_checkpoint(str(args.checkpoint_dir), tag=tag, client_state={"step": step})
@@ -332,16 +388,35 @@ def main(argv: list[str] | None = None) -> int:
                     grad_norm=grad_norm,
                     loss_scale=float(scale) if scale is not None else None,
                     step_time_s=step_time,
+                    plan_generation=None if reroute is None else reroute.generation,
+                    unreachable_ranks=unreachable or None,
                 )
     finally:
+        if follower is not None:
+            follower.close()
         if reporter is not None:
             reporter.close(timeout=5.0)
 
+    if reroute is not None and reroute.role == "excluded":
+        return 0  # the others finish without this rank; it must not join their last collective
     mean = torch.tensor([first_loss, final_loss], device=engine.device)
-    dist.all_reduce(mean)
-    mean /= world
-    if rank == 0:
-        summary = {"steps": args.steps, "first_loss": mean[0].item(), "final_loss": mean[1].item(), "world_size": world}
+    if reroute is not None:
+        reroute.allreduce_([mean])  # averaged over the ranks still contributing
+        contributors = reroute.last_contributors[0] if reroute.last_contributors else world
+    else:
+        dist.all_reduce(mean)
+        mean /= world
+        contributors = world
+    route = None if reroute is None else reroute.route
+    if rank == (0 if route is None else route.root):
+        summary = {
+            "steps": args.steps,
+            "first_loss": mean[0].item(),
+            "final_loss": mean[1].item(),
+            "world_size": world,
+            "plan_generation": None if reroute is None else reroute.generation,
+            "contributors": contributors,
+        }
         print(json.dumps(summary), flush=True)
     dist.destroy_process_group()
     return 0

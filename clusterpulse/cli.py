@@ -398,6 +398,110 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_tokens(tokens: Sequence[dict[str, Any]]) -> str:
+    rows = [("NAME", "ROLE", "STATE", "CREATED", "BY", "REVOKED")]
+    for t in tokens:
+        revoked = f"{_when(t['revoked_at'])} by {t['revoked_by']}" if t["revoked_at"] is not None else "-"
+        state = "active" if t["active"] else "revoked"
+        rows.append((t["name"], t["role"], state, _when(t["created_at"]), t["created_by"], revoked))
+    return _table(rows)
+
+
+def cmd_tokens(args: argparse.Namespace) -> int:
+    if args.action == "create":
+        if not args.name or not args.role:
+            raise SystemExit("pulse tokens create: --name and --role are required")
+        t = _call("POST", "/v1/tokens", json={"name": args.name, "role": args.role})
+        if args.json:
+            print(json.dumps(t, indent=2))
+        else:  # the secret alone on stdout, so that $(pulse tokens create ...) captures it
+            print(f"token {t['name']} ({t['role']}) created; its secret is shown only this once:", file=sys.stderr)
+            print(t["secret"])
+        return 0
+    if args.action == "list":
+        data = _call("GET", "/v1/tokens")
+        print(json.dumps(data, indent=2) if args.json else format_tokens(data["data"]))
+        return 0
+    if not args.name:
+        raise SystemExit("pulse tokens revoke: NAME is required")
+    out = _call("POST", f"/v1/tokens/{args.name}/revoke")
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"token {args.name} revoked" + ("" if out["changed"] else " (no change: it already was)"))
+    return 0
+
+
+# --- Redis credentials --------------------------------------------------------------------------
+
+
+def _credentials_password(path: str | None) -> str:
+    """The password in ``path``; a new one when no path is given, or written there (0600) when the
+    file does not exist yet."""
+    from pathlib import Path
+
+    from clusterpulse import acl
+
+    if path is None:
+        return acl.new_password()
+    file = Path(path)
+    if file.exists():
+        password = file.read_text().strip()
+        if not password:
+            raise SystemExit(f"pulse agent-credentials: --password-file {path} is empty; expected a password")
+        return password
+    password = acl.new_password()
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password
+
+
+def cmd_agent_credentials(args: argparse.Namespace) -> int:
+    from clusterpulse import acl
+
+    if args.orchestrator == bool(args.node):
+        raise SystemExit("pulse agent-credentials: give a NODE or --orchestrator (one of the two)")
+    settings = _settings()
+    password = _credentials_password(args.password_file)
+    try:
+        rules = (
+            acl.orchestrator_acl(password=password)
+            if args.orchestrator
+            else acl.node_acl(args.node, shards=settings.heartbeat_stream_shards, password=password)
+        )
+    except ValueError as exc:
+        raise SystemExit(f"pulse agent-credentials: {exc}") from None
+    url = acl.credentials_url(settings.redis_url, username=rules[0], password=password)
+    if args.apply:
+        import redis
+
+        client = redis.Redis.from_url(
+            settings.redis_url, socket_timeout=settings.redis_timeout_s, socket_connect_timeout=settings.redis_timeout_s
+        )
+        try:
+            client.execute_command("ACL", "SETUSER", *rules)  # type: ignore[no-untyped-call]
+        except redis.RedisError as exc:
+            print(f"pulse agent-credentials: ACL SETUSER {rules[0]} failed at PULSE_REDIS_URL: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            client.close()
+        print(
+            f"ACL user {rules[0]} applied (heartbeat_stream_shards={settings.heartbeat_stream_shards}); persist it "
+            "with ACL SAVE (aclfile) or CONFIG REWRITE. Its URL, holding the password:",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"# ACL user {rules[0]} (heartbeat_stream_shards={settings.heartbeat_stream_shards}); apply the first "
+            "line with redis-cli as an admin, or run again with --apply. The second line holds the password.",
+            file=sys.stderr,
+        )
+        print(acl.redis_cli_line(rules))
+    print(f"PULSE_REDIS_URL={url}")
+    return 0
+
+
 # --- demo / bench -------------------------------------------------------------------------------
 
 
@@ -517,6 +621,26 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("job")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plan)
+
+    t = sub.add_parser("tokens", help="API tokens: create, list, revoke (admin)")
+    t.add_argument("action", choices=("create", "list", "revoke"))
+    t.add_argument("name", nargs="?", help="the token (revoke)")
+    t.add_argument("--name", dest="name", help="the new token's name (create): the actor of its events")
+    t.add_argument("--role", choices=("viewer", "operator", "admin"), help="reads / cordon and jobs / tokens")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(fn=cmd_tokens)
+
+    ac = sub.add_parser(
+        "agent-credentials",
+        help="a node's (or the orchestrator's) Redis ACL user: print or apply the rules and its URL",
+    )
+    ac.add_argument("node", nargs="?", help="the node whose agent and ranks will use the user")
+    ac.add_argument("--orchestrator", action="store_true", help="the orchestrator's user instead of a node's")
+    ac.add_argument("--apply", action="store_true", help="ACL SETUSER at PULSE_REDIS_URL (an admin connection)")
+    ac.add_argument(
+        "--password-file", help="read the password from this file; generate one into it (0600) when it is missing"
+    )
+    ac.set_defaults(fn=cmd_agent_credentials)
 
     m = sub.add_parser("demo", help="orchestrator + 16 simulated nodes on this machine, with a fault")
     m.add_argument("--nodes", type=int, default=16)

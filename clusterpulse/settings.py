@@ -19,7 +19,13 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     database_url: str = "sqlite:///clusterpulse.db"
     api_url: str = "http://127.0.0.1:8000"
-    api_token: str = ""
+    api_token: str = ""  # the bootstrap admin token, named "env" (services/tokens.py)
+    # Which reads need a viewer token: GET /v1/... (default: in production only), /metrics, and
+    # /healthz + /readyz (default open, for Prometheus and probes that carry no token).
+    auth_reads: bool | None = None
+    auth_metrics: bool = False
+    auth_health: bool = False
+    token_cache_s: float = Field(5.0, ge=0)  # how long a token lookup is reused (0: never)
     redis_timeout_s: float = Field(5.0, gt=0)
     max_body_bytes: int = Field(256 * 1024, ge=1024)
 
@@ -28,6 +34,8 @@ class Settings(BaseSettings):
     heartbeat_ttl_s: float | None = Field(None, gt=0)  # latest-key TTL; default 3 x degraded_after
     heartbeat_stream_shards: int = Field(1, ge=1, le=1024)
     heartbeat_stream_maxlen: int = Field(200_000, ge=1000)
+    # Refuse a stream heartbeat its node's own latest key does not vouch for (clusterpulse/acl.py)
+    heartbeat_sender_check: bool = True
 
     # Agent sources
     ipmi_command: str = "ipmitool sdr elist"
@@ -72,6 +80,10 @@ class Settings(BaseSettings):
     @property
     def suspect_after(self) -> float:
         return self.suspect_after_s if self.suspect_after_s is not None else 2 * self.heartbeat_interval_s
+
+    @property
+    def reads_need_token(self) -> bool:
+        return self.auth_reads if self.auth_reads is not None else self.env == "production"
 
     @property
     def heartbeat_ttl(self) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -192,6 +193,11 @@ def heartbeat_stream_keys(shards: int) -> list[str]:
     return [heartbeat_stream_key(s) for s in range(shards)]
 
 
+def node_heartbeat_stream_key(node: str, shards: int) -> str:
+    """The one heartbeat stream shard a node's agent writes to."""
+    return heartbeat_stream_key(heartbeat_shard(node, shards))
+
+
 def node_commands_key(node: str) -> str:
     """Stream of commands (job launch / stop) for one node's agent."""
     return f"pulse:{{node:{node}}}:commands"
@@ -212,6 +218,23 @@ TRAINER_FIELD = b"report"
 """The trainer stream entry field holding the encoded :class:`TrainerReport`."""
 
 LEADER_KEY = "pulse:{orchestrator}:leader"
+
+
+# --- Key globs (Redis ACL key and channel patterns) ----------------------------------------------
+
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+_GLOB_MARK = "\x00"
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a Redis glob (ACL ``~``/``&`` patterns, ``KEYS``) matching exactly itself."""
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
+
+
+def key_glob(key_for: Callable[[Any], str]) -> str:
+    """The glob matching every key of one family, built from its key function: ``key_glob(
+    node_latest_key)`` is ``pulse:{node:*}:latest``. The family's fixed text is escaped."""
+    return glob_escape(key_for(_GLOB_MARK)).replace(_GLOB_MARK, "*")
 
 
 # --- Schemas for the other directions (plans, job commands, trainer reports) -------------------

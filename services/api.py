@@ -2,8 +2,9 @@
 
 ``create_app(settings)`` builds an app; ``pulse orchestrator`` serves it with uvicorn. Reads of
 nodes and /metrics come from the in-memory snapshot (fresh to the last heartbeat); events come
-from the database. Mutations need the operator token and are written to the database before
-they are applied in memory.
+from the database. Mutations are written to the database before they are applied in memory.
+Who may call what: viewer reads (where ``PULSE_AUTH_*`` say so), operator cordons and runs jobs,
+admin manages tokens and reads settings (services/tokens.py, services/deps.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from fastapi.responses import JSONResponse
 from clusterpulse.settings import Settings
 from services import db
 from services.cluster import NodeView
-from services.deps import Operator, OrchestratorDep
+from services.deps import Admin, HealthReader, MetricsReader, Operator, OrchestratorDep, TokensDep, Viewer
 from services.health import State
 from services.jobs import JOB_STATES
 from services.metrics import CONTENT_TYPE, Renderer, job_state_lines, plan_lines
+from services.models import TokenRow
 from services.orchestrator import Orchestrator, PlacementRefused
 from services.schemas import (
     CordonPublic,
@@ -39,7 +41,13 @@ from services.schemas import (
     NodePublic,
     NodesPublic,
     PlanPublic,
+    TokenCreate,
+    TokenCreated,
+    TokenPublic,
+    TokenRevoked,
+    TokensPublic,
 )
+from services.tokens import NameTaken, Role, TokenStore
 
 log = logging.getLogger("pulse.orchestrator.api")
 
@@ -85,6 +93,18 @@ def node_public(view: NodeView, *, now: float) -> NodePublic:
     )
 
 
+def token_public(row: TokenRow) -> TokenPublic:
+    return TokenPublic(
+        name=row.name,
+        role=row.role,
+        created_at=row.created_at,
+        created_by=row.created_by,
+        revoked_at=row.revoked_at,
+        revoked_by=row.revoked_by,
+        active=row.revoked_at is None,
+    )
+
+
 def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -106,6 +126,9 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         orch = Orchestrator(settings, redis_client=client, engine=engine, consumer=consumer)
         await orch.start()
         app.state.orchestrator = orch
+        app.state.tokens = TokenStore(
+            sessions=orch.sessions, bootstrap=settings.api_token, clock=orch.clock.now, cache_s=settings.token_cache_s
+        )
         app.state.renderer = Renderer()
         log.info("event=api_ready redis=%s database=%s", redact(settings.redis_url), redact(settings.database_url))
         try:
@@ -130,11 +153,11 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         return response
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
+    async def healthz(_: HealthReader) -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz")
-    async def readyz(orch: OrchestratorDep) -> JSONResponse:
+    async def readyz(orch: OrchestratorDep, _: HealthReader) -> JSONResponse:
         checks: dict[str, str] = {}
         try:
             await orch.redis.ping()
@@ -150,7 +173,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         return JSONResponse(checks, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics(orch: OrchestratorDep) -> Response:
+    async def metrics(orch: OrchestratorDep, _: MetricsReader) -> Response:
         assert orch.cluster is not None
         renderer: Renderer = app.state.renderer
         text = renderer.render(
@@ -170,6 +193,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     @app.get("/v1/nodes", response_model=NodesPublic)
     async def list_nodes(
         orch: OrchestratorDep,
+        _: Viewer,
         state: Annotated[str | None, Query(description="HEALTHY, SUSPECT, DEGRADED or LOST")] = None,
     ) -> NodesPublic:
         assert orch.cluster is not None
@@ -194,7 +218,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         return view
 
     @app.get("/v1/nodes/{name}", response_model=NodePublic)
-    async def get_node(name: str, orch: OrchestratorDep) -> NodePublic:
+    async def get_node(name: str, orch: OrchestratorDep, _: Viewer) -> NodePublic:
         return node_public(_view(orch, name), now=orch.clock.now())
 
     async def _cordon(name: str, orch: Orchestrator, actor: str, body: CordonRequest | None, on: bool) -> CordonPublic:
@@ -206,19 +230,19 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     async def cordon(
         name: str,
         orch: OrchestratorDep,
-        actor: Operator,
+        caller: Operator,
         body: Annotated[CordonRequest | None, Body()] = None,
     ) -> CordonPublic:
-        return await _cordon(name, orch, actor, body, True)
+        return await _cordon(name, orch, caller.name, body, True)
 
     @app.post("/v1/nodes/{name}/uncordon", response_model=CordonPublic)
     async def uncordon(
         name: str,
         orch: OrchestratorDep,
-        actor: Operator,
+        caller: Operator,
         body: Annotated[CordonRequest | None, Body()] = None,
     ) -> CordonPublic:
-        return await _cordon(name, orch, actor, body, False)
+        return await _cordon(name, orch, caller.name, body, False)
 
     # --- jobs ---------------------------------------------------------------------------------
     def _job_public(orch: Orchestrator, row: Any) -> JobPublic:
@@ -252,12 +276,14 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     async def create_job(
         body: JobCreate,
         orch: OrchestratorDep,
-        actor: Operator,
+        caller: Operator,
         response: Response,
         idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
     ) -> JobPublic:
         try:
-            job_id, created = await orch.create_job(body.model_dump(), idempotency_key=idempotency_key, actor=actor)
+            job_id, created = await orch.create_job(
+                body.model_dump(), idempotency_key=idempotency_key, actor=caller.name
+            )
         except PlacementRefused as exc:
             raise HTTPException(status.HTTP_409_CONFLICT, detail=f"placement refused: {exc}") from None
         if not created:
@@ -278,6 +304,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     @app.get("/v1/jobs", response_model=JobsPublic)
     async def list_jobs(
         orch: OrchestratorDep,
+        _: Viewer,
         state: Annotated[str | None, Query(description="one of the job states")] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
     ) -> JobsPublic:
@@ -295,11 +322,11 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         return JobsPublic(data=data, count=len(data))
 
     @app.get("/v1/jobs/{job_id}", response_model=JobPublic)
-    async def get_job(job_id: str, orch: OrchestratorDep) -> JobPublic:
+    async def get_job(job_id: str, orch: OrchestratorDep, _: Viewer) -> JobPublic:
         return await _get_job(orch, job_id)
 
     @app.get("/v1/jobs/{job_id}/plan", response_model=PlanPublic)
-    async def get_plan(job_id: str, orch: OrchestratorDep) -> PlanPublic:
+    async def get_plan(job_id: str, orch: OrchestratorDep, _: Viewer) -> PlanPublic:
         p = orch.plans.plans.get(job_id)
         if p is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} has no plan (no rank registered)")
@@ -315,9 +342,9 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         )
 
     @app.post("/v1/jobs/{job_id}/stop", response_model=JobPublic)
-    async def stop_job(job_id: str, orch: OrchestratorDep, actor: Operator) -> JobPublic:
+    async def stop_job(job_id: str, orch: OrchestratorDep, caller: Operator) -> JobPublic:
         try:
-            await orch.stop_job(job_id, actor=actor)
+            await orch.stop_job(job_id, actor=caller.name)
         except KeyError:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} is not known") from None
         return await _get_job(orch, job_id)
@@ -325,6 +352,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     @app.get("/v1/events", response_model=EventsPublic)
     async def events(
         orch: OrchestratorDep,
+        _: Viewer,
         node: str | None = None,
         job: str | None = None,
         since: Annotated[float | None, Query(description="epoch seconds")] = None,
@@ -350,5 +378,39 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
 
         rows = await asyncio.to_thread(read)
         return EventsPublic(data=[EventPublic(**r) for r in rows], count=len(rows))
+
+    # --- tokens and settings (admin) ----------------------------------------------------------
+    @app.post("/v1/tokens", response_model=TokenCreated, status_code=201)
+    async def create_token(body: TokenCreate, tokens: TokensDep, caller: Admin) -> TokenCreated:
+        try:
+            row, secret = await tokens.create(name=body.name, role=Role(body.role), actor=caller.name)
+        except NameTaken as exc:
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from None
+        return TokenCreated(**token_public(row).model_dump(), secret=secret)
+
+    @app.get("/v1/tokens", response_model=TokensPublic)
+    async def list_tokens(tokens: TokensDep, _: Admin) -> TokensPublic:
+        data = [token_public(r) for r in await tokens.list_tokens()]
+        return TokensPublic(data=data, count=len(data))
+
+    @app.post("/v1/tokens/{name}/revoke", response_model=TokenRevoked)
+    async def revoke_token(name: str, tokens: TokensDep, caller: Admin) -> TokenRevoked:
+        try:
+            row, changed = await tokens.revoke(name=name, actor=caller.name)
+        except KeyError:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"token {name!r} is not known") from None
+        return TokenRevoked(token=token_public(row), changed=changed)
+
+    @app.get("/v1/settings")
+    async def settings_public(_: Admin) -> dict[str, Any]:
+        """The settings in force, secrets masked (admin: they name the infrastructure)."""
+        out = settings.model_dump()
+        for key, value in out.items():
+            if isinstance(value, str) and value and any(w in key for w in ("token", "password", "secret")):
+                out[key] = "***"
+            elif isinstance(value, str) and key.endswith("_url"):
+                out[key] = redact(value)
+        out["reads_need_token"] = settings.reads_need_token
+        return out
 
     return app

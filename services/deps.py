@@ -1,16 +1,26 @@
-"""FastAPI dependencies as ``Annotated`` aliases. Resources live on ``app.state`` (the lifespan)."""
+"""FastAPI dependencies as ``Annotated`` aliases. Resources live on ``app.state`` (the lifespan).
+
+``Viewer``, ``Operator`` and ``Admin`` resolve the bearer token to a :class:`Caller` (its name
+is the ``actor`` of the events the request causes) or refuse: 401 without a valid token, 403
+when its role is too low (services/tokens.py). ``Viewer`` lets everyone through while
+``PULSE_AUTH_READS`` is off; ``MetricsReader`` and ``HealthReader`` do the same for
+``PULSE_AUTH_METRICS`` and ``PULSE_AUTH_HEALTH``.
+"""
 
 from __future__ import annotations
 
-import hmac
+import logging
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from clusterpulse.settings import Settings
 from services.orchestrator import Orchestrator
+from services.tokens import ANONYMOUS_ADMIN, ANONYMOUS_VIEWER, Caller, Refusal, Role, TokenStore, authorize
+
+log = logging.getLogger("pulse.orchestrator.auth")
 
 _bearer = HTTPBearer(auto_error=False)
 
@@ -30,25 +40,67 @@ def get_session(request: Request) -> Session:
     return orch.sessions()
 
 
+def get_tokens(request: Request) -> TokenStore:
+    tokens: TokenStore = request.app.state.tokens
+    return tokens
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 OrchestratorDep = Annotated[Orchestrator, Depends(get_orchestrator)]
+TokensDep = Annotated[TokenStore, Depends(get_tokens)]
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def require_operator(
-    settings: SettingsDep,
-    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> str:
-    """The caller's name for events. 401 without a valid bearer token; with no token configured
-    (development only: settings refuse that in production) every caller is ``anonymous``."""
-    if not settings.api_token:
-        return "anonymous"
-    if creds is None or not hmac.compare_digest(creds.credentials.encode(), settings.api_token.encode()):
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            detail="a valid bearer token is required (Authorization: Bearer $PULSE_API_TOKEN)",
-            headers={"WWW-Authenticate": "Bearer"},
+async def _require(
+    request: Request, tokens: TokenStore, creds: HTTPAuthorizationCredentials | None, needed: Role
+) -> Caller:
+    if await tokens.open():
+        return ANONYMOUS_ADMIN
+    caller = await tokens.authenticate(creds.credentials) if creds is not None else None
+    out = authorize(needed=needed, presented=creds is not None, caller=caller)
+    if isinstance(out, Refusal):
+        log.info(
+            "event=auth_refused status=%d method=%s path=%s token=%s needed=%s",
+            out.status,
+            request.method,
+            request.url.path,
+            caller.name if caller else ("invalid" if creds is not None else "none"),
+            needed,
         )
-    return "token"
+        raise HTTPException(
+            out.status, detail=out.detail, headers={"WWW-Authenticate": "Bearer"} if out.status == 401 else None
+        )
+    return out
 
 
-Operator = Annotated[str, Depends(require_operator)]
+async def require_viewer(request: Request, settings: SettingsDep, tokens: TokensDep, creds: Bearer) -> Caller:
+    if not settings.reads_need_token:
+        return ANONYMOUS_VIEWER
+    return await _require(request, tokens, creds, Role.VIEWER)
+
+
+async def require_operator(request: Request, tokens: TokensDep, creds: Bearer) -> Caller:
+    return await _require(request, tokens, creds, Role.OPERATOR)
+
+
+async def require_admin(request: Request, tokens: TokensDep, creds: Bearer) -> Caller:
+    return await _require(request, tokens, creds, Role.ADMIN)
+
+
+async def require_metrics_reader(request: Request, settings: SettingsDep, tokens: TokensDep, creds: Bearer) -> Caller:
+    if not settings.auth_metrics:
+        return ANONYMOUS_VIEWER
+    return await _require(request, tokens, creds, Role.VIEWER)
+
+
+async def require_health_reader(request: Request, settings: SettingsDep, tokens: TokensDep, creds: Bearer) -> Caller:
+    if not settings.auth_health:
+        return ANONYMOUS_VIEWER
+    return await _require(request, tokens, creds, Role.VIEWER)
+
+
+Viewer = Annotated[Caller, Depends(require_viewer)]
+Operator = Annotated[Caller, Depends(require_operator)]
+Admin = Annotated[Caller, Depends(require_admin)]
+MetricsReader = Annotated[Caller, Depends(require_metrics_reader)]
+HealthReader = Annotated[Caller, Depends(require_health_reader)]

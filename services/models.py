@@ -114,3 +114,20 @@ class PlanRow(Base):
     excluded: Mapped[list[int]] = mapped_column(JSON)
     reason: Mapped[str] = mapped_column(Text, default="")
     at: Mapped[float] = mapped_column(Float)
+
+
+class TokenRow(Base):
+    """An API token (services/tokens.py). The secret itself is never stored: only its SHA-256
+    digest. Rows are never deleted: a revoked token keeps its name, so every event's ``actor``
+    names exactly one token for ever."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    role: Mapped[str] = mapped_column(String(16))  # viewer | operator | admin
+    secret_sha256: Mapped[str] = mapped_column(String(64), unique=True)  # hex digest
+    created_at: Mapped[float] = mapped_column(Float)
+    created_by: Mapped[str] = mapped_column(String(64))
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    revoked_by: Mapped[str | None] = mapped_column(String(64), nullable=True)

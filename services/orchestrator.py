@@ -3,7 +3,10 @@
 - **ingest** reads the heartbeat streams with a consumer group (``XREADGROUP``). Entries are
   acknowledged only after the telemetry they carried was flushed to the database, so an
   orchestrator killed at any point re-reads what it had not persisted (its own pending entries,
-  read first at start). Redelivery is harmless: folding an older entry changes nothing.
+  read first at start). Redelivery is harmless: folding an older entry changes nothing. An entry
+  claiming a node whose own latest key does not vouch for it is refused (reason ``sender``;
+  ``PULSE_HEARTBEAT_SENDER_CHECK``): with per-node Redis users that key is the one place the
+  sender is known (clusterpulse/acl.py says what this proves and what it cannot).
 - **evaluate** ticks every ``evaluate_interval_s`` on the one clock (Redis ``TIME``, extrapolated
   with the monotonic clock between syncs), applies transitions in memory at once, and queues them
   in an outbox that is written to the database in order, retried with backoff while the database is
@@ -33,7 +36,7 @@ import redis.exceptions
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from clusterpulse import wire
+from clusterpulse import acl, wire
 from clusterpulse.retry import Backoff, is_transient
 from clusterpulse.settings import Settings
 from services import db
@@ -254,10 +257,10 @@ class Orchestrator:
                 entries = resp[0][1] if resp else []
                 if not entries:
                     break
-                self._fold(stream, entries)
+                await self._fold(stream, entries)
                 last = entries[-1][0].decode()
 
-    def _fold(self, stream: str, entries: Entries) -> None:
+    async def _fold(self, stream: str, entries: Entries) -> None:
         assert self.cluster is not None
         unacked = self._unacked[stream]
         if stream == wire.TRAINER_STREAM:
@@ -285,15 +288,51 @@ class Orchestrator:
                 except wire.WireError as exc:
                     log.warning("event=job_status_rejected reason=%s detail=%s", exc.reason, exc)
             return
+        await self._fold_heartbeats(stream, entries)
+
+    async def _fold_heartbeats(self, stream: str, entries: Entries) -> None:
+        """Decode, check each entry's sender against its node's own latest key (one pipelined
+        read per batch, see :func:`clusterpulse.acl.sender_verdict`), fold what passes."""
+        assert self.cluster is not None
+        decoded: list[tuple[bytes, bytes | None, wire.Heartbeat | wire.WireError | None]] = []
         for entry_id, fields in entries:
-            unacked.append(entry_id)
             payload = fields.get(wire.HEARTBEAT_FIELD) if fields else None
-            if payload is None:
-                self.cluster.received += 1
+            item: wire.Heartbeat | wire.WireError | None = None
+            if payload is not None:
+                try:
+                    item = wire.decode_heartbeat(payload)
+                except wire.WireError as exc:
+                    item = exc
+            decoded.append((entry_id, payload, item))
+        check = self.settings.heartbeat_sender_check
+        nodes = sorted({hb.node for _, _, hb in decoded if isinstance(hb, wire.Heartbeat)}) if check else []
+        own: dict[str, bytes | None] = {}
+        if nodes:
+
+            async def read_own() -> None:
+                pipe = self.redis.pipeline(transaction=False)
+                for node in nodes:
+                    pipe.get(wire.node_latest_key(node))
+                own.update(zip(nodes, await pipe.execute(), strict=True))
+
+            await self._until_ok("sender check", read_own)
+        unacked = self._unacked[stream]
+        for entry_id, payload, item in decoded:
+            unacked.append(entry_id)
+            self.cluster.received += 1
+            if payload is None or item is None:
                 self.cluster.rejected["missing_field"] += 1
-                continue
-            ev = self.cluster.ingest(payload, received_at=entry_time(entry_id))
-            if ev is not None:
+            elif isinstance(item, wire.WireError):
+                self.cluster.rejected[item.reason] += 1
+                log.debug("event=heartbeat_rejected reason=%s detail=%s", item.reason, item)
+            elif check and (reason := acl.sender_verdict(item, payload, own.get(item.node))) is not None:
+                self.cluster.rejected[reason] += 1
+                log.warning(
+                    "event=heartbeat_rejected reason=%s node=%s boot_id=%s seq=%d entry=%s stream=%s detail=%r",
+                    reason, item.node, item.boot_id, item.seq, entry_id.decode(), stream,
+                    "its node's own latest key does not hold this heartbeat or a newer one of the same boot",
+                )  # fmt: skip
+            elif (ev := self.cluster.fold(item, received_at=entry_time(entry_id))) is not None:
                 self._outbox.append(ev)
 
     def _fold_report(self, payload: bytes | None, at: float) -> None:
@@ -345,7 +384,7 @@ class Orchestrator:
                     await self._ensure_group(stream)
                 continue
             for stream, entries in resp:
-                self._fold(stream, entries)
+                await self._fold(stream, entries)
             await asyncio.sleep(0)
 
     async def _xreadgroup(self, streams: dict[str, str], *, block_ms: int | None) -> list[tuple[str, Entries]]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from services.tokens import RESERVED_NAMES
 
 
 class NodePublic(BaseModel):
@@ -110,3 +112,48 @@ class PlanPublic(BaseModel):
     reason: str
     refused: str | None = None  # why the newest inputs have no valid plan (the old one stays)
     ranks: dict[str, str]  # rank -> node
+
+
+TOKEN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # 64: the width of an event's actor
+
+
+class TokenCreate(BaseModel):
+    """``POST /v1/tokens``: a name (the ``actor`` of the events the token causes) and a role."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=TOKEN_NAME_PATTERN)
+    role: Literal["viewer", "operator", "admin"]
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v in RESERVED_NAMES:
+            raise ValueError(f"{v!r} is reserved (one of {', '.join(sorted(RESERVED_NAMES))})")
+        return v
+
+
+class TokenPublic(BaseModel):
+    """A token as listed: never its secret nor the secret's digest."""
+
+    name: str
+    role: str
+    created_at: float
+    created_by: str
+    revoked_at: float | None
+    revoked_by: str | None
+    active: bool
+
+
+class TokenCreated(TokenPublic):
+    secret: str  # shown this once; only its SHA-256 digest is stored
+
+
+class TokensPublic(BaseModel):
+    data: list[TokenPublic]
+    count: int
+
+
+class TokenRevoked(BaseModel):
+    token: TokenPublic
+    changed: bool  # False: it already was revoked

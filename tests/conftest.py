@@ -35,7 +35,9 @@ def sqlite_url(tmp_path: Path) -> str:
 def _pg_reset() -> None:
     eng = db.make_engine(PG_URL)
     with eng.begin() as conn:
-        conn.execute(text("DROP TABLE IF EXISTS plans, job_ranks, jobs, events, gpus, nodes, alembic_version CASCADE"))
+        conn.execute(
+            text("DROP TABLE IF EXISTS tokens, plans, job_ranks, jobs, events, gpus, nodes, alembic_version CASCADE")
+        )
     eng.dispose()
 
 

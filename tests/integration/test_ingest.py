@@ -115,7 +115,9 @@ def test_malformed_entries_are_counted_and_never_stop_the_loop(redis_url: str, s
                 b'"interval_s":1,"gpu_source":"none"}'
             },
         )
-        raw.xadd(stream, {wire.HEARTBEAT_FIELD: wire.encode(good.heartbeat(good.sim.sample()))})  # type: ignore[union-attr]
+        payload = wire.encode(good.heartbeat(good.sim.sample()))  # type: ignore[union-attr]
+        raw.set(wire.node_latest_key(good.node), payload)  # as the agent does: the sender check's evidence
+        raw.xadd(stream, {wire.HEARTBEAT_FIELD: payload})
         await _until(lambda: "n0" in orch.cluster.nodes)
         assert orch.cluster.rejected == {"json": 1, "schema": 2, "missing_field": 1, "version": 1}
         assert orch.cluster.received == 6

@@ -70,6 +70,7 @@ class NodeAgent:
     ipmi_stale_after_s: float = 90.0
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     seq: int = 0
+    clock_offset_s: float = 0.0  # added to sent_at: a skewed node clock (tests only)
 
     @property
     def silent(self) -> bool:
@@ -94,7 +95,7 @@ class NodeAgent:
             node=self.node,
             boot_id=self.boot_id,
             seq=self.seq,
-            sent_at=time.time(),
+            sent_at=time.time() + self.clock_offset_s,
             interval_s=self.interval_s,
             gpu_source=self.gpu_source,
             ipmi=ipmi,
@@ -291,6 +292,7 @@ async def run_node_agent(
         labels=labels,
         sim=parts.sim,
         ipmi_stale_after_s=3 * settings.ipmi_interval_s + settings.ipmi_timeout_s,
+        clock_offset_s=settings.agent_clock_offset_s,
     )
     client = _redis(settings)
     tasks: list[asyncio.Task[None]] = []

@@ -40,6 +40,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from clusterpulse import wire
+from clusterpulse.retry import Backoff
 
 log = logging.getLogger("pulse.agent.launcher")
 
@@ -144,7 +145,15 @@ class Launcher:
 
     async def _status(self, job: str, node_rank: int, state: str, **kw: Any) -> None:
         st = wire.JobStatus(v=wire.PROTOCOL_VERSION, job=job, node=self.node, node_rank=node_rank, state=state, **kw)  # type: ignore[arg-type]
-        await self.redis.xadd(wire.JOB_STATUS_STREAM, {wire.JOB_STATUS_FIELD: wire.encode(st)}, maxlen=100_000)
+        backoff = Backoff()
+        while True:  # a status lost to a Redis outage would leave its job RUNNING for ever
+            try:
+                await self.redis.xadd(wire.JOB_STATUS_STREAM, {wire.JOB_STATUS_FIELD: wire.encode(st)}, maxlen=100_000)
+                break
+            except (ConnectionError, OSError, aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+                delay = backoff.next_delay()
+                log.warning("event=job_status_retry job=%s state=%s delay_s=%.2f error=%r", job, state, delay, str(exc))
+                await asyncio.sleep(delay)
         log.info("event=job_status job=%s node=%s state=%s %s", job, self.node, state, kw.get("exit_code", ""))
 
     async def reattach(self) -> None:

@@ -128,8 +128,9 @@ def node_acl(node: str, *, shards: int, password: str, user: str | None = None) 
 def orchestrator_acl(*, password: str, user: str = ORCHESTRATOR_USER) -> list[str]:
     """The arguments of ``ACL SETUSER`` for the orchestrator (services/orchestrator.py, api.py):
     the consumer group over every stream it reads, plans (key and channel), job commands to any
-    node, reading any node's latest key (the sender check) and ``TIME`` (the one clock). Every
-    heartbeat shard, whatever their number."""
+    node, reading any node's latest key (the sender check), ``TIME`` (the one clock), claiming a
+    previous leader's pending entries and the fencing scripts (``EVAL`` over the leader's epoch
+    key and the plans or commands it writes). Every heartbeat shard, whatever their number."""
     esc = wire.glob_escape
     streams = [
         wire.key_glob(wire.heartbeat_stream_key),
@@ -146,9 +147,13 @@ def orchestrator_acl(*, password: str, user: str = ORCHESTRATOR_USER) -> list[st
         "+time",
         "+publish",
         "&" + esc(wire.PLAN_CHANNEL),
-        "(+xreadgroup +xack +xgroup|create " + " ".join(_key(s) for s in streams) + ")",
+        "(+xreadgroup +xack +xautoclaim +xgroup|create " + " ".join(_key(s) for s in streams) + ")",
         f"(+set +get {_key(wire.key_glob(wire.job_plan_key))})",
         f"(+xadd {_key(wire.key_glob(wire.node_commands_key), 'W')})",
+        # the fencing scripts (services/leader.py): the epoch key, then the plans or commands
+        f"(+get +set {_key(esc(wire.LEADER_KEY))})",
+        f"(+eval {_key(esc(wire.LEADER_KEY))} {_key(wire.key_glob(wire.job_plan_key))} "
+        f"{_key(wire.key_glob(wire.node_commands_key))})",
         f"(+get {_key(wire.key_glob(wire.node_latest_key), 'R')})",
     ]
 

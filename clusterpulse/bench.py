@@ -1,4 +1,5 @@
 """``pulse bench ingest`` and ``pulse bench agent``: speed and memory, each beside its baseline.
+(``pulse bench soak``, the long run with faults, is in clusterpulse/soak.py.)
 
 Ingest (one JSON object):
 
@@ -307,6 +308,10 @@ def run_bench(args: argparse.Namespace) -> int:
     import logging
 
     logging.getLogger("pulse").setLevel(logging.WARNING)
+    if args.bench == "soak":
+        from clusterpulse.soak import main as soak
+
+        return soak(args)
     if args.bench == "agent":
         result = _agent(args)
     else:

@@ -553,6 +553,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return rc
 
 
+def cmd_goodput(args: argparse.Namespace) -> int:
+    from clusterpulse.goodput import run_goodput
+
+    return run_goodput(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pulse", description="ClusterPulse: the control plane of a GPU training cluster.")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -694,6 +700,49 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--interval", type=float, default=1.0)
     ba.add_argument("--json", action="store_true")
     ba.set_defaults(fn=cmd_bench)
+    bs = bsub.add_parser(
+        "soak",
+        help="long run with random faults: orchestrator memory growth, false DEGRADED, lost events",
+        description="Starts the orchestrator, N simulated nodes and a private redis-server, injects a fault "
+        "of a random kind on a random node every --fault-every seconds for --duration seconds and prints one "
+        "JSON object (clusterpulse/soak.py). Exit 1 when an event is lost, a node is DEGRADED without a fault, "
+        "or resident memory grows more than --max-rss-growth.",
+    )
+    bs.add_argument("--nodes", type=int, default=2048)
+    bs.add_argument("--gpus-per-node", type=int, default=8)
+    bs.add_argument("--duration", type=float, default=600.0, help="seconds of faults after the warm-up (600)")
+    bs.add_argument("--fault-every", type=float, default=5.0, help="seconds between fault starts (5)")
+    bs.add_argument("--seed", type=int, default=1, help="the fault schedule's seed (1)")
+    bs.add_argument("--interval", type=float, default=2.0, help="heartbeat interval, s (2)")
+    bs.add_argument("--degraded-after", type=float, default=0.0, help="silence before DEGRADED, s (6 x interval)")
+    bs.add_argument(
+        "--slack",
+        type=float,
+        default=0.0,
+        help="ingest/evaluation lag tolerated on top of each rule, s (4 x interval, >= 5)",
+    )
+    bs.add_argument("--warmup", type=float, default=60.0, help="seconds after every node is HEALTHY (60)")
+    bs.add_argument("--settle-timeout", type=float, default=300.0, help="for every node to be HEALTHY, s (300)")
+    bs.add_argument("--max-rss-growth", type=float, default=1.05, help="orchestrator RSS end / warm allowed (1.05)")
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(fn=cmd_bench)
+    bg = bsub.add_parser("goodput", help="a fault campaign against a real stack and a DeepSpeed job: goodput")
+    bg.add_argument("--ranks", type=int, default=4, help="simulated nodes, one rank each (default 4)")
+    bg.add_argument("--duration", type=float, default=600.0, help="seconds of training per run (default 600)")
+    bg.add_argument("--fault-every", type=float, default=15.0, help="seconds between faults (default 15)")
+    bg.add_argument("--seed", type=int, default=0, help="seed of the fault draw (default 0)")
+    bg.add_argument(
+        "--kinds", type=lambda v: [k for k in v.split(",") if k], default=None, help="comma-separated fault kinds"
+    )
+    bg.add_argument("--cycle", action="store_true", help="take --kinds in turn instead of drawing them")
+    bg.add_argument(
+        "--fault-free-duration", type=float, default=0.0, help="seconds of the fault-free run (default --duration)"
+    )
+    bg.add_argument("--out", default=None, help="folder for goodput.json and goodput.png (default: the run's temp dir)")
+    bg.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for a job's first step")
+    bg.add_argument("--finish-timeout", type=float, default=300.0, help="seconds the faulted job may take to finish")
+    bg.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
+    bg.set_defaults(fn=cmd_goodput)
     return p
 
 

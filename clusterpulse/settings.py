@@ -28,6 +28,11 @@ class Settings(BaseSettings):
     token_cache_s: float = Field(5.0, ge=0)  # how long a token lookup is reused (0: never)
     redis_timeout_s: float = Field(5.0, gt=0)
     max_body_bytes: int = Field(256 * 1024, ge=1024)
+    # Mutating calls (POST) per caller (token name + client address): a token bucket refilled at
+    # rate_limit_per_s holding at most rate_limit_burst; either at 0 switches limiting off
+    # (services/ratelimit.py).
+    rate_limit_per_s: float = Field(10.0, ge=0)
+    rate_limit_burst: int = Field(100, ge=0)
 
     # Heartbeats
     heartbeat_interval_s: float = Field(30.0, gt=0)
@@ -42,6 +47,9 @@ class Settings(BaseSettings):
     ipmi_interval_s: float = Field(30.0, gt=0)
     ipmi_timeout_s: float = Field(10.0, gt=0)
     xid_window_s: float = Field(300.0, gt=0)
+    # Tests only (tests/faults): seconds added to the time the agent stamps on its heartbeats
+    # (``sent_at``), a node whose clock is off. Health never reads that time; it is only reported.
+    agent_clock_offset_s: float = 0.0
 
     # Health policy (see services/health.py)
     suspect_after_s: float | None = Field(None, gt=0)  # default 2 x heartbeat interval
@@ -77,6 +85,16 @@ class Settings(BaseSettings):
     retry_backoff_s: float = Field(0.2, gt=0)
     retry_backoff_max_s: float = Field(5.0, gt=0)
 
+    # High availability (services/leader.py): replicas on one database and Redis, one leader
+    replica_id: str = Field("", max_length=128)  # this replica's name; default <hostname>-<pid>
+    leader_lease_s: float = Field(15.0, gt=0)  # failover within one lease
+    leader_renew_s: float | None = Field(None, gt=0)  # default lease / 3
+    leader_margin_s: float | None = Field(None, ge=0)  # stop leading this early; default lease / 10
+    # Tests only (tests/faults): the orchestrator SIGKILLs itself at this named point, ``NAME`` or
+    # ``NAME:N`` (the N-th time there): ``transition`` (applied in memory, not yet published or
+    # stored), ``plan`` (a plan generation published to Redis, not yet stored). Empty: never.
+    crash_at: str = ""
+
     @property
     def suspect_after(self) -> float:
         return self.suspect_after_s if self.suspect_after_s is not None else 2 * self.heartbeat_interval_s
@@ -89,8 +107,21 @@ class Settings(BaseSettings):
     def heartbeat_ttl(self) -> float:
         return self.heartbeat_ttl_s if self.heartbeat_ttl_s is not None else 3 * self.degraded_after_s
 
+    @property
+    def leader_renew(self) -> float:
+        return self.leader_renew_s if self.leader_renew_s is not None else self.leader_lease_s / 3
+
+    @property
+    def leader_margin(self) -> float:
+        return self.leader_margin_s if self.leader_margin_s is not None else self.leader_lease_s / 10
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        if self.leader_renew >= self.leader_lease_s - self.leader_margin:
+            raise ValueError(
+                f"leader_renew_s ({self.leader_renew}s) must be below leader_lease_s - leader_margin_s "
+                f"({self.leader_lease_s}s - {self.leader_margin}s): a leader renews before it stops trusting its lease"
+            )
         if self.suspect_after >= self.degraded_after_s:
             raise ValueError(
                 f"suspect_after ({self.suspect_after}s) must be below degraded_after_s ({self.degraded_after_s}s)"
@@ -99,6 +130,8 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"lost_after_s ({self.lost_after_s}s) must not be below degraded_after_s ({self.degraded_after_s}s)"
             )
+        if self.env == "production" and self.crash_at:
+            raise ValueError(f"PULSE_CRASH_AT={self.crash_at!r} is for tests only; unset it when PULSE_ENV=production")
         if self.env == "production" and len(self.api_token) < 16:
             raise ValueError("PULSE_API_TOKEN must be set (16+ characters) when PULSE_ENV=production")
         return self

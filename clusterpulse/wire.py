@@ -218,6 +218,11 @@ TRAINER_FIELD = b"report"
 """The trainer stream entry field holding the encoded :class:`TrainerReport`."""
 
 LEADER_KEY = "pulse:{orchestrator}:leader"
+"""The leader's fencing epoch (an integer string). The orchestrator's plan and job-command writes
+go through Lua scripts that refuse an epoch below it (services/leader.py)."""
+
+COMMAND_EPOCH_FIELD = b"epoch"
+"""The job-command stream entry field holding the epoch of the leader that sent it."""
 
 
 # --- Key globs (Redis ACL key and channel patterns) ----------------------------------------------

@@ -19,7 +19,9 @@ from typing import Annotated, Any
 import msgspec
 import redis.asyncio as aioredis
 from fastapi import Body, FastAPI, Header, HTTPException, Query, Request, Response, status
-from fastapi.responses import JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 
 from clusterpulse.settings import Settings
 from services import db
@@ -27,12 +29,15 @@ from services.cluster import NodeView
 from services.deps import Admin, HealthReader, MetricsReader, Operator, OrchestratorDep, TokensDep, Viewer
 from services.health import State
 from services.jobs import JOB_STATES
+from services.leader import NotLeader, leader_lines
 from services.metrics import CONTENT_TYPE, Renderer, job_state_lines, plan_lines
 from services.models import TokenRow
 from services.orchestrator import Orchestrator, PlacementRefused
+from services.ratelimit import SAFE_METHODS, RateLimiter
 from services.schemas import (
     CordonPublic,
     CordonRequest,
+    ErrorPublic,
     EventPublic,
     EventsPublic,
     JobCreate,
@@ -105,6 +110,44 @@ def token_public(row: TokenRow) -> TokenPublic:
     )
 
 
+def bad_query(name: str, value: str, expected: str) -> RequestValidationError:
+    """A 422 shaped like FastAPI's own (``detail`` lists the field), as the OpenAPI schema says."""
+    return RequestValidationError(
+        [{"type": "enum", "loc": ("query", name), "msg": f"{name}={value!r}: expected {expected}", "input": value}]
+    )
+
+
+ERRORS: dict[int, str] = {
+    400: "the body is not valid JSON",
+    401: "no bearer token, or an unknown or revoked one",
+    403: "the token's role is too low for this call",
+    404: "the named node, job or token is not known",
+    409: "refused: placement impossible, or the name is taken",
+    413: "request body over PULSE_MAX_BODY_BYTES",
+    429: "rate limit of mutating calls (PULSE_RATE_LIMIT_*); Retry-After says when to retry",
+    503: "this replica does not lead (mutations go to the leader); Retry-After says when to retry",
+}
+
+
+def mutating(route: APIRoute) -> bool:
+    return bool(set(route.methods or ()) - SAFE_METHODS)
+
+
+def document_errors(app: FastAPI) -> None:
+    """Put the refusals each route can answer with in the OpenAPI schema: auth and body size
+    everywhere, 400 where a body is read, 404 where the path names something, 429 and 503 (not
+    the leader) on mutating routes, 409 where the route says so."""
+    for route in app.routes:
+        if not isinstance(route, APIRoute):
+            continue
+        codes = [401, 403, 413]
+        codes += [400] if route.body_field is not None else []
+        codes += [404] if "{" in route.path else []
+        codes += [429, 503] if mutating(route) else []
+        for code in codes:
+            route.responses.setdefault(code, {"model": ErrorPublic, "description": ERRORS[code]})
+
+
 def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -116,7 +159,9 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
                 f"cannot migrate the database at {redact(settings.database_url)}: {exc}. "
                 "Check PULSE_DATABASE_URL, or run `pulse db upgrade` to see the full error."
             ) from exc
-        engine = db.make_engine(settings.database_url)
+        engine = db.make_engine(
+            settings.database_url, idle_in_transaction_timeout_s=max(1.0, settings.leader_lease_s / 3)
+        )
         client = aioredis.from_url(
             settings.redis_url,
             socket_timeout=settings.redis_timeout_s,
@@ -130,6 +175,11 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             sessions=orch.sessions, bootstrap=settings.api_token, clock=orch.clock.now, cache_s=settings.token_cache_s
         )
         app.state.renderer = Renderer()
+        app.state.limiter = RateLimiter(
+            rate_per_s=settings.rate_limit_per_s,
+            burst=settings.rate_limit_burst,
+            routes=[r.path for r in app.routes if isinstance(r, APIRoute) and mutating(r)],
+        )
         log.info("event=api_ready redis=%s database=%s", redact(settings.redis_url), redact(settings.database_url))
         try:
             yield
@@ -140,6 +190,15 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
 
     app = FastAPI(title="ClusterPulse orchestrator", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
+
+    @app.exception_handler(NotLeader)
+    async def not_leader(request: Request, exc: NotLeader) -> JSONResponse:
+        """A follower (or a leader that just lost its lease) makes no mutation: 503 naming the
+        leader, so that the caller retries there (services/leader.py)."""
+        log.info(
+            "event=mutation_refused_not_leader method=%s path=%s detail=%r", request.method, request.url.path, str(exc)
+        )
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next: Any) -> Response:
@@ -156,7 +215,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     async def healthz(_: HealthReader) -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={503: {"description": "Redis or the database unreachable (the body says which)"}})
     async def readyz(orch: OrchestratorDep, _: HealthReader) -> JSONResponse:
         checks: dict[str, str] = {}
         try:
@@ -172,7 +231,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         ok = all(v == "ok" for v in checks.values())
         return JSONResponse(checks, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(orch: OrchestratorDep, _: MetricsReader) -> Response:
         assert orch.cluster is not None
         renderer: Renderer = app.state.renderer
@@ -183,9 +242,8 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             extra=(
                 *job_state_lines(orch.job_states),
                 *plan_lines(orch.plans.plans, orch.plans.refused),
-                "# HELP pulse_leader 1 when this replica leads.",
-                "# TYPE pulse_leader gauge",
-                "pulse_leader 1",
+                *app.state.limiter.metric_lines(),
+                *leader_lines(orch.leader, leading=orch.leading),
             ),
         )
         return Response(text, media_type=CONTENT_TYPE)
@@ -194,14 +252,17 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     async def list_nodes(
         orch: OrchestratorDep,
         _: Viewer,
-        state: Annotated[str | None, Query(description="HEALTHY, SUSPECT, DEGRADED or LOST")] = None,
+        state: Annotated[
+            str | None,
+            Query(
+                description="HEALTHY, SUSPECT, DEGRADED or LOST (any case)",
+                json_schema_extra={"enum": list(State.__members__)},
+            ),
+        ] = None,
     ) -> NodesPublic:
         assert orch.cluster is not None
         if state is not None and state.upper() not in State.__members__:
-            raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_ENTITY,
-                detail=f"state={state!r}: expected one of {', '.join(State.__members__)}",
-            )
+            raise bad_query("state", state, f"one of {', '.join(State.__members__)}")
         now = orch.clock.now()
         data = [
             node_public(v, now=now)
@@ -272,7 +333,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             progress=figures,
         )
 
-    @app.post("/v1/jobs", response_model=JobPublic, status_code=201)
+    @app.post("/v1/jobs", response_model=JobPublic, status_code=201, responses={409: {"model": ErrorPublic}})
     async def create_job(
         body: JobCreate,
         orch: OrchestratorDep,
@@ -305,13 +366,14 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     async def list_jobs(
         orch: OrchestratorDep,
         _: Viewer,
-        state: Annotated[str | None, Query(description="one of the job states")] = None,
+        state: Annotated[
+            str | None,
+            Query(description="one of the job states (any case)", json_schema_extra={"enum": list(JOB_STATES)}),
+        ] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
     ) -> JobsPublic:
         if state is not None and state.upper() not in JOB_STATES:
-            raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_ENTITY, detail=f"state={state!r}: expected one of {', '.join(JOB_STATES)}"
-            )
+            raise bad_query("state", state, f"one of {', '.join(JOB_STATES)}")
 
         def read() -> list[JobPublic]:
             with orch.sessions() as s:
@@ -380,7 +442,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         return EventsPublic(data=[EventPublic(**r) for r in rows], count=len(rows))
 
     # --- tokens and settings (admin) ----------------------------------------------------------
-    @app.post("/v1/tokens", response_model=TokenCreated, status_code=201)
+    @app.post("/v1/tokens", response_model=TokenCreated, status_code=201, responses={409: {"model": ErrorPublic}})
     async def create_token(body: TokenCreate, tokens: TokensDep, caller: Admin) -> TokenCreated:
         try:
             row, secret = await tokens.create(name=body.name, role=Role(body.role), actor=caller.name)
@@ -413,4 +475,5 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         out["reads_need_token"] = settings.reads_need_token
         return out
 
+    document_errors(app)
     return app

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, inspect, select, text
+from sqlalchemy import Engine, create_engine, event, func, inspect, make_url, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -23,8 +23,13 @@ from services.models import EventRow, GpuRow, JobRankRow, JobRow, NodeRow, PlanR
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 
-def make_engine(url: str) -> Engine:
-    """An engine with the settings each backend needs under concurrent loops and routes."""
+def make_engine(url: str, *, idle_in_transaction_timeout_s: float | None = None) -> Engine:
+    """An engine with the settings each backend needs under concurrent loops and routes.
+
+    ``idle_in_transaction_timeout_s`` (PostgreSQL): the server ends a session left idle inside a
+    transaction that long, so a replica frozen mid-transaction (SIGSTOP, a VM pause) cannot hold
+    the lease row's lock and keep a successor from taking over (services/leader.py); no statement
+    waits longer than that for a lock either (a transient error, retried)."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -37,11 +42,34 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    connect_args: dict[str, Any] = {}
+    if idle_in_transaction_timeout_s is not None:
+        ms = max(1, int(idle_in_transaction_timeout_s * 1000))
+        given = make_url(url).query.get("options")  # keep the URL's own (a search_path, say)
+        given = " ".join(given) if isinstance(given, tuple) else given
+        mine = f"-c idle_in_transaction_session_timeout={ms} -c lock_timeout={ms}"
+        connect_args["options"] = " ".join(filter(None, [given, mine]))
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, connect_args=connect_args)
+
+
+EPOCH = "pulse_epoch"
+"""``Session.info`` key: the fencing epoch a leader's write transaction runs under; every event
+and plan row the session adds carries it (column ``epoch``)."""
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
-    return sessionmaker(engine, expire_on_commit=False)
+    factory = sessionmaker(engine, expire_on_commit=False)
+
+    @event.listens_for(factory, "before_flush")
+    def _stamp_epoch(session: Session, _ctx: Any, _instances: Any) -> None:
+        epoch = session.info.get(EPOCH)
+        if epoch is None:
+            return
+        for obj in session.new:
+            if isinstance(obj, EventRow | PlanRow) and obj.epoch is None:
+                obj.epoch = epoch
+
+    return factory
 
 
 def _alembic_config(url: str) -> Any:
@@ -442,3 +470,82 @@ def revoke_token(session: Session, *, name: str, at: float, actor: str) -> bool:
     row.revoked_at, row.revoked_by = at, actor
     record_event(session, kind="token_revoked", reason=f"token {name!r} ({row.role}) revoked", at=at, actor=actor)
     return True
+
+
+# --- Leader lease (services/leader.py) -----------------------------------------------------------
+
+_DB_NOW = {
+    "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
+    "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+}
+
+
+def _db_now(session: Session) -> str:
+    """SQL for the database's own clock (seconds since the epoch): the lease's one clock."""
+    return _DB_NOW[session.get_bind().dialect.name]
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """The lease row as read, with the database clock at the time of reading."""
+
+    holder: str
+    epoch: int
+    expires_at: float
+    db_now: float
+
+
+def read_lease(session: Session) -> LeaseState:
+    row = session.execute(
+        text(f"SELECT holder, epoch, expires_at, {_db_now(session)} FROM leader_lease WHERE id = 1")
+    ).one()
+    return LeaseState(holder=row[0], epoch=int(row[1]), expires_at=float(row[2]), db_now=float(row[3]))
+
+
+def acquire_lease(session: Session, *, holder: str, seen_epoch: int, reclaim: str, lease_s: float) -> int | None:
+    """Take the lease if it is still as read (``seen_epoch``) and has run out on the database's
+    clock, or is held by ``holder`` itself or by ``reclaim`` (a dead process of this host).
+    Returns the new epoch (``seen_epoch + 1``), or None when another replica got there first."""
+    now = _db_now(session)
+    result = session.execute(
+        text(
+            f"UPDATE leader_lease SET holder = :holder, epoch = epoch + 1, expires_at = {now} + :lease, "
+            f"acquired_at = {now}, renewed_at = {now} "
+            f"WHERE id = 1 AND epoch = :seen AND (expires_at <= {now} OR holder = :holder OR holder = :reclaim)"
+        ),
+        {"holder": holder, "lease": lease_s, "seen": seen_epoch, "reclaim": reclaim or holder},
+    )
+    return seen_epoch + 1 if result.rowcount == 1 else None  # type: ignore[attr-defined]
+
+
+def renew_lease(session: Session, *, holder: str, epoch: int, lease_s: float) -> bool:
+    """Extend the lease ``holder`` holds at ``epoch``; False when it no longer does."""
+    now = _db_now(session)
+    result = session.execute(
+        text(
+            f"UPDATE leader_lease SET expires_at = {now} + :lease, renewed_at = {now} "
+            "WHERE id = 1 AND epoch = :epoch AND holder = :holder"
+        ),
+        {"holder": holder, "epoch": epoch, "lease": lease_s},
+    )
+    return result.rowcount == 1  # type: ignore[attr-defined, no-any-return]
+
+
+def release_lease(session: Session, *, holder: str, epoch: int) -> bool:
+    """End the lease now (a clean shutdown): the next replica need not wait it out."""
+    result = session.execute(
+        text("UPDATE leader_lease SET expires_at = 0 WHERE id = 1 AND epoch = :epoch AND holder = :holder"),
+        {"holder": holder, "epoch": epoch},
+    )
+    return result.rowcount == 1  # type: ignore[attr-defined, no-any-return]
+
+
+def fence_epoch(session: Session) -> int:
+    """The lease's epoch, read inside a write transaction just before it commits.
+
+    On PostgreSQL the row is read ``FOR SHARE``: a takeover (an UPDATE of that row) waits until
+    this transaction ends, so the epoch cannot change between this check and the commit. On
+    SQLite the transaction already holds the database's single write lock once it has written
+    anything, and a snapshot gone stale by a concurrent takeover fails to commit (SQLITE_BUSY)."""
+    lock = " FOR SHARE" if session.get_bind().dialect.name == "postgresql" else ""
+    return int(session.execute(text(f"SELECT epoch FROM leader_lease WHERE id = 1{lock}")).scalar_one())

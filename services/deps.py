@@ -4,7 +4,8 @@
 is the ``actor`` of the events the request causes) or refuse: 401 without a valid token, 403
 when its role is too low (services/tokens.py). ``Viewer`` lets everyone through while
 ``PULSE_AUTH_READS`` is off; ``MetricsReader`` and ``HealthReader`` do the same for
-``PULSE_AUTH_METRICS`` and ``PULSE_AUTH_HEALTH``.
+``PULSE_AUTH_METRICS`` and ``PULSE_AUTH_HEALTH``. ``Operator`` and ``Admin`` on a mutating
+route also take one from the caller's rate-limit bucket (services/ratelimit.py): 429 when empty.
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ from sqlalchemy.orm import Session
 
 from clusterpulse.settings import Settings
 from services.orchestrator import Orchestrator
-from services.tokens import ANONYMOUS_ADMIN, ANONYMOUS_VIEWER, Caller, Refusal, Role, TokenStore, authorize
+from services.ratelimit import SAFE_METHODS, RateLimiter
+from services.tokens import (
+    ANONYMOUS_ADMIN,
+    ANONYMOUS_NAME,
+    ANONYMOUS_VIEWER,
+    Caller,
+    Refusal,
+    Role,
+    TokenStore,
+    authorize,
+)
 
 log = logging.getLogger("pulse.orchestrator.auth")
 
@@ -51,12 +62,35 @@ TokensDep = Annotated[TokenStore, Depends(get_tokens)]
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
+def _rate_limit(request: Request, caller: str) -> None:
+    """A mutating call takes one from its caller's bucket (services/ratelimit.py), before the
+    role check, so that floods of bad tokens are limited too; an empty bucket is a 429."""
+    if request.method in SAFE_METHODS:
+        return
+    limiter: RateLimiter = request.app.state.limiter
+    address = request.client.host if request.client else "unknown"
+    route = getattr(request.scope.get("route"), "path", request.url.path)
+    decision = limiter.check(caller, address, route=route)
+    if not decision.allowed:
+        log.info(
+            "event=rate_limited method=%s route=%s caller=%s address=%s retry_after_s=%.2f",
+            request.method, route, caller, address, decision.retry_after_s,
+        )  # fmt: skip
+        raise HTTPException(
+            429,
+            detail=limiter.message(caller, address, decision),
+            headers={"Retry-After": decision.retry_after_header},
+        )
+
+
 async def _require(
     request: Request, tokens: TokenStore, creds: HTTPAuthorizationCredentials | None, needed: Role
 ) -> Caller:
     if await tokens.open():
+        _rate_limit(request, ANONYMOUS_NAME)
         return ANONYMOUS_ADMIN
     caller = await tokens.authenticate(creds.credentials) if creds is not None else None
+    _rate_limit(request, caller.name if caller else ANONYMOUS_NAME)
     out = authorize(needed=needed, presented=creds is not None, caller=caller)
     if isinstance(out, Refusal):
         log.info(

@@ -5,6 +5,11 @@ States: ``PENDING`` (placed, nothing sent) -> ``STARTING`` (launch sent to every
 ``FAILED`` (a preflight failed, a node's ranks exited non-zero or were lost, or the start
 timed out); ``STOPPING`` (a stop was asked) -> ``STOPPED`` (every node's ranks are gone).
 
+Excluded nodes (``excluded``: nodes all of whose ranks the job's plan excluded or its survivors
+reported unreachable, never the node of rank 0, see ``services/plans.py``) no longer count once
+the job is RUNNING: their ranks exiting non-zero or being lost does not fail the job (the others
+train on without them), and the job SUCCEEDS when every other node's ranks exited 0.
+
 :func:`decide` looks at the current state, the latest status per node and the time, and says
 what the job's state should be and which commands to send; the orchestrator persists the state
 change (with its event) and sends the commands. Running it twice changes nothing
@@ -14,7 +19,7 @@ change (with its event) and sends the commands. Running it twice changes nothing
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 ACTIVE = ("PENDING", "STARTING", "RUNNING", "STOPPING")
@@ -42,6 +47,7 @@ def decide(
     since: float,
     now: float,
     start_timeout: float,
+    excluded: Collection[str] = (),
 ) -> Decision:
     """What to do with a job in ``state`` since ``since``, given ``status[node]`` (the latest
     JobStatus of each node as a dict). A command in ``send`` with an unchanged state is a resend:
@@ -56,6 +62,8 @@ def decide(
         if not running:
             return Decision("STOPPED", "every node's ranks are gone")
         return Decision("STOPPING", "", send="stop")  # re-sent (rate-limited by the caller) until gone
+    if state == "RUNNING" and excluded:
+        nodes = [n for n in nodes if n not in excluded]
     for n in nodes:
         st = status.get(n, {})
         if states.get(n) == "preflight_failed":

@@ -64,6 +64,7 @@ class EventRow(Base):
     to_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     reason: Mapped[str] = mapped_column(Text, default="")
     actor: Mapped[str] = mapped_column(String(64), default="orchestrator")
+    epoch: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # the leader's fencing token
 
 
 class JobRow(Base):
@@ -114,6 +115,7 @@ class PlanRow(Base):
     excluded: Mapped[list[int]] = mapped_column(JSON)
     reason: Mapped[str] = mapped_column(Text, default="")
     at: Mapped[float] = mapped_column(Float)
+    epoch: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # the leader's fencing token
 
 
 class TokenRow(Base):
@@ -131,3 +133,18 @@ class TokenRow(Base):
     created_by: Mapped[str] = mapped_column(String(64))
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     revoked_by: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class LeaseRow(Base):
+    """The one leader lease of the orchestrator replicas (services/leader.py): who holds it, its
+    fencing token (``epoch``, +1 on every change of holder) and when it runs out. Times here are
+    the database's own clock, the one clock every replica's conditional update is judged on."""
+
+    __tablename__ = "leader_lease"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1
+    holder: Mapped[str] = mapped_column(String(128), default="")
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    expires_at: Mapped[float] = mapped_column(Float, default=0.0)
+    acquired_at: Mapped[float] = mapped_column(Float, default=0.0)
+    renewed_at: Mapped[float] = mapped_column(Float, default=0.0)

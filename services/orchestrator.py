@@ -10,11 +10,21 @@
 - **evaluate** ticks every ``evaluate_interval_s`` on the one clock (Redis ``TIME``, extrapolated
   with the monotonic clock between syncs), applies transitions in memory at once, and queues them
   in an outbox that is written to the database in order, retried with backoff while the database is
-  down. Health never waits on the database.
+  down. Health never waits on the database. While Redis does not answer, no heartbeat can arrive,
+  so health is held and the partition is said; when it answers again every node gets one full
+  ``degraded_after`` and the plans in force are republished (:meth:`Orchestrator._sync_clock`).
+  A new plan generation goes to the outbox, then to Redis; a generation found in Redis newer than
+  the stored one at a take-over is adopted (:meth:`Orchestrator._adopt_published_plans`).
 - **persist** flushes the latest telemetry of changed nodes every ``persist_interval_s`` and then
   acknowledges the stream entries.
 
 Each loop catches transient errors, backs off and goes on; no loop ever stops on bad input.
+
+Only the **leader** among the replicas runs ingest, evaluate, persist and jobs (services/leader.py
+says how it is elected and how a stale leader's writes are refused): the ``lease`` loop renews or
+acquires the lease and takes over (:meth:`Orchestrator._lead`) or steps down; a follower's
+``follow`` loop refreshes its read snapshot from the database. Every database write goes through
+:meth:`Orchestrator._leader_tx`, every Redis write through the leader's fencing scripts.
 """
 
 from __future__ import annotations
@@ -23,10 +33,11 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
+import os
+import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -42,6 +53,7 @@ from clusterpulse.settings import Settings
 from services import db
 from services.cluster import Cluster, ClusterEvent
 from services.health import Policy, Transition
+from services.leader import FENCED_COMMANDS, FENCED_PLANS, LeaderLease, NotLeader, commands_args, plans_args
 from services.planner import PlannerPolicy
 from services.plans import PlanChange, PlanKeeper, PlanRefused
 from services.progress import Progress
@@ -108,7 +120,9 @@ class Orchestrator:
         self.engine = engine
         self.sessions: sessionmaker[Session] = db.session_factory(engine)
         self.clock = RedisClock(redis_client)
-        self.consumer = consumer or socket.gethostname()
+        self.leader = LeaderLease(settings, sessions=self.sessions, redis_client=redis_client)
+        self.consumer = consumer or self.leader.me
+        self._led_epoch: int | None = None  # the epoch this replica finished taking over under
         self.streams = [
             *wire.heartbeat_stream_keys(settings.heartbeat_stream_shards),
             wire.TRAINER_STREAM,
@@ -118,6 +132,7 @@ class Orchestrator:
         self._job_statuses: list[wire.JobStatus] = []
         self.plans = PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=settings.max_proxied_per_rank))
         self._ranks_changed = False
+        self._excluded_nodes: dict[str, set[str]] = {}  # job -> nodes that no longer count (services/jobs.py)
         self._last_send: dict[tuple[str, str], float] = {}
         self.job_states: dict[str, tuple[str, float]] = {}  # job -> (state, updated_at), for /metrics
         self.progress = Progress(straggler_factor=settings.straggler_factor, stale_after=settings.job_stale_after_s)
@@ -129,34 +144,175 @@ class Orchestrator:
         self._stop = asyncio.Event()
         self._db_lock = asyncio.Lock()  # one database writer at a time: the outbox keeps its order
         self.db_ok = True
+        self._redis_down_since: float | None = None  # on the one clock, while Redis does not answer
+        self._crash_hits: dict[str, int] = {}
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Take part in the leader election (services/leader.py); a sole replica leads before
+        this returns, as it did before there were replicas. Then start the loops; the lease loop
+        moves this replica between leading and following."""
         await self._until_ok("redis time", self.clock.sync)
-        now = self.clock.now()
-        self.cluster = Cluster(policy=Policy.from_settings(self.settings), grace_start=now)
-        rows = await asyncio.to_thread(self._load)
-        for r in rows:
-            self.cluster.restore(**r)
-        ranks, plans = await asyncio.to_thread(self._load_plans)
-        self.plans.restore(ranks=ranks, plans=plans)
-        await self._until_ok("plans", self._republish_plans)
-        for stream in self.streams:
-            await self._until_ok("consumer group", lambda s=stream: self._ensure_group(s))  # type: ignore[misc]
-        await self._read_pending()
-        log.info(
-            "event=orchestrator_started nodes=%d grace_until=%.3f consumer=%s",
-            len(rows),
-            now + self.settings.degraded_after_s,
-            self.consumer,
-        )
+        await self._until_ok("leader lease", self.leader.tick)
+        if self.leader.leading():
+            await self._until_ok("leadership", self._lead_once)
+        if not self.leading:
+            await self._until_ok("read snapshot", self._refresh_snapshot)
+            log.info(
+                "event=orchestrator_started role=follower replica=%s reason=%r", self.leader.me, self.leader.reason
+            )
         for name, loop in (
+            ("lease", self._lease_loop),
+            ("follow", self._follow_loop),
             ("ingest", self._ingest_loop),
             ("evaluate", self._evaluate_loop),
             ("persist", self._persist_loop),
             ("jobs", self._jobs_loop),
         ):
             self._tasks.append(asyncio.create_task(self._supervised(name, loop), name=name))
+
+    @property
+    def leading(self) -> bool:
+        """This replica leads: it holds the lease (its own clock says so) and has taken over."""
+        return self._led_epoch is not None and self._led_epoch == self.leader.epoch and self.leader.leading()
+
+    async def _lead_once(self) -> None:
+        try:
+            await self._lead()
+        except NotLeader as exc:
+            log.warning("event=leadership_not_taken replica=%s reason=%r", self.leader.me, str(exc))
+
+    async def _lead(self) -> None:
+        """Take over under the epoch just acquired: fence Redis, reload state from the database
+        (every node gets one full ``degraded_after``, as after a restart), republish the plans,
+        claim what a predecessor read but never acknowledged, and record a ``leader`` event."""
+        epoch = self.leader.fence()
+        self._led_epoch = None
+        await self.leader.raise_epoch(epoch)
+        await self.clock.sync()
+        now = self.clock.now()
+        self._outbox, self._job_statuses, self._ranks_changed = [], [], False
+        self._unacked = {s: [] for s in self.streams}
+        self._stragglers = set()
+        self.progress = Progress(
+            straggler_factor=self.settings.straggler_factor, stale_after=self.settings.job_stale_after_s
+        )
+        cluster = Cluster(policy=Policy.from_settings(self.settings), grace_start=now)
+        rows = await asyncio.to_thread(self._load)
+        for r in rows:
+            cluster.restore(**r)
+        self.cluster = cluster  # whole: reads never see a half-loaded snapshot
+        ranks, plans = await asyncio.to_thread(self._load_plans)
+        keeper = PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=self.settings.max_proxied_per_rank))
+        keeper.restore(ranks=ranks, plans=plans)
+        self.plans = keeper
+        await self._until_ok("published plans", lambda: self._adopt_published_plans(now))
+        await self._until_ok("plans", self._republish_plans)
+        for stream in self.streams:
+            await self._until_ok("consumer group", lambda s=stream: self._ensure_group(s))  # type: ignore[misc]
+        await self._claim_pending(min_idle_ms=0)
+        await self._read_pending()
+        log.info(
+            "event=orchestrator_started role=leader nodes=%d grace_until=%.3f consumer=%s epoch=%d reason=%r",
+            len(rows),
+            now + self.settings.degraded_after_s,
+            self.consumer,
+            epoch,
+            self.leader.reason,
+        )
+        self._outbox.append(
+            ClusterEvent("leader", f"replica {self.leader.me} leads at epoch {epoch}: {self.leader.reason}", now)
+        )
+        self._outbox.append(
+            ClusterEvent(
+                "orchestrator_started",
+                f"{len(rows)} nodes and {len(self.plans.plans)} plans restored; nobody degraded for silence "
+                f"before {self.settings.degraded_after_s:g}s",
+                now,
+            )
+        )
+        self._led_epoch = epoch
+
+    def _step_down(self, reason: str) -> None:
+        """Stop acting at once: what was not written is dropped (the leader recomputes it), and
+        unacknowledged stream entries stay pending for the next leader to claim."""
+        log.warning("event=stepped_down replica=%s epoch=%s reason=%r", self.leader.me, self._led_epoch, reason)
+        self._led_epoch = None
+        self._outbox, self._job_statuses = [], []
+        self._unacked = {s: [] for s in self.streams}
+
+    async def _lease_loop(self) -> None:
+        """Renew or acquire every ``leader_renew_s``; take over or step down when that changed."""
+        while not self._stop.is_set():
+            try:
+                await self.leader.tick()
+            except NotLeader:
+                pass
+            except Exception as exc:
+                log.warning("event=lease_tick_failed replica=%s error=%r", self.leader.me, str(exc))
+            if self._led_epoch is not None and not self.leading:
+                self._step_down(self.leader.reason or "the lease was not renewed in time (own clock)")
+            if self.leader.leading():
+                try:
+                    if self._led_epoch is None:
+                        await self._lead()
+                    else:
+                        await self.leader.raise_epoch(self._led_epoch)  # a Redis that restarted empty
+                except Exception as exc:
+                    log.warning("event=leadership_failed replica=%s error=%r", self.leader.me, str(exc))
+            await asyncio.sleep(self.leader.renew_s)
+
+    async def _follow_loop(self) -> None:
+        """A follower's read snapshot: nodes, plans and job states from the database."""
+        while not self._stop.is_set():
+            await asyncio.sleep(self.settings.persist_interval_s)
+            if not self.leading:
+                await self._refresh_snapshot()
+
+    async def _refresh_snapshot(self) -> None:
+        await self.clock.sync()
+        cluster = Cluster(policy=Policy.from_settings(self.settings), grace_start=self.clock.now())
+        for r in await asyncio.to_thread(self._load):
+            cluster.restore(**r)
+        ranks, plans = await asyncio.to_thread(self._load_plans)
+        keeper = PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=self.settings.max_proxied_per_rank))
+        keeper.restore(ranks=ranks, plans=plans)
+        job_states = await asyncio.to_thread(self._load_job_states, self.clock.now())
+        if not self.leading:
+            self.cluster, self.plans, self.job_states = cluster, keeper, job_states
+
+    def _load_job_states(self, now: float) -> dict[str, tuple[str, float]]:
+        from services.jobs import ACTIVE
+
+        cutoff = now - self.settings.job_stale_after_s
+        with self.sessions() as s:
+            return {
+                j.id: (j.state, j.updated_at) for j in db.list_jobs(s) if j.state in ACTIVE or j.updated_at > cutoff
+            }
+
+    async def _claim_pending(self, *, min_idle_ms: int) -> None:
+        """Entries other consumers (a previous leader) read and never acknowledged become this
+        replica's (``XAUTOCLAIM``), for :meth:`_read_pending` to fold."""
+        for stream in self.streams:
+            start: Any = "0-0"
+            while True:
+                resp = await self.redis.xautoclaim(
+                    stream, wire.ORCHESTRATOR_GROUP, self.consumer, min_idle_ms, start_id=start, count=1000
+                )
+                start = resp[0]  # the cursor: 0-0 once the whole pending list was scanned
+                if start in (b"0-0", "0-0"):
+                    break
+
+    @contextlib.contextmanager
+    def _leader_tx(self, what: str) -> Iterator[Session]:
+        """A write transaction under this replica's epoch: every event and plan row it adds
+        carries the epoch, and it commits only if the lease still is at that epoch."""
+        epoch = self.leader.fence()
+        with self.sessions.begin() as s:
+            s.info[db.EPOCH] = epoch
+            yield s
+            s.flush()
+            self.leader.check(s, epoch=epoch, what=what)
 
     async def stop(self) -> None:
         self._stop.set()
@@ -166,8 +322,11 @@ class Orchestrator:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        if self.leading:
+            with contextlib.suppress(Exception):
+                await self._flush()
         with contextlib.suppress(Exception):
-            await self._flush()
+            await self.leader.release()
 
     async def _until_ok(self, what: str, fn: Callable[[], Any]) -> None:
         backoff = Backoff(self.settings.retry_backoff_s, self.settings.retry_backoff_max_s)
@@ -191,6 +350,9 @@ class Orchestrator:
                 await loop()
             except asyncio.CancelledError:
                 raise
+            except NotLeader as exc:  # it stopped leading mid-write: the loop idles as a follower
+                log.info("event=loop_not_leader loop=%s detail=%r", name, str(exc))
+                await asyncio.sleep(self.settings.evaluate_interval_s)
             except Exception as exc:
                 delay = backoff.next_delay()
                 level = logging.WARNING if is_transient(exc) else logging.ERROR
@@ -284,11 +446,32 @@ class Orchestrator:
             for entry_id, fields in entries:
                 unacked.append(entry_id)
                 try:
-                    self._job_statuses.append(wire.decode_job_status((fields or {}).get(wire.JOB_STATUS_FIELD, b"")))
+                    st = wire.decode_job_status((fields or {}).get(wire.JOB_STATUS_FIELD, b""))
                 except wire.WireError as exc:
                     log.warning("event=job_status_rejected reason=%s detail=%s", exc.reason, exc)
+                    continue
+                self._job_statuses.append(st)
+                self._ranks_exited(st, entry_time(entry_id))
             return
         await self._fold_heartbeats(stream, entries)
+
+    def _ranks_exited(self, st: wire.JobStatus, at: float) -> None:
+        """A node's ranks of a plan-following job exited non-zero or were lost: exclude them
+        (services/plans.py), so the others train on and the job lifecycle does not fail the job."""
+        if st.state not in ("exited", "lost") or (st.state == "exited" and st.exit_code == 0):
+            return
+        if self.job_states.get(st.job, ("", 0.0))[0] != "RUNNING":
+            return  # stopping (ranks exit on SIGTERM), or not started by us
+        prog = self.progress.jobs.get(st.job)
+        if prog is None or not any(p.report.plan_generation is not None for p in prog.ranks.values()):
+            return  # not following plans: the job fails as before
+        for rank in self.plans.node_exited(st.job, st.node):
+            self._ranks_changed = True
+            code = "" if st.exit_code is None else f" with {st.exit_code}"
+            reason = (
+                f"job {st.job} rank {rank}: the ranks on {st.node} {st.state}{code}; excluded until it registers again"
+            )
+            self._outbox.append(ClusterEvent("rank_unreachable", reason, at, st.node))
 
     async def _fold_heartbeats(self, stream: str, entries: Entries) -> None:
         """Decode, check each entry's sender against its node's own latest key (one pipelined
@@ -351,8 +534,8 @@ class Orchestrator:
             if self.plans.rank_unreachable(report.job, rank):
                 self._ranks_changed = True
                 reason = (
-                    f"job {report.job} rank {rank}: its carrier rank {report.rank} gave up on it at step "
-                    f"{report.step}; excluded until it registers again"
+                    f"job {report.job} rank {rank}: rank {report.rank} (its carrier, or a survivor of a failed "
+                    f"collective) reported it unreachable at step {report.step}; excluded until it registers again"
                 )
                 node = self.plans.ranks[report.job][rank].node
                 self._outbox.append(ClusterEvent("rank_unreachable", reason, at, node))
@@ -375,6 +558,9 @@ class Orchestrator:
         block_ms = max(1, int(self.settings.ingest_block_s * 1000))
         streams = dict.fromkeys(self.streams, ">")
         while not self._stop.is_set():
+            if not self.leading:  # followers read nothing: a consumer group gives each entry to one
+                await asyncio.sleep(self.settings.ingest_block_s)
+                continue
             try:
                 resp = await self._xreadgroup(streams, block_ms=block_ms)
             except redis.exceptions.ResponseError as exc:
@@ -405,12 +591,16 @@ class Orchestrator:
 
     # --- evaluate -------------------------------------------------------------------------------
     async def _evaluate_loop(self) -> None:
-        assert self.cluster is not None
         while not self._stop.is_set():
-            with contextlib.suppress(*_REDIS_DOWN):
-                await self.clock.sync()
+            if not self.leading:
+                await asyncio.sleep(self.settings.evaluate_interval_s)
+                continue
+            assert self.cluster is not None
+            redis_up = await self._sync_clock()
             now = self.clock.now()
-            transitions, events = self.cluster.evaluate(now=now)
+            transitions, events = self.cluster.evaluate(now=now) if redis_up else ([], [])
+            if transitions:
+                self._crash_point("transition")
             if transitions or self._ranks_changed:
                 self._ranks_changed = False
                 with contextlib.suppress(*_REDIS_DOWN):  # the next change replans again
@@ -423,6 +613,64 @@ class Orchestrator:
                 await self._write_outbox()
             await asyncio.sleep(self.settings.evaluate_interval_s)
 
+    async def _sync_clock(self) -> bool:
+        """Sync the one clock; False while Redis does not answer.
+
+        No heartbeat can reach the orchestrator then, so silence proves nothing about the nodes:
+        health is held where it is and the partition is said (event, ``pulse_partition_suspected``),
+        whatever the node count. When Redis answers again, every node gets one full
+        ``degraded_after`` from that moment, as after an orchestrator restart (agents reconnect one
+        by one, within their backoff), the plans in force go back into Redis, which may have
+        restarted empty, and the next evaluation ends the partition."""
+        assert self.cluster is not None
+        try:
+            try:
+                await self.clock.sync()
+            except _REDIS_DOWN:  # a pooled connection a restarted server closed fails once
+                await self.clock.sync()
+            if self._redis_down_since is not None:
+                await self._republish_plans()
+        except _REDIS_DOWN as exc:
+            if self._redis_down_since is None:
+                self._redis_down_since = self.clock.now()
+                log.warning("event=redis_unavailable health=held error=%r", str(exc))
+            if not self.cluster.partitioned:
+                self.cluster.partitioned = True
+                self.cluster.partition_reason = (
+                    f"Redis unreachable ({exc}): no heartbeat can arrive, holding every node's health"
+                )
+                self._outbox.append(ClusterEvent("partition", self.cluster.partition_reason, self.clock.now()))
+            return False
+        if self._redis_down_since is not None:
+            now = self.clock.now()
+            self.cluster.grace_start = max(self.cluster.grace_start, now)
+            log.warning(
+                "event=redis_available down_s=%.1f grace_until=%.3f plans_republished=%d",
+                now - self._redis_down_since,
+                now + self.settings.degraded_after_s,
+                len(self.plans.plans),
+            )
+            self._outbox.append(
+                ClusterEvent(
+                    "redis_outage",
+                    f"Redis did not answer for {now - self._redis_down_since:.1f}s: health held, every node "
+                    f"given {self.settings.degraded_after_s:g}s from now, {len(self.plans.plans)} plans republished",
+                    now,
+                )
+            )
+            self._redis_down_since = None
+        return True
+
+    def _crash_point(self, name: str) -> None:
+        """Tests only (``PULSE_CRASH_AT``, tests/faults): die here as a SIGKILL does, no cleanup."""
+        point, _, nth = self.settings.crash_at.partition(":")
+        if point != name:
+            return
+        self._crash_hits[name] = self._crash_hits.get(name, 0) + 1
+        if self._crash_hits[name] >= int(nth or 1):
+            log.warning("event=crash_point point=%s hit=%d", name, self._crash_hits[name])
+            os.kill(os.getpid(), signal.SIGKILL)
+
     async def _write_outbox(self) -> None:
         async with self._db_lock:
             await self._write_outbox_locked()
@@ -433,6 +681,9 @@ class Orchestrator:
             return
         try:
             await asyncio.to_thread(self._write_events, batch)
+        except NotLeader:
+            self._outbox.clear()  # not ours to write any more: the leader recomputes its own
+            return
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -443,7 +694,7 @@ class Orchestrator:
         del self._outbox[: len(batch)]
 
     def _write_events(self, batch: list[Outboxed]) -> None:
-        with self.sessions.begin() as s:
+        with self._leader_tx("events") as s:
             new_nodes = {
                 i.node: i.at for i in batch if isinstance(i, ClusterEvent) and i.kind == "registered" and i.node
             }
@@ -486,16 +737,11 @@ class Orchestrator:
 
     # --- plans ----------------------------------------------------------------------------------
     async def _replan(self, now: float) -> None:
-        """New plan generations go to Redis at once (key + channel), then to the outbox."""
+        """New plan generations go to the outbox and to Redis at once (key + channel). The outbox
+        comes first: a generation Redis did not take is stored all the same, and its key is
+        republished as soon as Redis answers again."""
         assert self.cluster is not None
         changes = self.plans.replan(self.cluster)
-        published = [c for c in changes if isinstance(c, PlanChange)]
-        if published:
-            pipe = self.redis.pipeline(transaction=False)
-            for pc in published:
-                pipe.set(wire.job_plan_key(pc.job), wire.encode(pc.plan))
-                pipe.publish(wire.PLAN_CHANNEL, pc.job)
-            await pipe.execute()
         for change in changes:
             self._outbox.append(StoredPlan(change, now))
             if isinstance(change, PlanChange):
@@ -504,27 +750,70 @@ class Orchestrator:
                 )
             else:
                 log.warning("event=plan_refused job=%s reason=%r", change.job, change.reason)
+        published = [c for c in changes if isinstance(c, PlanChange)]
+        if published:
+            keys, args = plans_args(self.leader.fence(), [(pc.job, wire.encode(pc.plan)) for pc in published])
+            try:
+                await self.leader.fenced_eval(FENCED_PLANS, keys, args, what="plan")
+            except _REDIS_DOWN:
+                if self._redis_down_since is None:  # the next clock sync that works republishes
+                    self._redis_down_since = now
+                raise
+            self._crash_point("plan")
+
+    async def _adopt_published_plans(self, now: float) -> None:
+        """A generation in Redis newer than the stored one was published by an orchestrator that
+        died before storing it, and trainers may follow it already: it becomes the plan in force
+        and is stored. Republishing the stored one instead would take those trainers back a
+        generation, and the next replan would give that number to another plan."""
+        jobs = sorted(set(self.plans.ranks) | set(self.plans.plans))
+        if not jobs:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.get(wire.job_plan_key(job))
+        for job, raw in zip(jobs, await pipe.execute(), strict=True):
+            if raw is None:
+                continue
+            try:
+                published = wire.decode_plan(raw)
+            except wire.WireError as exc:
+                log.warning("event=published_plan_rejected job=%s reason=%s detail=%s", job, exc.reason, exc)
+                continue
+            stored = self.plans.plans.get(job)
+            if published.job == job and (stored is None or published.generation > stored.generation):
+                self.plans.restore(ranks={}, plans={job: published})
+                self._outbox.append(StoredPlan(PlanChange(job, published), now))
+                log.warning(
+                    "event=plan_adopted job=%s generation=%d stored_generation=%s reason=%r",
+                    job,
+                    published.generation,
+                    stored.generation if stored else None,
+                    "published to Redis, never stored (the orchestrator stopped in between)",
+                )
 
     async def _republish_plans(self) -> None:
         """After a start: the plans in force go back into Redis (it may have restarted)."""
         if self.plans.plans:
-            pipe = self.redis.pipeline(transaction=False)
-            for job, p in self.plans.plans.items():
-                pipe.set(wire.job_plan_key(job), wire.encode(p))
-            await pipe.execute()
+            plans = [(job, wire.encode(p)) for job, p in sorted(self.plans.plans.items())]
+            keys, args = plans_args(self.leader.fence(), plans)
+            await self.leader.fenced_eval(FENCED_PLANS, keys, args, what="plan")
 
     # --- jobs -----------------------------------------------------------------------------------
     async def _jobs_loop(self) -> None:
         """Level-triggered: store what agents reported, then move every active job on."""
         while not self._stop.is_set():
-            await self.reconcile_jobs()
+            if self.leading:
+                await self.reconcile_jobs()
             await asyncio.sleep(self.settings.evaluate_interval_s)
 
     async def reconcile_jobs(self) -> None:
         statuses, self._job_statuses = self._job_statuses, []
-        now = self.clock.now()
+        self._excluded_nodes = {job: self.plans.excluded_nodes(job) for job in self.plans.plans}
         try:
             async with self._db_lock:
+                # read under the lock: a job created while this waited is older than its first move
+                now = self.clock.now()
                 sends = await asyncio.to_thread(self._reconcile_jobs_db, statuses, now)
         except Exception:
             self._job_statuses[:0] = statuses  # not stored: try again next tick
@@ -535,7 +824,7 @@ class Orchestrator:
     async def _send(
         self, kind: str, job_id: str, *, nodes: list[str], spec: dict[str, Any], addr: str, port: int
     ) -> None:
-        pipe = self.redis.pipeline(transaction=False)
+        commands = []
         for rank, node in enumerate(nodes):
             cmd = wire.JobCommand(
                 v=wire.PROTOCOL_VERSION,
@@ -550,8 +839,9 @@ class Orchestrator:
                 env={**spec.get("env", {}), **_ds_env(spec)},
                 grace_s=self.settings.job_stop_grace_s,
             )
-            pipe.xadd(wire.node_commands_key(node), {wire.COMMAND_FIELD: wire.encode(cmd)}, maxlen=10_000)
-        await pipe.execute()
+            commands.append((node, wire.encode(cmd)))
+        keys, args = commands_args(self.leader.fence(), commands, maxlen=10_000)
+        await self.leader.fenced_eval(FENCED_COMMANDS, keys, args, what="job command")
         log.info("event=job_command job=%s kind=%s nodes=%s", job_id, kind, nodes)
 
     def _reconcile_jobs_db(
@@ -560,7 +850,8 @@ class Orchestrator:
         from services.jobs import ACTIVE, decide
 
         sends = []
-        with self.sessions.begin() as s:
+        excluded = self._excluded_nodes  # a snapshot taken on the event loop
+        with self._leader_tx("jobs") as s:
             for st in statuses:
                 try:
                     db.set_job_node_status(s, job_id=st.job, node=st.node, status=msgspec.to_builtins(st), at=now)
@@ -574,6 +865,7 @@ class Orchestrator:
                     since=job.updated_at,
                     now=now,
                     start_timeout=self.settings.job_start_timeout_s,
+                    excluded=excluded.get(job.id, ()),
                 )
                 if d.state != job.state:
                     db.set_job_state(s, job_id=job.id, state=d.state, reason=d.reason, at=now)
@@ -596,7 +888,8 @@ class Orchestrator:
     async def _persist_loop(self) -> None:
         while not self._stop.is_set():
             await asyncio.sleep(self.settings.persist_interval_s)
-            await self._flush()
+            if self.leading:
+                await self._flush()
 
     async def _flush(self) -> None:
         """Write the outbox and dirty telemetry, then acknowledge what they came from."""
@@ -634,6 +927,8 @@ class Orchestrator:
                 self.cluster.nodes[u.name].dirty = True
             for s, ids in acks.items():
                 self._unacked[s][:0] = ids
+            if isinstance(exc, NotLeader):
+                return
             if not is_transient(exc):
                 raise
             self.db_ok = False
@@ -644,7 +939,7 @@ class Orchestrator:
                 await self.redis.xack(stream, wire.ORCHESTRATOR_GROUP, *ids[i : i + 10_000])
 
     def _write_telemetry(self, updates: list[db.NodeUpdate]) -> None:
-        with self.sessions.begin() as s:
+        with self._leader_tx("telemetry") as s:
             for i in range(0, len(updates), 500):
                 db.upsert_telemetry(s, updates=updates[i : i + 500], at=self.clock.now())
 
@@ -660,7 +955,7 @@ class Orchestrator:
         cluster = self.cluster
 
         def write() -> tuple[str, bool]:
-            with self.sessions.begin() as s:
+            with self._leader_tx("job create") as s:
                 if idempotency_key:
                     prior = db.job_by_idempotency_key(s, key=idempotency_key)
                     if prior is not None:
@@ -712,7 +1007,7 @@ class Orchestrator:
         from services.jobs import TERMINAL
 
         def write() -> tuple[bool, list[str], dict[str, Any], str, int]:
-            with self.sessions.begin() as s:
+            with self._leader_tx("job stop") as s:
                 job = db.get_job(s, job_id=job_id)
                 if job is None:
                     raise KeyError(job_id)
@@ -741,7 +1036,7 @@ class Orchestrator:
         known = self.cluster is not None and name in self.cluster.nodes
 
         def write() -> bool:
-            with self.sessions.begin() as s:
+            with self._leader_tx("cordon") as s:
                 if known:
                     db.ensure_node(s, name=name, at=self.clock.now())
                 return db.set_schedulable(

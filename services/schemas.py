@@ -76,7 +76,9 @@ class JobCreate(BaseModel):
     entrypoint: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(min_length=1, max_length=256)
     deepspeed_config: dict[str, Any] = Field(default_factory=dict)
     env: dict[Annotated[str, Field(pattern=ENV_KEY)], Annotated[str, Field(max_length=8192)]] = Field(
-        default_factory=dict, max_length=256
+        default_factory=dict,
+        max_length=256,
+        json_schema_extra={"additionalProperties": False},  # other keys are refused, as the schema should say
     )
     selector: dict[str, str] = Field(default_factory=dict, max_length=32)
 
@@ -157,3 +159,9 @@ class TokensPublic(BaseModel):
 class TokenRevoked(BaseModel):
     token: TokenPublic
     changed: bool  # False: it already was revoked
+
+
+class ErrorPublic(BaseModel):
+    """Every refusal but a request validation error (422 lists the failing fields instead)."""
+
+    detail: str

@@ -35,6 +35,14 @@ rejoin through a restart. A degraded rank whose exchange fails raises :class:`Re
 instead of stepping with a wrong gradient. The carrier never waits on its result sends within a
 step: they are drained (again within the budget) at the next step or plan switch.
 
+A dead or hung *participant* is another matter: it breaks the participants' group itself. With
+``collective_timeout_s`` set, every group a plan uses (a trivial plan included: then a group of
+every rank rather than DeepSpeed's world group, whose timeout is 30 minutes) is made with that
+timeout, so a survivor's collective fails within it instead of hanging; :meth:`ReroutedAllReduce.reset`
+drops the broken groups, and :meth:`trainer.follow.PlanFollower.recover` has the survivors agree
+on a plan without the failed rank (through the job's TCPStore) and switch to it. Without
+``collective_timeout_s`` nothing changes: a trivial plan reduces on the world group.
+
 Plan switch protocol, at a step boundary (a plan arriving mid-step waits for the next boundary)::
 
     plan = reroute.agree_plan(latest_plan_read_from_redis)   # or agree_generation(gen) + own lookup
@@ -343,6 +351,7 @@ class ReroutedAllReduce:
         proxy_timeout_s: float = 30.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         peer_timeout_s: float = 300.0,
+        collective_timeout_s: float | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: expected at least 1")
@@ -354,6 +363,9 @@ class ReroutedAllReduce:
             raise ValueError(f"peer_timeout_s={peer_timeout_s}: expected at least proxy_timeout_s={proxy_timeout_s}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes}: expected a positive number of bytes")
+        if collective_timeout_s is not None and collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s={collective_timeout_s}: expected a positive number of seconds")
+        self.collective_timeout_s = collective_timeout_s
         self.world_size = world_size
         self.rank = rank
         self.proxy_timeout_s = proxy_timeout_s
@@ -381,9 +393,16 @@ class ReroutedAllReduce:
     @property
     def participants_group(self) -> dist.ProcessGroup | None:
         """The participants' group of the plan in force; None on a non-member or with a trivial plan."""
-        if self.route is None or self.route.trivial:
+        if self.route is None or (self.route.trivial and self.collective_timeout_s is None):
             return None
         return self._groups.get(self.route.participants)
+
+    def _live_group(self) -> dist.ProcessGroup | None:
+        """The group a trivial plan reduces on: the world, or with ``collective_timeout_s`` a
+        group of every rank made with that timeout (the world's is DeepSpeed's, 30 minutes)."""
+        if self.route is None or self.collective_timeout_s is None:
+            return None
+        return self._groups[self.route.participants]
 
     def switch(self, plan: Plan | None) -> None:
         """Put ``plan`` in force (``None``: the plain world all-reduce). Call between steps only.
@@ -399,10 +418,12 @@ class ReroutedAllReduce:
             return
         self._drain_sends(StepBudget(self.proxy_timeout_s))
         self.missing = {}
+        if route is not None and route.trivial and self.collective_timeout_s is not None:
+            self._group(route.participants, timeout_s=self.collective_timeout_s)
         if route is not None and not route.trivial:
             for degraded, carrier in route.proxies:
                 self._pair_group(carrier, degraded)
-            self._group(route.participants, timeout_s=None)
+            self._group(route.participants, timeout_s=self.collective_timeout_s)
             for degraded in route.carried_by(self.rank):
                 reason = self._dead_pairs.get((self.rank, degraded))
                 if reason is not None:
@@ -464,6 +485,28 @@ class ReroutedAllReduce:
             return ()
         return tuple(d for d in self.route.carried_by(self.rank) if d not in self.missing)
 
+    def reset(self) -> None:
+        """Forget the plan in force and every group (after a collective failed: its groups are
+        broken). The next :meth:`switch` makes all of the plan's groups anew, on every live rank
+        alike; the world group stays as it is. Failed pairs stay failed."""
+        if self._hook_step is not None:
+            raise RuntimeError("reset() called in the middle of a DDP step; call it between optimizer steps")
+        self.route = None
+        self.missing = {}
+        self._groups = {}
+        self._pending_sends = []
+
+    def adopt(self, plan: Plan) -> None:
+        """Take ``plan`` as the plan in force without any of its groups (a switch to it failed
+        part-way): only a later :meth:`reset` and :meth:`switch` make it usable."""
+        self.route = parse_plan(plan, self.world_size)
+        self._groups = {}
+
+    def share_(self, t: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``t`` with the root's ``t`` on every live rank (as :meth:`agree_plan` does:
+        the participants' group, relayed to degraded ranks by their carriers)."""
+        return self._share(t)
+
     # -- agreement at a step boundary -----------------------------------------------------------
 
     def agree_generation(self, proposed: int) -> int:
@@ -489,7 +532,7 @@ class ReroutedAllReduce:
     def _share(self, t: torch.Tensor) -> torch.Tensor:
         route = self.route
         if route is None or route.trivial:
-            dist.broadcast(t, src=0)
+            dist.broadcast(t, src=0, group=self._live_group())
             return t
         role = route.role(self.rank)
         if role == "participant":
@@ -598,7 +641,7 @@ class ReroutedAllReduce:
         route = self.route
         n = flat.numel()
         if route is None or route.trivial:
-            return self._allreduce_mean(flat, None, self.world_size)
+            return self._allreduce_mean(flat, self._live_group(), self.world_size)
         role = route.role(self.rank)
         if role == "excluded":
             if self._excluded_logged != route.generation:

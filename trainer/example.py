@@ -24,6 +24,16 @@ excludes it; a rank the plan in force excludes stops training and leaves with ex
 node was LOST; the others go on without it). ``--proxy-timeout`` (``PULSE_PROXY_TIMEOUT_S``,
 default 30 s) bounds what a hung degraded rank costs its carrier per step.
 
+Surviving a dead or hung participant (``--collective-timeout``, ``PULSE_COLLECTIVE_TIMEOUT_S``;
+off by default): the plan's groups are made with that timeout, a step whose collective fails
+(a peer died or hangs) is skipped on every survivor (gradients zeroed, no update), the
+survivors agree on a plan that excludes the failed rank (:meth:`trainer.follow.PlanFollower.recover`:
+through the job's TCPStore, hosted by rank 0, so rank 0 itself must survive), switch to it,
+take the new root's parameters, optimizer state and step count, and go on. No restart. A rank
+that finds itself excluded (a hung one that wakes up) leaves with exit code 0.
+``--recovery-timeout`` (``PULSE_RECOVERY_TIMEOUT_S``, default 120 s) bounds the wait for that
+plan; past it the rank fails.
+
 Emergency checkpoint: ``SIGUSR2`` to any rank asks for ``engine.save_checkpoint`` into
 ``--checkpoint-dir`` (tag ``emergency-stepN``) at the next step boundary, then training goes
 on. All ranks must save together, so with a checkpoint dir each step ends with a one-element
@@ -54,7 +64,7 @@ from torch import nn
 
 from trainer import deepspeed_reroute
 from trainer.collective import ReroutedAllReduce
-from trainer.follow import PlanFollower
+from trainer.follow import PlanFollower, RecoveryError
 from trainer.mfu import model_flops_per_token, peak_flops
 from trainer.report import StepTimer, TrainerReporter, cosine_warmup, env_peak_flops
 
@@ -144,6 +154,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=_env_float("PULSE_PROXY_TIMEOUT_S", 30.0),
         help="seconds a carrier waits for a degraded rank per step (PULSE_PROXY_TIMEOUT_S, default 30)",
     )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=_env_float("PULSE_COLLECTIVE_TIMEOUT_S", 0.0),
+        help="seconds a plan's collective may wait for a participant before the survivors go on without it "
+        "(PULSE_COLLECTIVE_TIMEOUT_S; default 0: off, a dead participant fails the job)",
+    )
+    p.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=_env_float("PULSE_RECOVERY_TIMEOUT_S", 120.0),
+        help="seconds survivors wait for a plan without a failed rank (PULSE_RECOVERY_TIMEOUT_S, default 120)",
+    )
     p.add_argument("--plan-poll", type=float, default=1.0, help="seconds between plan reads besides notifications")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="where SIGUSR2 saves an emergency checkpoint")
@@ -159,7 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "seq_len", "layers", "hidden", "heads", "vocab"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
-    for name in ("proxy_timeout", "plan_poll"):
+    if args.collective_timeout < 0:
+        p.error(f"--collective-timeout={args.collective_timeout}: expected seconds >= 0 (0: off)")
+    for name in ("proxy_timeout", "plan_poll", "recovery_timeout"):
         if not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected seconds > 0")
     if args.hidden % args.heads:
@@ -236,6 +261,53 @@ def _redis_answers(url: str) -> bool:
         return False
     finally:
         client.close()
+
+
+def _checkpoint_boundary(
+    args: argparse.Namespace, engine: Any, reroute: ReroutedAllReduce | None, *, rank: int, step: int, requested: bool
+) -> bool:
+    """Save an emergency checkpoint when any rank asked for one (a flag all-reduced every step);
+    True when one was saved."""
+    import deepspeed.comm as dist
+
+    assert args.checkpoint_dir is not None
+    flag = torch.tensor([1.0 if requested else 0.0], device=engine.device)
+    if reroute is not None:
+        reroute.allreduce_([flag])  # a mean > 0 when any rank asked; never waits on a lost rank
+    else:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0:
+        tag = f"emergency-step{step}"
+        engine.save_checkpoint(str(args.checkpoint_dir), tag=tag, client_state={"step": step})
+        if rank == 0:
+            log.info(json.dumps({"event": "checkpoint", "step": step, "dir": str(args.checkpoint_dir / tag)}))
+        return True
+    return False
+
+
+def _sync_from_root(engine: Any, reroute: ReroutedAllReduce, completed: int) -> int:
+    """After a recovery: every live rank takes the new root's parameters, optimizer state and
+    step count (a survivor may have completed the failed step's update when another did not).
+    Returns the root's last completed step."""
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed may wrap the torch optimizer
+    tensors = [p.data for p in engine.module.parameters()]
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            tensors.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
+    group_steps = [float(g.get("step", 0) or 0) for g in opt.param_groups]
+    header = torch.tensor([float(completed), float(engine.global_steps), *group_steps], dtype=torch.float64)
+    reroute.share_(header)
+    if tensors:
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+        reroute.share_(flat)
+        for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
+            t.copy_(piece.view_as(t))
+    engine.global_steps = int(header[1].item())
+    for g, v in zip(opt.param_groups, header[2:].tolist(), strict=True):
+        if "step" in g:
+            g["step"] = int(v)
+    return int(header[0].item())
 
 
 def _grad_norm(model: nn.Module) -> float | None:
@@ -316,8 +388,16 @@ def main(argv: list[str] | None = None) -> int:
 
     reroute: ReroutedAllReduce | None = None
     follower: PlanFollower | None = None
+    bounded = args.collective_timeout > 0
     if args.reroute and reporter is not None:
-        reroute = ReroutedAllReduce(world_size=world, rank=rank, proxy_timeout_s=args.proxy_timeout)
+        reroute = ReroutedAllReduce(
+            world_size=world,
+            rank=rank,
+            proxy_timeout_s=args.proxy_timeout,
+            # a degraded rank learns that its carrier's group broke only when the answer does not come
+            peer_timeout_s=args.proxy_timeout + 2 * args.collective_timeout + 1.0 if bounded else 300.0,
+            collective_timeout_s=args.collective_timeout if bounded else None,
+        )
         deepspeed_reroute.attach(engine, reroute)
         follower = PlanFollower(job=args.job, reroute=reroute, redis_url=url, poll_s=args.plan_poll)
 
@@ -332,52 +412,86 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     first_loss = final_loss = float("nan")
     timer = StepTimer()
+    step = completed = 0
+    failures_here = 0  # recoveries without a completed step in between
     try:
-        for step in range(1, args.steps + 1):
-            losses = []
-            grad_norm = None
-            for _ in range(gas):
-                x, y = synthetic_batch(gen, batch=micro, seq_len=args.seq_len, vocab=args.vocab)
-                loss = engine(x.to(engine.device), y.to(engine.device))
-                engine.backward(loss)
-                if engine.is_gradient_accumulation_boundary():
-                    grad_norm = _grad_norm(engine.module)  # reduced grads, before step() clears them
-                engine.step()
-                losses.append(loss.item())
-            if args.step_delay > 0:
-                time.sleep(args.step_delay)
-            step_loss = sum(losses) / len(losses)
-            first_loss = step_loss if step == 1 else first_loss
-            final_loss = step_loss
-            engine_norm = engine.get_global_grad_norm()
-            if engine_norm is not None:
-                grad_norm = float(engine_norm)
+        while step < args.steps:
+            step += 1
+            try:
+                losses = []
+                grad_norm = None
+                for _ in range(gas):
+                    x, y = synthetic_batch(gen, batch=micro, seq_len=args.seq_len, vocab=args.vocab)
+                    loss = engine(x.to(engine.device), y.to(engine.device))
+                    engine.backward(loss)
+                    if engine.is_gradient_accumulation_boundary():
+                        grad_norm = _grad_norm(engine.module)  # reduced grads, before step() clears them
+                    engine.step()
+                    losses.append(loss.item())
+                completed = step
+                if args.step_delay > 0:
+                    time.sleep(args.step_delay)
+                step_loss = sum(losses) / len(losses)
+                first_loss = step_loss if step == 1 else first_loss
+                final_loss = step_loss
+                engine_norm = engine.get_global_grad_norm()
+                if engine_norm is not None:
+                    grad_norm = float(engine_norm)
 
-            unreachable: list[int] = []
-            if follower is not None:
-                follower.boundary()
-                unreachable = sorted(follower.newly_missing())
-                if reroute is not None and reroute.role == "excluded":
+                unreachable: list[int] = []
+                if follower is not None:
+                    follower.boundary()
+                    unreachable = sorted(follower.newly_missing())
+                    if reroute is not None and reroute.role == "excluded":
+                        log.warning("event=excluded job=%s rank=%d step=%d note=leaving_training", args.job, rank, step)
+                        break
+
+                if args.checkpoint_dir is not None:
+                    if _checkpoint_boundary(
+                        args, engine, reroute, rank=rank, step=step, requested=checkpoint_requested
+                    ):
+                        checkpoint_requested = False
+                elif checkpoint_requested:
+                    log.warning("event=checkpoint_ignored rank=%d reason=no_checkpoint_dir", rank)
+                    checkpoint_requested = False
+            except RuntimeError as exc:  # gloo reports a dead or timed-out peer as a RuntimeError
+                if follower is None or reroute is None or not bounded or failures_here >= 3:
+                    raise
+                failures_here += 1
+                engine.zero_grad()  # this step's gradients are partial: no update from them
+                last_loss = final_loss
+
+                def report_missing(missing: list[int], at: int = completed, loss: float = last_loss) -> None:
+                    assert reporter is not None and reroute is not None
+                    reporter.report(step=at, loss=loss, plan_generation=reroute.generation, unreachable_ranks=missing)
+
+                error: RuntimeError = exc
+                for _ in range(5):  # another rank may die while the survivors recover
+                    # Every participant notices within about one collective timeout; a degraded
+                    # rank only when its carrier's answer does not come (peer_timeout_s).
+                    survey_s = 2 * args.collective_timeout
+                    if reroute.route is not None and reroute.route.proxies:
+                        survey_s = reroute.peer_timeout_s + args.collective_timeout
+                    try:
+                        follower.recover(
+                            error, report=report_missing, survey_s=survey_s, timeout_s=args.recovery_timeout
+                        )
+                        if reroute.role != "excluded":
+                            completed = _sync_from_root(engine, reroute, completed)
+                        break
+                    except RecoveryError:
+                        raise
+                    except RuntimeError as again:
+                        error = again
+                else:
+                    raise error
+                if reroute.role == "excluded":
                     log.warning("event=excluded job=%s rank=%d step=%d note=leaving_training", args.job, rank, step)
                     break
-
-            if args.checkpoint_dir is not None:
-                flag = torch.tensor([1.0 if checkpoint_requested else 0.0], device=engine.device)
-                if reroute is not None:
-                    reroute.allreduce_([flag])  # a mean > 0 when any rank asked; never waits on a lost rank
-                else:
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                if flag.item() > 0:
-                    tag = f"emergency-step{step}"
-                    engine.save_checkpoint(str(args.checkpoint_dir), tag=tag, client_state={"step": step})
-                    checkpoint_requested = False
-                    if rank == 0:
-                        log.info(
-                            json.dumps({"event": "checkpoint", "step": step, "dir": str(args.checkpoint_dir / tag)})
-                        )
-            elif checkpoint_requested:
-                log.warning("event=checkpoint_ignored rank=%d reason=no_checkpoint_dir", rank)
-                checkpoint_requested = False
+                step = completed
+                timer.lap()
+                continue
+            failures_here = 0
 
             step_time = timer.lap()
             if reporter is not None:

@@ -28,6 +28,49 @@ Contract of :meth:`PlanFollower.boundary`:
 - The thread never blocks the training loop: it only replaces one reference. Redis down: it
   backs off (:class:`clusterpulse.retry.Backoff`) and the plan in force stays in force. A
   malformed plan in Redis is logged and counted in :attr:`PlanFollower.rejected`, never raised.
+
+Recovery from a dead or hung *participant* (:meth:`PlanFollower.recover`). The rerouted
+collective isolates degraded ranks; a participant that dies (SIGKILL, a crash) or hangs (SIGSTOP,
+a wedged host) breaks the participants' group itself. With ``collective_timeout_s`` set on the
+:class:`~trainer.collective.ReroutedAllReduce`, every group the plans use is made with that
+timeout, so a survivor's collective fails within it (at once for a dead peer, after the timeout
+for a hung one) instead of waiting out the world's 30 minutes. The caller catches the failure at
+the step (that step's update is skipped) and calls ``recover``, which on every survivor:
+
+1. writes ``pulse/recover/<job>/<generation>/alive/<rank>`` into the job's TCPStore (the default
+   store that ``init_process_group`` made, hosted by rank 0; it is not a gloo group, so it still
+   works when the groups are broken);
+2. waits until either a plan the orchestrator published has a higher generation than the plan in
+   force and excludes a rank the plan in force did not (the orchestrator excludes a rank whose
+   node's ranks exited, from the agent's report, or one that survivors reported unreachable), or
+   every rank the plan in force counts on is alive in the store (a spurious failure: the same
+   plan is rebuilt on fresh groups). Ranks still not alive after ``survey_s`` are reported once
+   through ``report(missing)`` (a ``TrainerReport.unreachable_ranks``: sticky exclusion in
+   ``services/plans.py``). ``survey_s`` must cover the slowest survivor's detection: a degraded
+   rank learns of the failure only when its carrier's answer does not come (``peer_timeout_s``);
+3. agrees on that plan through the store: the first survivor's ``compare_set`` of
+   ``pulse/recover/<job>/<generation>/plan`` wins and every other survivor (and a hung rank that
+   wakes up later) reads the winner's plan, so all live ranks switch to the same plan even when
+   the orchestrator publishes two generations in between;
+4. drops every group (:meth:`~trainer.collective.ReroutedAllReduce.reset`) and switches to the
+   agreed plan, creating its groups anew in the same order on every live rank (the per-process
+   group counter stays in step, see :mod:`trainer.collective`). A rank the agreed plan excludes
+   leaves training (``trainer.example`` exits 0). When another rank died in the meantime the
+   new groups cannot connect and ``switch`` raises on every member: the agreed plan is then
+   adopted as the plan in force (groups broken) and the caller calls ``recover`` again, which
+   runs the same protocol under the agreed plan's generation.
+
+The caller then re-synchronises state from the new root (``trainer.example`` broadcasts the
+parameters, optimizer state and step count with
+:meth:`~trainer.collective.ReroutedAllReduce.share_`): a survivor may have completed the failed
+step's update when another did not.
+
+Limits: rank 0 hosts the TCPStore (``MASTER_ADDR``); when it dies no group can be made any more
+and ``recover`` raises after ``timeout_s`` (the job fails and must restart from a checkpoint).
+Surviving that needs the store elsewhere (a store on a highly available service, or re-forming
+the world around a new store host, as torchft's lighthouse does). An excluded rank cannot come
+back into a running world (the world size is fixed at ``init_process_group``); it rejoins
+through a restart of the job.
 """
 
 from __future__ import annotations
@@ -35,12 +78,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
+import msgspec
 import redis
+import torch.distributed as dist
 
 from clusterpulse import wire
 from clusterpulse.retry import Backoff, is_transient
-from trainer.collective import PlanError, ReroutedAllReduce
+from trainer.collective import PlanError, ReroutedAllReduce, Route
 
 log = logging.getLogger("pulse.trainer.follow")
 
@@ -126,6 +172,81 @@ class PlanFollower:
         self._reported_missing.update(fresh)
         return fresh
 
+    def recover(
+        self,
+        error: BaseException,
+        *,
+        report: Callable[[list[int]], None],
+        survey_s: float,
+        timeout_s: float,
+        poll_s: float = 0.05,
+    ) -> wire.Plan:
+        """After a collective failed on this rank: agree with the live ranks on a plan without
+        the dead and put it in force (the protocol is in the module docstring). Returns the plan
+        now in force; raises :class:`RecoveryError` when there was no plan in force or no plan
+        came within ``timeout_s``."""
+        reroute = self.reroute
+        route = reroute.route
+        if route is None:
+            raise RecoveryError(f"rank {reroute.rank}: a collective failed before any plan was in force") from error
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"pulse/recover/{self.job}/{route.generation}"
+        key = f"{prefix}/plan"
+        store.set(f"{prefix}/alive/{reroute.rank}", "1")
+        expected = [r for r in range(route.world_size) if route.role(r) != "excluded"]
+        excluded_before = set(route.excluded)
+        log.warning(
+            "event=collective_failed job=%s rank=%d generation=%d error=%r",
+            self.job, reroute.rank, route.generation, str(error)[:300],
+        )  # fmt: skip
+        started = time.monotonic()
+        reported = False
+        agreed: wire.Plan | None = None
+        while agreed is None:
+            elapsed = time.monotonic() - started
+            if store.check([key]):
+                agreed = msgspec.json.decode(store.get(key), type=wire.Plan)
+                break
+            missing = [r for r in expected if not store.check([f"{prefix}/alive/{r}"])]
+            latest = self._latest
+            candidate: wire.Plan | None = None
+            if latest is not None and latest.generation > route.generation and set(latest.excluded) - excluded_before:
+                candidate = latest
+            elif not missing:
+                candidate = _plan_of(route)  # nobody is gone: the same plan on fresh groups
+            if candidate is not None:
+                won = store.compare_set(key, "", msgspec.json.encode(candidate).decode())
+                agreed = msgspec.json.decode(won, type=wire.Plan)
+                break
+            if missing and not reported and elapsed >= survey_s:
+                reported = True
+                log.warning(
+                    "event=ranks_unreachable job=%s rank=%d generation=%d missing=%s",
+                    self.job, reroute.rank, route.generation, missing,
+                )  # fmt: skip
+                report(missing)
+            if elapsed > timeout_s:
+                raise RecoveryError(
+                    f"rank {reroute.rank}: no plan without ranks {missing} within {timeout_s:g}s "
+                    f"(generation {route.generation} in force)"
+                ) from error
+            time.sleep(poll_s)
+        reroute.reset()
+        try:
+            reroute.switch(agreed)
+        except RuntimeError:
+            # Another rank died meanwhile (its group cannot connect): the agreed plan counts as in
+            # force, groups broken, so the caller's next recover() starts from its generation.
+            reroute.adopt(agreed)
+            raise
+        self.switches += 1
+        self._reported_missing.clear()
+        log.warning(
+            "event=recovered job=%s rank=%d generation=%d role=%s excluded=%s after_s=%.2f",
+            self.job, reroute.rank, agreed.generation, reroute.role, agreed.excluded, time.monotonic() - started,
+        )  # fmt: skip
+        return agreed
+
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
@@ -175,6 +296,20 @@ class PlanFollower:
                 self._stop.wait(delay)
             finally:
                 pubsub.close()
+
+
+class RecoveryError(RuntimeError):
+    """Survivors of a failed collective could not agree on a plan without the failed rank."""
+
+
+def _plan_of(route: Route) -> wire.Plan:
+    return wire.Plan(
+        job=route.job,
+        generation=route.generation,
+        participants=list(route.participants),
+        proxies={str(d): c for d, c in route.proxies},
+        excluded=list(route.excluded),
+    )
 
 
 def _placeholder(job: str) -> wire.Plan:

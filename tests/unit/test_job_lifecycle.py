@@ -63,3 +63,15 @@ def test_decisions_are_level_triggered() -> None:
 def test_master_port_is_stable_and_in_range() -> None:
     assert master_port("abc") == master_port("abc")
     assert all(29500 <= master_port(str(i)) < 30000 for i in range(1000))
+
+
+def test_a_node_whose_ranks_the_plan_excluded_no_longer_counts_once_running() -> None:
+    def x(state: str, status: dict[str, dict[str, object]]):  # type: ignore[no-untyped-def]
+        return decide(state=state, nodes=NODES, status=status, since=0.0, now=1.0, start_timeout=60.0, excluded={"b"})
+
+    assert x("RUNNING", {"a": started(), "b": exited(-9)}).state == "RUNNING"  # the survivors train on
+    assert x("RUNNING", {"a": started(), "b": {"state": "lost"}}).state == "RUNNING"
+    assert x("RUNNING", {"a": exited(0), "b": started()}).state == "SUCCEEDED"  # a hung excluded rank is not waited for
+    assert x("RUNNING", {"a": exited(1), "b": exited(0)}).state == "FAILED"  # a survivor failing still fails it
+    r = x("STARTING", {"a": started(), "b": exited(-9)})
+    assert r.state == "FAILED"  # before RUNNING nothing is excluded: a failed start is a failure

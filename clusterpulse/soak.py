@@ -1,0 +1,448 @@
+"""``pulse bench soak``: a long run with random faults, and what the orchestrator made of them.
+
+The orchestrator runs as a real process (``pulse orchestrator``, SQLite in a temporary folder);
+N simulated nodes run in this process (the agents' own loop and publisher), against a private
+``redis-server`` on a free port (or ``PULSE_BENCH_REDIS_URL``, flushed). Phases:
+
+1. **Warm-up**: every node registers and turns HEALTHY, then ``--warmup`` more seconds so that
+   caches, the SQLite page cache and the persist loop reach their steady size. The
+   orchestrator's resident memory here is ``orchestrator_rss_warm_bytes``.
+2. **Soak** (``--duration``): every ``--fault-every`` seconds one fault of a random kind of the
+   simulator's (agent/simulated.py) starts on a random idle node and lasts long enough to be
+   detected; each is recorded with its expected outcome (:func:`schedule`, deterministic for a
+   ``--seed``). Faults are planned so that each one, recovery included, ends inside the run.
+   Resident memory is sampled every 10 s; ``orchestrator_rss_end_bytes`` is the last sample.
+3. **Verdict** from the events table (:func:`judge`, pure): a fault whose node has no DEGRADED
+   transition in its detection window, or (faults that clear) no HEALTHY one in its recovery
+   window, is a **lost event**; a DEGRADED or LOST transition outside every fault window of its
+   node is a **false DEGRADED**; a node not HEALTHY at the end without a permanent fault is
+   ``unhealthy_at_end``.
+
+Expected outcome by kind, with the orchestrator's policy set here (all scale with ``--interval``):
+
+==============  ==========================================================  ==============
+kind            DEGRADED expected by (after the fault starts)               clears
+==============  ==========================================================  ==============
+psu_imbalance,  the next heartbeat (hard fault)                             yes
+pcie_x8, xid,
+gpu_lost
+ecc             the next heartbeat; the volatile counter stays up until     no (permanent)
+                a driver reload, so the node stays DEGRADED
+thermal,        ``throttle_sustain_s`` of throttling (SUSPECT before)       yes
+power_brake
+silent          ``degraded_after_s`` of silence (SUSPECT before)            yes
+==============  ==========================================================  ==============
+
+each plus one heartbeat interval and ``slack_s`` (ingest and evaluation lag on a loaded machine).
+A fault that clears must see HEALTHY within ``(recover_after + 1)`` intervals plus ``slack_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+
+from agent.simulated import FAULT_KINDS
+
+HARD = frozenset({"psu_imbalance", "pcie_x8", "xid", "gpu_lost", "ecc"})
+THROTTLE = frozenset({"thermal", "power_brake"})
+PERMANENT = frozenset({"ecc"})
+BAD_STATES = frozenset({"DEGRADED", "LOST"})
+UNWELL = ("SUSPECT", "DEGRADED", "LOST")
+PERSIST_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The orchestrator's policy for the soak and the bench's tolerances, all in seconds."""
+
+    interval_s: float
+    degraded_after_s: float
+    throttle_sustain_s: float
+    recover_after: int
+    slack_s: float
+
+    def detect_within(self, kind: str) -> float:
+        """Seconds after a fault starts by which its node must be DEGRADED."""
+        base = self.interval_s
+        if kind in THROTTLE:
+            base += self.throttle_sustain_s
+        elif kind == "silent":
+            base += self.degraded_after_s
+        return base + self.slack_s
+
+    @property
+    def recover_within(self) -> float:
+        """Seconds after a fault clears by which its node must be HEALTHY again."""
+        return (self.recover_after + 1) * self.interval_s + self.slack_s
+
+    @property
+    def longest_detection(self) -> float:
+        return max(self.detect_within(k) for k in FAULT_KINDS)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault; times are seconds from the start of the soak phase."""
+
+    node: str
+    kind: str
+    start_s: float
+    end_s: float  # when the simulator stops showing it (for a permanent one: when it stops trying)
+    expect: str = "DEGRADED"
+    clears: bool = True
+
+
+def schedule(nodes: list[str], *, seed: int, fault_every_s: float, duration_s: float, timing: Timing) -> list[Fault]:
+    """Every ``fault_every_s`` a fault of a random kind on a random node that has no fault in
+    flight (nor a permanent one), lasting 1-1.5x the longest detection time, planned only where
+    it and its recovery end inside ``duration_s``."""
+    rng = random.Random(seed)
+    busy_until: dict[str, float] = {}
+    out: list[Fault] = []
+    t = fault_every_s
+    while t < duration_s:
+        kind = rng.choice(FAULT_KINDS)
+        length = timing.longest_detection * rng.uniform(1.0, 1.5)
+        done = t + length + (0.0 if kind in PERMANENT else timing.recover_within)
+        idle = [n for n in nodes if busy_until.get(n, 0.0) <= t]
+        if done <= duration_s and idle:
+            node = rng.choice(idle)
+            busy_until[node] = float("inf") if kind in PERMANENT else done + timing.interval_s
+            out.append(Fault(node, kind, round(t, 3), round(t + length, 3), clears=kind not in PERMANENT))
+        t += fault_every_s
+    return out
+
+
+@dataclass(frozen=True)
+class Transition:
+    node: str
+    to_state: str
+    at_s: float  # seconds from the start of the soak phase, on the orchestrator's (Redis) clock
+    reason: str = ""
+
+
+@dataclass
+class Verdict:
+    lost: list[dict[str, Any]] = field(default_factory=list)
+    false_degraded: list[dict[str, Any]] = field(default_factory=list)
+    detection_s: dict[str, list[float]] = field(default_factory=dict)  # kind -> latencies
+    recovery_s: list[float] = field(default_factory=list)
+
+
+def judge(faults: list[Fault], transitions: list[Transition], *, timing: Timing) -> Verdict:
+    """Match every fault with its node's transitions (pure)."""
+    v = Verdict()
+    by_node: dict[str, list[Transition]] = {}
+    for t in sorted(transitions, key=lambda t: t.at_s):
+        by_node.setdefault(t.node, []).append(t)
+    windows: dict[str, list[tuple[float, float]]] = {}
+    for f in faults:
+        mine = by_node.get(f.node, [])
+        lo, hi = f.start_s - 1.0, f.start_s + timing.detect_within(f.kind)
+        degraded = next((t for t in mine if lo <= t.at_s <= hi and t.to_state == "DEGRADED"), None)
+        if degraded is None:
+            v.lost.append({**asdict(f), "missing": f"DEGRADED within {hi - f.start_s:.1f}s of the start"})
+        else:
+            v.detection_s.setdefault(f.kind, []).append(round(degraded.at_s - f.start_s, 3))
+        end = f.end_s + timing.recover_within if f.clears else float("inf")
+        if f.clears:
+            healthy = next((t for t in mine if f.end_s - 1.0 <= t.at_s <= end and t.to_state == "HEALTHY"), None)
+            if healthy is None:
+                v.lost.append({**asdict(f), "missing": f"HEALTHY within {end - f.end_s:.1f}s of the end"})
+            else:
+                v.recovery_s.append(round(healthy.at_s - f.end_s, 3))
+        windows.setdefault(f.node, []).append((lo, end))
+    for t in transitions:
+        if t.to_state in BAD_STATES and not any(lo <= t.at_s <= hi for lo, hi in windows.get(t.node, [])):
+            v.false_degraded.append(asdict(t))
+    return v
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _private_redis(workdir: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
+    """``PULSE_BENCH_REDIS_URL`` (flushed) if set, else a private redis-server on a free port."""
+    if "PULSE_BENCH_REDIS_URL" in os.environ:
+        url = os.environ["PULSE_BENCH_REDIS_URL"]
+        redis.Redis.from_url(url).flushdb()
+        return url, None
+    server = shutil.which("redis-server")
+    if server is None:
+        raise SystemExit(
+            "pulse bench soak: redis-server is not installed; set PULSE_BENCH_REDIS_URL to a Redis it may flush"
+        )
+    port = _free_port()
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 20
+    while True:
+        with contextlib.suppress(redis.RedisError):
+            if redis.Redis.from_url(url, socket_connect_timeout=1).ping():
+                return url, proc
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise SystemExit(f"pulse bench soak: redis-server on port {port} did not start")
+        time.sleep(0.1)
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, Any]:
+    import psutil
+
+    from agent.daemon import NodeAgent, run_agents, sim_node_name, topology_labels
+    from agent.publisher import HeartbeatPublisher
+    from agent.simulated import SimulatedNode
+    from services import db
+
+    interval = args.interval
+    timing = Timing(
+        interval_s=interval,
+        degraded_after_s=args.degraded_after or 6 * interval,
+        throttle_sustain_s=3 * interval,
+        recover_after=3,
+        slack_s=args.slack or max(5.0, 4 * interval),
+    )
+    db_url = f"sqlite:///{workdir / 'soak.db'}"
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PULSE_")}
+    env.update(
+        PULSE_REDIS_URL=url,
+        PULSE_DATABASE_URL=db_url,
+        PULSE_HEARTBEAT_INTERVAL_S=str(interval),
+        PULSE_DEGRADED_AFTER_S=str(timing.degraded_after_s),
+        PULSE_THROTTLE_SUSTAIN_S=str(timing.throttle_sustain_s),
+        PULSE_RECOVER_AFTER=str(timing.recover_after),
+        PULSE_LOST_AFTER_S=str(100 * timing.degraded_after_s),  # LOST is not what this run looks at
+        PULSE_EVALUATE_INTERVAL_S=str(min(0.5, interval / 2)),
+        PULSE_PERSIST_INTERVAL_S=str(PERSIST_INTERVAL_S),
+        PYTHONUNBUFFERED="1",
+    )
+    log_path = workdir / "orchestrator.log"
+    with log_path.open("ab") as fh:
+        orch = psutil.Popen(
+            [sys.executable, "-m", "clusterpulse.cli", "orchestrator", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=fh, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    names = [sim_node_name("soak", i, args.nodes) for i in range(args.nodes)]
+    agents = []
+    for i, name in enumerate(names):
+        sim = SimulatedNode(name, gpus=args.gpus_per_node, seed=args.seed * 100_003 + i)
+        agents.append(
+            NodeAgent(
+                node=name, gpu=sim, gpu_source="simulated", interval_s=interval, labels=topology_labels(i), sim=sim
+            )
+        )
+    import redis.asyncio as aioredis
+
+    from clusterpulse.retry import Backoff
+
+    client = aioredis.from_url(url, socket_timeout=10, socket_connect_timeout=10)
+    publisher = HeartbeatPublisher(
+        client, shards=1, maxlen=200_000, ttl_s=3 * timing.degraded_after_s, backoff=Backoff(0.2, 5.0)
+    )
+    stop = asyncio.Event()
+    sim_task: asyncio.Task[int] | None = None
+    http = httpx.AsyncClient(base_url=api, timeout=60)
+    rss: list[tuple[float, int]] = []
+    try:
+        t0 = time.monotonic()
+        while True:
+            if orch.poll() is not None:
+                raise SystemExit(f"pulse bench soak: the orchestrator exited ({orch.returncode}); see {log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get("/readyz")).status_code == 200:
+                    break
+            if time.monotonic() - t0 > 120:
+                raise SystemExit(f"pulse bench soak: the orchestrator did not become ready; see {log_path}")
+            await asyncio.sleep(0.2)
+        sim_task = asyncio.create_task(run_agents(agents, publisher, interval_s=interval, stop=stop))
+        started = time.monotonic()
+        engine = db.make_engine(db_url)
+        registered, unwell = 0, -1
+        while time.monotonic() - started < args.settle_timeout:
+            await asyncio.sleep(max(1.0, interval))
+            # cheap checks: registered nodes in the database, and no node in a bad state (small lists)
+            with contextlib.suppress(httpx.HTTPError, OperationalError), engine.connect() as conn:
+                registered = int(conn.execute(text("SELECT count(*) FROM nodes")).scalar_one())
+                unwell = sum([(await http.get("/v1/nodes", params={"state": s})).json()["count"] for s in UNWELL])
+            if registered == args.nodes and unwell == 0:
+                break
+        engine.dispose()
+        settled_s = time.monotonic() - started
+        if registered != args.nodes or unwell != 0:
+            raise SystemExit(
+                f"pulse bench soak: {registered} of {args.nodes} nodes registered, {unwell} not HEALTHY "
+                f"after {settled_s:.0f}s; see {log_path}"
+            )
+        await asyncio.sleep(args.warmup)
+        rss_warm = orch.memory_info().rss
+        cpu0 = orch.cpu_times()
+
+        faults = schedule(
+            names, seed=args.seed, fault_every_s=args.fault_every, duration_s=args.duration, timing=timing
+        )
+        by_name = {a.node: a for a in agents}
+        soak_wall0 = time.time()
+        soak0 = time.monotonic()
+
+        async def inject() -> None:
+            events = sorted([(f.start_s, True, f) for f in faults] + [(f.end_s, False, f) for f in faults if f.clears],
+                            key=lambda e: e[0])  # fmt: skip
+            for at, on, f in events:
+                await asyncio.sleep(max(0.0, soak0 + at - time.monotonic()))
+                sim = by_name[f.node].sim
+                assert sim is not None
+                (sim.faults.add if on else sim.faults.discard)(f.kind)
+
+        async def sample_rss() -> None:
+            while True:
+                rss.append((round(time.monotonic() - soak0, 1), orch.memory_info().rss))
+                await asyncio.sleep(10.0)
+
+        injector = asyncio.create_task(inject())
+        sampler = asyncio.create_task(sample_rss())
+        await asyncio.sleep(args.duration)
+        sampler.cancel()
+        rss.append((round(time.monotonic() - soak0, 1), orch.memory_info().rss))
+        rss_end = rss[-1][1]
+        cpu1 = orch.cpu_times()
+        cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+        await injector
+        await asyncio.sleep(PERSIST_INTERVAL_S + 2)  # the outbox reaches the database
+        metrics = (await http.get("/metrics")).text
+        at_end = {
+            s: [n["name"] for n in (await http.get("/v1/nodes", params={"state": s})).json()["data"]] for s in UNWELL
+        }
+    finally:
+        stop.set()
+        if sim_task is not None:
+            await sim_task
+        await http.aclose()
+        await client.aclose()
+        if orch.poll() is None:
+            orch.terminate()
+            try:
+                orch.wait(30)
+            except psutil.TimeoutExpired:
+                orch.kill()
+
+    engine = db.make_engine(db_url)
+    with db.session_factory(engine)() as s:
+        rows = db.list_events(s, since=soak_wall0 - 1.0, kinds=["health", "partition"], limit=10**7)
+        transitions = [
+            Transition(e.node, e.to_state, round(e.at - soak_wall0, 3), e.reason)
+            for e in rows
+            if e.kind == "health" and e.node and e.to_state
+        ]
+        partitions = sum(e.kind == "partition" for e in rows)
+    engine.dispose()
+    verdict = judge(faults, transitions, timing=timing)
+    permanent = {f.node for f in faults if not f.clears}
+    unhealthy = sorted(n for names_ in at_end.values() for n in names_ if n not in permanent)
+    sent = sum(a.seq for a in agents)
+    growth = rss_end / rss_warm
+    kinds = sorted({f.kind for f in faults})
+    result: dict[str, Any] = {
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus_per_node,
+        "duration_s": args.duration,
+        "fault_every_s": args.fault_every,
+        "seed": args.seed,
+        "interval_s": interval,
+        "degraded_after_s": timing.degraded_after_s,
+        "throttle_sustain_s": timing.throttle_sustain_s,
+        "slack_s": timing.slack_s,
+        "settled_s": round(settled_s, 1),
+        "warmup_s": args.warmup,
+        "faults_injected": len(faults),
+        "faults_by_kind": {k: sum(f.kind == k for f in faults) for k in kinds},
+        "detection_latency_s": {
+            k: {"p50": round(statistics.median(v), 2), "max": round(max(v), 2)}
+            for k, v in sorted(verdict.detection_s.items())
+        },
+        "recovery_latency_max_s": round(max(verdict.recovery_s), 2) if verdict.recovery_s else None,
+        "lost_events": len(verdict.lost),
+        "false_degraded": len(verdict.false_degraded),
+        "unhealthy_at_end": len(unhealthy),
+        "partition_events": partitions,
+        "heartbeats_sent": sent,
+        "heartbeats_received": int(_metric(metrics, "pulse_heartbeats_received_total")),
+        "heartbeats_rejected": int(_metric(metrics, "pulse_heartbeats_rejected_total{")),
+        "orchestrator_rss_warm_bytes": rss_warm,
+        "orchestrator_rss_end_bytes": rss_end,
+        "orchestrator_rss_max_bytes": max(r for _, r in rss),
+        "rss_growth_ratio": round(growth, 4),
+        "rss_samples_mib": [[t, round(r / 2**20, 1)] for t, r in rss],
+        "orchestrator_cpu_fraction_of_core": round(cpu / args.duration, 3),
+        "lost": verdict.lost[:20],
+        "false": verdict.false_degraded[:20],
+        "unhealthy": unhealthy[:20],
+    }
+    result["ok"] = (
+        result["lost_events"] == 0
+        and result["false_degraded"] == 0
+        and result["unhealthy_at_end"] == 0
+        and growth <= args.max_rss_growth
+    )
+    return result
+
+
+def run_soak(args: argparse.Namespace) -> dict[str, Any]:
+    if args.nodes < 1 or args.duration <= 0 or args.fault_every <= 0 or args.interval <= 0:
+        raise ValueError("pulse bench soak: --nodes, --duration, --fault-every and --interval must be positive")
+
+    def terminated(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds: the orchestrator and redis-server are stopped
+
+    signal.signal(signal.SIGTERM, terminated)
+    with tempfile.TemporaryDirectory(prefix="pulse-soak-") as tmp:
+        workdir = Path(tmp)
+        url, server = _private_redis(workdir)
+        try:
+            return asyncio.run(_soak(args, workdir, url))
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(10)
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run_soak(args)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0 if result["ok"] else 1

@@ -1,0 +1,416 @@
+"""High availability: one leader among the orchestrator replicas, under a lease with a fencing token.
+
+Two or more replicas run on the same Redis and database. Exactly one of them, the **leader**,
+evaluates health, plans and launches (the ingest, evaluate, persist and jobs loops of
+services/orchestrator.py); the others are **followers**: they serve reads from a snapshot they
+refresh from the database every ``persist_interval_s``, and answer mutations (cordon, jobs) with
+503 naming the leader. Token management (services/tokens.py) works on any replica: it writes only
+the ``tokens`` table, which no loop touches.
+
+**The lease** is one database row (table ``leader_lease``: holder, epoch, expires_at), judged on
+the **database's clock** (``clock_timestamp()`` on PostgreSQL, ``julianday('now')`` on SQLite),
+never on a replica's: the conditional UPDATE that takes or extends it compares ``expires_at`` with
+the database's ``now`` in the same statement, so replicas whose clocks disagree still agree on who
+holds it. A replica ticks every ``leader_renew_s`` (default lease / 3):
+
+- the leader renews: ``UPDATE ... SET expires_at = now + lease WHERE epoch = :mine AND holder = :me``;
+- a follower takes it when it ran out (``expires_at <= now``), when it holds it under its own
+  replica id (a restarted process with a fixed ``PULSE_REPLICA_ID``), or when the holder is a
+  process of this host that no longer runs (the default id is ``<hostname>-<pid>``: a replica
+  restarted after a SIGKILL need not wait out its predecessor's lease): ``UPDATE ... SET holder =
+  :me, epoch = epoch + 1 WHERE epoch = :seen AND (expired OR ...)``. The decision is the pure
+  :func:`decide`; the ``WHERE`` makes it atomic.
+
+**The fencing token** is the lease's ``epoch``; it grows by one on every change of holder. Every
+write a leader makes carries it and is refused when it is not the current one:
+
+- database: every write transaction (events and health states, telemetry, plans, rank
+  registrations, jobs) reads the lease's epoch just before it commits (``db.fence_epoch``:
+  ``SELECT ... FOR SHARE`` on PostgreSQL, so a takeover waits for the transaction to end) and
+  rolls back on a mismatch. Each event and plan row stores the epoch it was written under
+  (column ``epoch``), so "nothing of a stale leader landed" can be checked in the tables.
+- Redis: plan keys + ``PUBLISH`` and job commands go through small Lua scripts (:data:`FENCED_PLANS`,
+  :data:`FENCED_COMMANDS`) that compare the writer's epoch with the ``wire.LEADER_KEY`` string and
+  refuse a lower one; a higher one raises the key (so a Redis that restarted empty is re-fenced
+  by the leader's next write, and by the renewal that raises it every tick). A new leader raises
+  the key before it writes anything. Command stream entries carry an ``epoch`` field. The script
+  touches the leader key and the written keys in one ``EVAL``: fine on one Redis (the
+  orchestrator's client is not a cluster client); on Redis Cluster those keys would need one slot.
+
+A refused write is logged (``event=write_refused_stale_epoch``), counted
+(``pulse_leader_fenced_writes_total{what}``) and ends leadership at once; the follower that
+leads recomputes everything from its own view, so the refused write is simply dropped.
+
+**Stepping down before others may take over.** A renewal attempt started at monotonic time
+``t0`` grants leadership until ``t0 + lease - margin`` on this replica's monotonic clock
+(``leader_margin_s``, default lease / 10). The database set ``expires_at`` no earlier than ``t0``
+plus one lease, so the leader stops acting before any follower can see the lease as expired,
+whatever its wall clock does; renewal every lease / 3 leaves two more tries before that.
+Fencing is the backstop for what no clock can see: a process paused between its check and its
+write (GC, SIGSTOP, a VM migration). PostgreSQL sessions end after ``lease / 3`` idle inside a
+transaction, so a paused leader cannot hold the lease row's lock and block the takeover.
+
+**The database down** does not stop health: a leader whose renewal fails for a transient
+database error keeps leading, each Redis check counting as a renewal, while Redis's epoch key still
+holds its epoch (:meth:`LeaderLease._redis_vouches`). No other replica can have taken over then:
+taking over means the database lease first, then raising that key before acting. When the
+database answers again the same leader renews the same epoch and its outbox is written. If a
+successor did take over (the database was unreachable from this replica only), the raised key
+ends this replica's leadership at its next tick, and whatever it wrote in between was refused.
+
+**Failover** takes at most one lease (the old lease runs out) plus one renew tick (a follower
+notices). A new leader reloads nodes, plans and ranks from the database, gives every node one
+full ``degraded_after`` (as after a restart), raises the Redis epoch, republishes the plans,
+claims every stream entry its predecessor read but never acknowledged (``XAUTOCLAIM``), and
+writes a ``leader`` event. A leader stopped cleanly releases the lease: its successor takes over
+at its next tick. With one replica (the default, SQLite) it leads from its first tick, as before.
+
+Known limits: followers show no training progress figures (trainer reports are folded by the
+leader only) and their node telemetry is as fresh as the leader's last persist; a stream entry
+a stale leader read in the instant between its last check and its pause stays pending under its
+consumer name until the next takeover claims it; each process leaves its consumer name in the
+group (harmless, visible in ``XINFO CONSUMERS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from sqlalchemy.orm import Session, sessionmaker
+
+from clusterpulse import wire
+from clusterpulse.retry import PermanentError, is_transient
+from clusterpulse.settings import Settings
+from services import db
+
+log = logging.getLogger("pulse.orchestrator.leader")
+
+
+class NotLeader(PermanentError):
+    """This replica does not lead (or no longer does): the write was not made."""
+
+
+class StaleEpoch(NotLeader):
+    """A write carried an epoch lower than the lease's: another replica took over."""
+
+
+# --- The pure part ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Renew:
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Acquire:
+    seen_epoch: int
+    reclaim: str  # a holder this replica may take the lease from before it runs out ("" : none)
+    reason: str
+
+
+@dataclass(frozen=True)
+class Follow:
+    holder: str
+    epoch: int
+    reason: str
+
+
+def default_replica_id(hostname: str, pid: int) -> str:
+    return f"{hostname}-{pid}"
+
+
+def local_pid(holder: str, hostname: str) -> int | None:
+    """The pid of ``holder`` when it names a default-id process of this host, else None."""
+    head, sep, pid = holder.rpartition("-")
+    return int(pid) if sep and head == hostname and pid.isdigit() else None
+
+
+def decide(lease: db.LeaseState, *, me: str, leading_epoch: int | None, holder_dead: bool) -> Renew | Acquire | Follow:
+    """What a replica does with the lease it just read.
+
+    ``leading_epoch``: the epoch this replica leads under (its own clock still says so), or None.
+    ``holder_dead``: the holder is a process of this host that no longer runs."""
+    if leading_epoch is not None:
+        if lease.epoch == leading_epoch and lease.holder == me:
+            return Renew(leading_epoch)
+        return Follow(lease.holder, lease.epoch, f"lease taken by {lease.holder} at epoch {lease.epoch}")
+    if not lease.holder:
+        return Acquire(lease.epoch, "", "no replica has led yet")
+    if lease.holder == me:
+        return Acquire(lease.epoch, "", f"this replica id held epoch {lease.epoch} before: taken back")
+    if lease.expires_at <= lease.db_now:
+        ago = lease.db_now - lease.expires_at
+        return Acquire(lease.epoch, "", f"the lease of {lease.holder} (epoch {lease.epoch}) ran out {ago:.1f}s ago")
+    if holder_dead:
+        return Acquire(lease.epoch, lease.holder, f"{lease.holder} (epoch {lease.epoch}) no longer runs on this host")
+    left = lease.expires_at - lease.db_now
+    return Follow(lease.holder, lease.epoch, f"{lease.holder} leads at epoch {lease.epoch} ({left:.1f}s left)")
+
+
+def lead_deadline(started: float, *, lease_s: float, margin_s: float) -> float:
+    """Until when (monotonic) a renewal attempted at ``started`` lets this replica act as leader."""
+    return started + lease_s - margin_s
+
+
+# --- Redis fencing ------------------------------------------------------------------------------
+
+_FENCE = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local mine = tonumber(ARGV[1])
+if cur > mine then return cur end
+if cur < mine then redis.call('SET', KEYS[1], mine) end
+"""
+
+RAISE_EPOCH = _FENCE + "return 0\n"
+"""KEYS: leader key. ARGV: epoch. Raises the key to ``epoch``; returns the higher epoch that
+refused it, or 0."""
+
+FENCED_PLANS = (
+    _FENCE
+    + """
+for i = 2, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[2 * i - 1])
+  redis.call('PUBLISH', ARGV[2], ARGV[2 * i])
+end
+return 0
+"""
+)
+"""KEYS: leader key, plan keys. ARGV: epoch, channel, then (payload, job) per plan key."""
+
+FENCED_COMMANDS = (
+    _FENCE
+    + """
+for i = 2, #KEYS do
+  redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[i + 2], 'EPOCH_FIELD', ARGV[1])
+end
+return 0
+"""
+).replace("EPOCH_FIELD", wire.COMMAND_EPOCH_FIELD.decode())
+"""KEYS: leader key, command stream per command. ARGV: epoch, maxlen, field, then one payload per
+stream. Each entry carries the epoch it was written under (``wire.COMMAND_EPOCH_FIELD``)."""
+
+
+def plans_args(epoch: int, plans: Iterable[tuple[str, bytes]]) -> tuple[list[str], list[str | bytes | int]]:
+    """KEYS and ARGV of :data:`FENCED_PLANS` for (job, encoded plan) pairs."""
+    keys: list[str] = [wire.LEADER_KEY]
+    args: list[str | bytes | int] = [epoch, wire.PLAN_CHANNEL]
+    for job, payload in plans:
+        keys.append(wire.job_plan_key(job))
+        args += [payload, job]
+    return keys, args
+
+
+def commands_args(
+    epoch: int, commands: Iterable[tuple[str, bytes]], *, maxlen: int
+) -> tuple[list[str], list[str | bytes | int]]:
+    """KEYS and ARGV of :data:`FENCED_COMMANDS` for (node, encoded command) pairs."""
+    keys: list[str] = [wire.LEADER_KEY]
+    args: list[str | bytes | int] = [epoch, maxlen, wire.COMMAND_FIELD]
+    for node, payload in commands:
+        keys.append(wire.node_commands_key(node))
+        args.append(payload)
+    return keys, args
+
+
+# --- The lease, with its I/O --------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LeaderLease:
+    """This replica's side of the lease: :meth:`tick` once per ``renew_s``; :meth:`leading` tells
+    the loops whether they may act; writes are checked with :meth:`check` (database) and
+    :meth:`fenced_eval` (Redis)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        sessions: sessionmaker[Session],
+        redis_client: aioredis.Redis,
+        monotonic: Callable[[], float] = time.monotonic,
+        pid_alive: Callable[[int], bool] = _pid_alive,
+    ) -> None:
+        self.hostname = socket.gethostname()
+        self.me = settings.replica_id or default_replica_id(self.hostname, os.getpid())
+        self.lease_s = settings.leader_lease_s
+        self.renew_s = settings.leader_renew
+        self.margin_s = settings.leader_margin
+        self.sessions = sessions
+        self.redis = redis_client
+        self.monotonic = monotonic
+        self.pid_alive = pid_alive
+        self.epoch: int | None = None  # the epoch this replica leads under
+        self.deadline = 0.0  # monotonic: act as leader only before this
+        self.holder = ""  # who leads, as last read
+        self.holder_epoch = 0
+        self.reason = ""  # why this replica leads or follows, as last decided
+        self.refused: Counter[str] = Counter()  # fenced writes refused, by what
+
+    def leading(self) -> bool:
+        return self.epoch is not None and self.monotonic() < self.deadline
+
+    def fence(self) -> int:
+        """The epoch to write under; :class:`NotLeader` (naming the leader) when not leading."""
+        if self.epoch is None or not self.leading():
+            raise NotLeader(self.not_leader_detail())
+        return self.epoch
+
+    def not_leader_detail(self) -> str:
+        if self.holder and self.holder != self.me:
+            return (
+                f"replica {self.me} follows; the leader is {self.holder} (epoch {self.holder_epoch}): send this there"
+            )
+        return f"replica {self.me} does not lead right now (no leader yet or its lease ran out): try again shortly"
+
+    async def tick(self) -> None:
+        """Read the lease, decide, renew or acquire. The caller compares :meth:`leading` before
+        and after; errors propagate (the leader's own deadline still ends its leadership)."""
+        started = self.monotonic()
+        try:
+            outcome = await asyncio.to_thread(self._tick_db, self.epoch if self.leading() else None)
+        except Exception as exc:
+            if is_transient(exc) and await self._redis_vouches(exc):
+                return
+            raise
+        if isinstance(outcome, int):
+            if self.epoch != outcome:
+                log.info("event=leader_elected replica=%s epoch=%d reason=%r", self.me, outcome, self.reason)
+            self.epoch, self.holder, self.holder_epoch = outcome, self.me, outcome
+            self.deadline = lead_deadline(started, lease_s=self.lease_s, margin_s=self.margin_s)
+            return
+        if self.epoch is not None:
+            log.warning("event=leader_lost replica=%s epoch=%d reason=%r", self.me, self.epoch, outcome)
+            self.epoch = None
+
+    async def _redis_vouches(self, exc: BaseException) -> bool:
+        """The database did not answer a leader's renewal. While Redis's epoch key still holds
+        this leader's epoch no other replica has taken over (a new leader raises the key before
+        it acts), so the check counts as a renewal: health never waits on the database. Once a successor raises the key, this replica sees it at its next tick (or
+        its next fenced write) and steps down; its writes are refused meanwhile."""
+        if self.epoch is None or not self.leading():
+            return False
+        checked = self.monotonic()
+        try:
+            raw = await self.redis.get(wire.LEADER_KEY)
+        except Exception:
+            return False
+        if raw is not None and int(raw) > self.epoch:
+            self.step_down(f"database unreachable and Redis fences at epoch {int(raw)}: a successor took over")
+        if raw is None or int(raw) != self.epoch:
+            return False
+        vouched = lead_deadline(checked, lease_s=self.lease_s, margin_s=self.margin_s)
+        if vouched > self.deadline:
+            self.deadline = vouched
+            log.warning(
+                "event=leader_held_by_redis replica=%s epoch=%d detail=%r error=%r",
+                self.me, self.epoch, "database unreachable; Redis still fences at this epoch", str(exc),
+            )  # fmt: skip
+        return True
+
+    def _tick_db(self, leading_epoch: int | None) -> int | str:
+        """One round in one transaction: the epoch this replica now leads under, or why not."""
+        with self.sessions.begin() as s:
+            lease = db.read_lease(s)
+            pid = local_pid(lease.holder, self.hostname)
+            dead = pid is not None and lease.holder != self.me and not self.pid_alive(pid)
+            d = decide(lease, me=self.me, leading_epoch=leading_epoch, holder_dead=dead)
+            if isinstance(d, Renew):
+                if db.renew_lease(s, holder=self.me, epoch=d.epoch, lease_s=self.lease_s):
+                    return d.epoch
+                return "renewal refused: the lease changed hands"
+            if isinstance(d, Acquire):
+                got = db.acquire_lease(
+                    s, holder=self.me, seen_epoch=d.seen_epoch, reclaim=d.reclaim, lease_s=self.lease_s
+                )
+                if got is not None:
+                    self.reason = d.reason
+                    return got
+                return "another replica took the lease first"
+            if (d.holder, d.epoch) != (self.holder, self.holder_epoch):
+                log.info("event=leader_follows replica=%s leader=%s epoch=%d", self.me, d.holder, d.epoch)
+            self.holder, self.holder_epoch, self.reason = d.holder, d.epoch, d.reason
+            return d.reason
+
+    def step_down(self, reason: str) -> None:
+        if self.epoch is not None:
+            log.warning("event=leader_lost replica=%s epoch=%d reason=%r", self.me, self.epoch, reason)
+        self.epoch = None
+
+    def check(self, session: Session, *, epoch: int, what: str) -> None:
+        """Inside a write transaction, just before it commits: refuse it (:class:`StaleEpoch`,
+        the transaction rolls back) when the lease has moved past ``epoch``."""
+        current = db.fence_epoch(session)
+        if current != epoch:
+            raise self._refused(what, epoch, current)
+
+    async def raise_epoch(self, epoch: int) -> None:
+        """Fence Redis to ``epoch`` (a new leader, before it writes there; every renewal)."""
+        higher = int(await self.redis.eval(RAISE_EPOCH, 1, wire.LEADER_KEY, epoch))
+        if higher:
+            raise self._refused("redis epoch", epoch, higher)
+
+    async def fenced_eval(self, script: str, keys: list[str], args: list[str | bytes | int], *, what: str) -> None:
+        """Run a fenced Redis script; :class:`StaleEpoch` when Redis knows a higher epoch."""
+        epoch = int(args[0])
+        higher = int(await self.redis.eval(script, len(keys), *keys, *args))
+        if higher:
+            raise self._refused(what, epoch, higher)
+
+    def _refused(self, what: str, mine: int, current: int) -> StaleEpoch:
+        self.refused[what] += 1
+        log.error(
+            "event=write_refused_stale_epoch replica=%s what=%r epoch=%d current_epoch=%d",
+            self.me, what, mine, current,
+        )  # fmt: skip
+        if self.epoch == mine:
+            self.step_down(f"a {what} write under epoch {mine} was refused: the lease is at epoch {current}")
+        return StaleEpoch(
+            f"replica {self.me}: {what} write under epoch {mine} refused, the lease is at epoch {current}"
+        )
+
+    async def release(self) -> None:
+        """A clean stop: end the lease now so that a follower takes over at its next tick."""
+        epoch, self.epoch = self.epoch, None
+        if epoch is None:
+            return
+
+        def write() -> bool:
+            with self.sessions.begin() as s:
+                return db.release_lease(s, holder=self.me, epoch=epoch)
+
+        if await asyncio.to_thread(write):
+            log.info("event=leader_released replica=%s epoch=%d", self.me, epoch)
+
+
+def leader_lines(lease: LeaderLease, *, leading: bool) -> list[str]:
+    """The replica's own series for /metrics."""
+    lines = [
+        "# HELP pulse_leader 1 when this replica leads (evaluates health, plans, launches), else 0.",
+        "# TYPE pulse_leader gauge",
+        f"pulse_leader {1 if leading else 0}",
+        "# HELP pulse_leader_epoch The lease's fencing epoch as this replica last saw it.",
+        "# TYPE pulse_leader_epoch gauge",
+        f"pulse_leader_epoch {lease.epoch if leading and lease.epoch is not None else lease.holder_epoch}",
+        "# HELP pulse_leader_fenced_writes_total Writes of this replica refused: their epoch was stale.",
+        "# TYPE pulse_leader_fenced_writes_total counter",
+    ]
+    lines += [f'pulse_leader_fenced_writes_total{{what="{w}"}} {n}' for w, n in sorted(lease.refused.items())]
+    return lines

@@ -1,0 +1,39 @@
+"""`pulse bench soak` end to end, briefly: a few nodes, a few faults, the JSON's invariants
+(every injected fault detected and recovered from, no DEGRADED without a fault, the memory
+figures consistent), never its timing. The real run is 2,048 nodes for 600 s (README)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from agent.simulated import FAULT_KINDS
+from tests.support import PULSE, REPO, pulse_env
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(400),
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="the soak starts a private redis-server"),
+]
+
+
+def test_short_soak_detects_every_fault_and_invents_none() -> None:
+    proc = subprocess.run(
+        [*PULSE, "bench", "soak", "--nodes", "6", "--gpus-per-node", "4", "--duration", "60", "--fault-every", "2",
+         "--interval", "1", "--slack", "15", "--warmup", "2", "--seed", "3", "--max-rss-growth", "100", "--json"],
+        env=pulse_env(), cwd=REPO, capture_output=True, text=True, timeout=380, check=False,
+    )  # fmt: skip
+    assert proc.stdout, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert proc.returncode == 0, json.dumps({k: r[k] for k in ("lost", "false", "unhealthy")})
+    assert r["faults_injected"] >= 3 and sum(r["faults_by_kind"].values()) == r["faults_injected"]
+    assert set(r["faults_by_kind"]) <= set(FAULT_KINDS)
+    assert (r["lost_events"], r["false_degraded"], r["unhealthy_at_end"]) == (0, 0, 0)
+    assert set(r["detection_latency_s"]) == set(r["faults_by_kind"])  # every kind injected was detected
+    assert 0 < r["heartbeats_received"] <= r["heartbeats_sent"] and r["heartbeats_rejected"] == 0
+    assert r["orchestrator_rss_warm_bytes"] > 0 and r["orchestrator_rss_end_bytes"] > 0
+    assert r["rss_growth_ratio"] == round(r["orchestrator_rss_end_bytes"] / r["orchestrator_rss_warm_bytes"], 4)
+    assert r["ok"] is True

@@ -1,0 +1,130 @@
+"""Redis stopped for several ``degraded_after`` and restarted empty: the orchestrator degrades nobody.
+
+The orchestrator and four agents use a private Redis. It is stopped for ``OUTAGE_S`` (3 x
+``degraded_after``: long enough that silence alone would degrade every node) and a fresh one,
+with no streams, groups or keys, is started on the same port. The agents reconnect and publish
+again, the orchestrator recreates its consumer group, republishes the plans in force and gives
+every node a full ``degraded_after`` from the moment it sees Redis again: no node leaves HEALTHY,
+before, during or after the outage. The outage is said all the same: /readyz answers 503 naming
+Redis, and a partition (event, ``pulse_partition_suspected``) lasts from the first failed clock
+sync to the first evaluation after Redis is back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clusterpulse import wire
+from tests.faults.servers import PrivateRedis
+from tests.stack import Stack
+from tests.support import wait_for
+
+pytestmark = pytest.mark.e2e
+
+DEGRADED_AFTER = 3.0
+OUTAGE_S = 3 * DEGRADED_AFTER
+NODES = [f"redis-{i}" for i in range(4)]
+JOB = "redis-outage-job"
+
+
+@pytest.fixture
+def stack(tmp_path: Path, private_redis: PrivateRedis) -> Iterator[Stack]:
+    s = Stack(
+        tmp_path,
+        PULSE_REDIS_URL=private_redis.url,
+        PULSE_DEGRADED_AFTER_S=str(DEGRADED_AFTER),
+        PULSE_RECOVER_AFTER="2",
+        # Redis answers again within one backoff step (the default is 5 s against 120 s).
+        PULSE_RETRY_BACKOFF_MAX_S="0.5",
+        PULSE_REDIS_TIMEOUT_S="1",
+    )
+    try:
+        s.orchestrator()
+        for node in NODES:
+            s.agent(node, "--no-jobs")
+        wait_for(
+            lambda: {n: v["state"] for n, v in s.nodes().items()} == dict.fromkeys(NODES, "HEALTHY"),
+            timeout=60,
+            what="4 HEALTHY nodes",
+        )
+        yield s
+    finally:
+        s.close()
+
+
+def _register(r: PrivateRedis) -> None:
+    """One rank per node, as a training job's ranks register themselves."""
+    client = r.client()
+    try:
+        for rank, node in enumerate(NODES):
+            reg = wire.RankRegistration(v=wire.PROTOCOL_VERSION, job=JOB, rank=rank, node=node, world_size=len(NODES))
+            client.xadd(wire.REGISTRATION_STREAM, {wire.REGISTRATION_FIELD: wire.encode(reg)})
+    finally:
+        client.close()
+
+
+def _plan(r: PrivateRedis) -> wire.Plan | None:
+    client = r.client()
+    try:
+        raw = client.get(wire.job_plan_key(JOB))
+        return None if raw is None else wire.decode_plan(raw)
+    finally:
+        client.close()
+
+
+def test_redis_restart_degrades_nobody_and_agents_republish(stack: Stack, private_redis: PrivateRedis) -> None:
+    _register(private_redis)
+    plan = wait_for(lambda: _plan(private_redis), timeout=30, what="the job's first plan")
+    assert isinstance(plan, wire.Plan) and plan.participants == [0, 1, 2, 3], plan
+    mark = max(e["id"] for e in stack.events())
+
+    private_redis.stop()
+    down_at = time.time()
+    ready = wait_for(
+        lambda: (r := httpx.get(f"{stack.api}/readyz", timeout=5)).status_code == 503 and r.json(),
+        timeout=20,
+        what="/readyz 503 while Redis is down",
+    )
+    assert isinstance(ready, dict) and ready["redis"].startswith("unreachable"), ready
+    wait_for(lambda: stack.metric("pulse_partition_suspected") == 1.0, timeout=20, what="the partition said")
+    while time.time() - down_at < OUTAGE_S:  # health is still served from memory, unchanged
+        assert {n: v["state"] for n, v in stack.nodes().items()} == dict.fromkeys(NODES, "HEALTHY")
+        time.sleep(0.5)
+
+    private_redis.start()  # a fresh, empty Redis on the same port
+    back_at = time.time()
+    wait_for(lambda: httpx.get(f"{stack.api}/readyz", timeout=5).status_code == 200, timeout=30, what="ready again")
+    wait_for(
+        lambda: all((v["last_heartbeat_at"] or 0) > back_at for v in stack.nodes().values()),
+        timeout=30,
+        what="every agent publishing into the new Redis",
+    )
+    wait_for(lambda: _plan(private_redis) == plan, timeout=30, what="the plan in force republished")
+    # Longer than degraded_after after the restart, with every heartbeat flowing again.
+    time.sleep(DEGRADED_AFTER + 1.0)
+    states = {n: v["state"] for n, v in stack.nodes().items()}
+    assert states == dict.fromkeys(NODES, "HEALTHY"), states
+    health = [e for e in stack.events() if e["id"] > mark and e["kind"] == "health"]
+    assert health == [], health
+    assert _plan(private_redis) == plan  # no node changed, so no new generation either
+    # The consumer group was recreated and the new entries are read and acknowledged.
+    client = private_redis.client()
+    try:
+        groups = client.xinfo_groups(wire.heartbeat_stream_keys(1)[0])
+        assert [g["name"] for g in groups] == [wire.ORCHESTRATOR_GROUP.encode()], groups
+        wait_for(
+            lambda: client.xpending(wire.heartbeat_stream_keys(1)[0], wire.ORCHESTRATOR_GROUP)["pending"] < 50,
+            timeout=30,
+            what="heartbeats acknowledged after the restart",
+        )
+    finally:
+        client.close()
+    assert stack.metric("pulse_partition_suspected") == 0.0
+    partition = [e["reason"] for e in stack.events() if e["id"] > mark and e["kind"] == "partition"]
+    assert len(partition) == 2, partition
+    assert partition[0].startswith("Redis unreachable") and partition[1].startswith("partition over"), partition

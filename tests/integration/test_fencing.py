@@ -1,0 +1,255 @@
+"""Leader lease and fencing against real Redis and real databases (SQLite and PostgreSQL).
+
+The repository functions take, renew and fence the lease on the database's clock; two
+orchestrators in one process show that a stale leader, one that still believes it leads (a
+process paused between its own check and its write), gets every kind of write refused: events
+and health states, telemetry, jobs, plans and job commands in Redis, and steps down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
+
+from clusterpulse import wire
+from clusterpulse.settings import Settings, load_settings
+from services import db
+from services.cluster import ClusterEvent
+from services.leader import FENCED_PLANS, StaleEpoch, plans_args
+from services.models import EventRow, JobRow, NodeRow
+from services.orchestrator import Orchestrator
+from tests.support import PG_URL
+
+SPEC = {"name": "j", "nodes": 1, "gpus_per_node": 1, "selector": {}, "entrypoint": ["-m", "x"]}
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, migrated database; PostgreSQL gets a schema of its own, dropped afterwards."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'pulse.db'}"
+        db.upgrade(url)
+        yield url
+        return
+    schema = f"ha_{uuid.uuid4().hex[:12]}"
+    admin = db.make_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    url = f"{PG_URL}{'&' if '?' in PG_URL else '?'}options=-csearch_path%3D{schema}"
+    try:
+        db.upgrade(url)
+        yield url
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+
+
+def test_lease_is_taken_renewed_and_fenced_on_the_database_clock(database_url: str) -> None:
+    engine = db.make_engine(database_url, idle_in_transaction_timeout_s=5)
+    sessions = db.session_factory(engine)
+    try:
+        with sessions.begin() as s:
+            first = db.read_lease(s)
+            assert (first.holder, first.epoch) == ("", 0)
+            assert db.acquire_lease(s, holder="a", seen_epoch=0, reclaim="", lease_s=30) == 1
+        with sessions.begin() as s:
+            held = db.read_lease(s)
+            assert (held.holder, held.epoch) == ("a", 1)
+            assert 29 < held.expires_at - held.db_now <= 30
+            # b may not take a live lease, nor take it with a stale view of the row
+            assert db.acquire_lease(s, holder="b", seen_epoch=1, reclaim="", lease_s=30) is None
+            assert db.acquire_lease(s, holder="b", seen_epoch=0, reclaim="a", lease_s=30) is None
+            assert db.renew_lease(s, holder="a", epoch=1, lease_s=30)
+            assert not db.renew_lease(s, holder="b", epoch=1, lease_s=30)
+        with sessions.begin() as s:  # a's lease runs out (a paused past it): b takes it, epoch + 1
+            assert db.acquire_lease(s, holder="a", seen_epoch=1, reclaim="", lease_s=0) == 2
+        with sessions.begin() as s:
+            assert db.acquire_lease(s, holder="b", seen_epoch=2, reclaim="", lease_s=30) == 3
+            assert not db.renew_lease(s, holder="a", epoch=2, lease_s=30)
+            assert db.fence_epoch(s) == 3
+        with sessions.begin() as s:  # a dead process of this host is reclaimed before expiry
+            assert db.acquire_lease(s, holder="c", seen_epoch=3, reclaim="b", lease_s=30) == 4
+            assert db.release_lease(s, holder="c", epoch=4)
+        with sessions.begin() as s:
+            released = db.read_lease(s)
+            assert released.expires_at <= released.db_now
+    finally:
+        engine.dispose()
+
+
+def _settings(redis_url: str, database_url: str, replica: str) -> Settings:
+    return load_settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        replica_id=replica,
+        heartbeat_interval_s=0.2,
+        degraded_after_s=2.0,
+        lost_after_s=30.0,
+        evaluate_interval_s=0.05,
+        persist_interval_s=0.1,
+        ingest_block_s=0.05,
+        leader_lease_s=2.0,
+        leader_renew_s=0.2,
+        leader_margin_s=0.2,
+    )
+
+
+async def _until(cond: Any, what: str, limit_s: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while not cond():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _leads(orch: Orchestrator) -> bool:
+    return orch.leading
+
+
+def _pretend_leading(orch: Orchestrator, epoch: int) -> None:
+    """The stale leader's view: its own clock has not noticed the lease ran out (a pause)."""
+    orch.leader.epoch, orch.leader.deadline, orch._led_epoch = epoch, float("inf"), epoch
+
+
+def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, database_url: str) -> None:
+    async def main() -> None:
+        client = aioredis.from_url(redis_url)
+        engine = db.make_engine(database_url, idle_in_transaction_timeout_s=2)
+        a = Orchestrator(_settings(redis_url, database_url, "orch-a"), redis_client=client, engine=engine)
+        b = Orchestrator(_settings(redis_url, database_url, "orch-b"), redis_client=client, engine=engine)
+        await a.start()
+        await b.start()
+        try:
+            assert _leads(a) and not _leads(b)
+            old = a.leader.epoch
+            assert old is not None
+            assert a.cluster is not None
+            a.cluster.restore(
+                name="n1", state="HEALTHY", since=0.0, reason="", last_seen=None, schedulable=True,
+                labels={}, telemetry={},
+            )  # fmt: skip
+            await _until(lambda: not a._outbox, "a's own events stored")
+            for task in a._tasks:  # a is paused: it renews no more, its loops stand still
+                task.cancel()
+            await asyncio.gather(*a._tasks, return_exceptions=True)
+            _pretend_leading(a, old)
+            mark = _max_event_id(engine)
+            with db.session_factory(engine).begin() as s:  # the lease runs out meanwhile
+                s.execute(text("UPDATE leader_lease SET expires_at = 0"))
+            await _until(lambda: _leads(b), "b leads")
+            new = b.leader.epoch
+            assert new == old + 1
+
+            # events (and health states): refused, rolled back, a steps down
+            a._outbox.append(ClusterEvent("stale", "written by a stale leader", a.clock.now(), "n1"))
+            await a._write_outbox()
+            assert not _leads(a) and a.leader.refused["events"] == 1
+
+            # telemetry of a node
+            _pretend_leading(a, old)
+            a._outbox.clear()
+            before = _node(engine, "n1")
+            view = a.cluster.nodes["n1"]
+            view.dirty = True
+            view.latest = msgspec_heartbeat("n1")
+            await a._flush()
+            assert a.leader.refused["telemetry"] == 1 and _node(engine, "n1") == before
+
+            # a job written by the stale leader (the placement passes: a node with a GPU)
+            _pretend_leading(a, old)
+            with pytest.raises(StaleEpoch):
+                await a.create_job(dict(SPEC), idempotency_key="stale", actor="t")
+            assert a.leader.refused["job create"] == 1
+            with db.session_factory(engine)() as s:
+                assert s.scalars(select(JobRow)).first() is None
+
+            # a plan into Redis: refused by the epoch script; nothing set, nothing published
+            _pretend_leading(a, old)
+            with pytest.raises(StaleEpoch):
+                await a.leader.fenced_eval(FENCED_PLANS, *plans_args(old, [("job1", b"{}")]), what="plan")
+            assert await client.get(wire.job_plan_key("job1")) is None
+
+            # job commands into Redis: refused; the new leader's go through, with its epoch
+            _pretend_leading(a, old)
+            spec = {"gpus_per_node": 1, "entrypoint": ["-m", "x"]}
+            with pytest.raises(StaleEpoch):
+                await a._send("launch", "job1", nodes=["n1"], spec=spec, addr="127.0.0.1", port=1)
+            assert await client.xlen(wire.node_commands_key("n1")) == 0
+            await b._send("launch", "job1", nodes=["n1"], spec=spec, addr="127.0.0.1", port=1)
+            entries: list[tuple[bytes, dict[bytes, bytes]]] = await client.xrange(wire.node_commands_key("n1"))  # type: ignore[assignment]
+            assert [int(f[wire.COMMAND_EPOCH_FIELD]) for _, f in entries] == [new]
+
+            # nothing carrying the stale epoch landed after the takeover; b's leader event did
+            await _until(lambda: any(e.kind == "leader" and e.epoch == new for e in _events(engine)), "b's event")
+            after = [e for e in _events(engine) if e.id > mark]
+            assert all(e.epoch == new for e in after), [(e.kind, e.epoch) for e in after]
+            assert any(e.kind == "leader" and f"orch-b leads at epoch {new}" in e.reason for e in after)
+            assert not _leads(a)
+        finally:
+            await a.stop()
+            await b.stop()
+            await client.aclose()
+            engine.dispose()
+
+    redis.Redis.from_url(redis_url).flushdb()
+    asyncio.run(main())
+
+
+def test_the_follower_takes_over_when_the_leader_stops_and_releases(redis_url: str, database_url: str) -> None:
+    async def main() -> None:
+        client = aioredis.from_url(redis_url)
+        engine = db.make_engine(database_url)
+        a = Orchestrator(_settings(redis_url, database_url, "orch-a"), redis_client=client, engine=engine)
+        b = Orchestrator(_settings(redis_url, database_url, "orch-b"), redis_client=client, engine=engine)
+        await a.start()
+        await b.start()
+        try:
+            assert _leads(a) and not _leads(b)
+            with pytest.raises(Exception, match="orch-b follows; the leader is orch-a"):
+                await b.set_schedulable("n1", False, reason="", actor="t")
+            await a.stop()  # a clean stop releases the lease: b need not wait it out
+            await _until(lambda: _leads(b), "b leads", limit_s=10)
+            assert b.leader.reason.startswith("the lease of orch-a")
+        finally:
+            await b.stop()
+            await client.aclose()
+            engine.dispose()
+
+    asyncio.run(main())
+
+
+def msgspec_heartbeat(node: str) -> wire.Heartbeat:
+    from agent.simulated import SimulatedNode
+
+    sim = SimulatedNode(node, gpus=1)
+    sim.open()
+    return wire.Heartbeat(
+        v=wire.PROTOCOL_VERSION, node=node, boot_id="b", seq=1, sent_at=0.0, interval_s=1.0,
+        gpus=sim.sample(), gpu_source="simulated",
+    )  # fmt: skip
+
+
+def _max_event_id(engine: Any) -> int:
+    with Session(engine) as s:
+        return max((e.id for e in s.scalars(select(EventRow))), default=0)
+
+
+def _events(engine: Any) -> list[EventRow]:
+    with Session(engine) as s:
+        return list(s.scalars(select(EventRow).order_by(EventRow.id)))
+
+
+def _node(engine: Any, name: str) -> tuple[Any, ...] | None:
+    with Session(engine) as s:
+        row = s.get(NodeRow, name)
+        return None if row is None else (row.updated_at, row.seq, row.telemetry)

@@ -1,0 +1,44 @@
+"""PlanKeeper's exclusion triggers for a participant that died (services/plans.py), without I/O."""
+
+from __future__ import annotations
+
+from clusterpulse import wire
+from services.planner import PlannerPolicy
+from services.plans import PlanKeeper
+
+
+def keeper(nodes: list[str]) -> PlanKeeper:
+    k = PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=1))
+    for rank, node in enumerate(nodes):
+        k.register(wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=rank, node=node, world_size=len(nodes)))
+    return k
+
+
+def test_a_node_whose_ranks_exited_has_them_excluded_once() -> None:
+    k = keeper(["n0", "n1", "n2", "n3"])
+    assert k.node_exited("j", "n2") == [2]
+    assert k.node_exited("j", "n2") == []  # not news the second time
+    assert k.excluded_nodes("j") == {"n2"}
+    assert k.node_exited("j", "elsewhere") == [] and k.node_exited("other-job", "n1") == []
+
+
+def test_the_node_of_rank_0_is_never_excluded_it_hosts_the_store() -> None:
+    k = keeper(["n0", "n1"])
+    assert k.node_exited("j", "n0") == []
+    k.rank_unreachable("j", 0)  # even reported by a survivor, its node still counts
+    assert k.excluded_nodes("j") == set()
+
+
+def test_a_node_counts_while_any_of_its_ranks_is_live() -> None:
+    k = keeper(["n0", "n0", "n1", "n1"])
+    k.rank_unreachable("j", 2)
+    assert k.excluded_nodes("j") == set()
+    k.rank_unreachable("j", 3)
+    assert k.excluded_nodes("j") == {"n1"}
+
+
+def test_a_rank_that_registers_again_counts_again() -> None:
+    k = keeper(["n0", "n1"])
+    k.node_exited("j", "n1")
+    k.register(wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=1, node="n1", world_size=2))
+    assert k.excluded_nodes("j") == set()

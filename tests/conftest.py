@@ -2,10 +2,17 @@
 
 Redis tests use database ``PULSE_TEST_REDIS_DB`` (default 9), flushed before each test. Database
 tests run inside a transaction that is rolled back, on SQLite and on PostgreSQL alike.
+
+DeepSpeed's CPU ops are compiled into ``TORCH_EXTENSIONS_DIR``, by default in this virtual
+environment (``.venv/torch_extensions``): torch rebuilds an op whenever the build file names other
+paths, so two checkouts sharing ``~/.cache/torch_extensions`` (a clean CI clone beside a working
+tree) rebuild each other's ops and wait minutes on each other's lock files.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +23,8 @@ from sqlalchemy.orm import Session
 
 from services import db
 from tests.support import PG_URL, REDIS_URL
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 @pytest.fixture
@@ -36,7 +45,9 @@ def _pg_reset() -> None:
     eng = db.make_engine(PG_URL)
     with eng.begin() as conn:
         conn.execute(
-            text("DROP TABLE IF EXISTS tokens, plans, job_ranks, jobs, events, gpus, nodes, alembic_version CASCADE")
+            text(
+                "DROP TABLE IF EXISTS leader_lease, tokens, plans, job_ranks, jobs, events, gpus, nodes, alembic_version CASCADE"
+            )
         )
     eng.dispose()
 

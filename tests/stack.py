@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any, cast
@@ -11,7 +15,7 @@ import httpx
 import redis
 
 from clusterpulse import wire
-from tests.support import REDIS_URL, free_port, pulse_env, spawn, wait_for
+from tests.support import REDIS_URL, free_port, pulse_env, spawn, stop, wait_for
 
 TOKEN = "stack-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -19,21 +23,22 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 class Stack:
     def __init__(self, tmp: Path, **env: str) -> None:
+        """``env`` adds ``PULSE_*`` settings or replaces these defaults (another Redis, say)."""
         self.tmp = tmp
         self.port = free_port()
-        self.env = pulse_env(
-            PULSE_REDIS_URL=REDIS_URL,
-            PULSE_DATABASE_URL=f"sqlite:///{tmp / 'pulse.db'}",
-            PULSE_HEARTBEAT_INTERVAL_S="0.3",
-            PULSE_DEGRADED_AFTER_S="3",
-            PULSE_LOST_AFTER_S="120",
-            PULSE_EVALUATE_INTERVAL_S="0.1",
-            PULSE_PERSIST_INTERVAL_S="0.5",
-            PULSE_API_TOKEN=TOKEN,
-            PULSE_AGENT_STATE_DIR=str(tmp / "agents"),
-            PULSE_JOB_STOP_GRACE_S="3",
-            **env,
-        )
+        defaults = {
+            "PULSE_REDIS_URL": REDIS_URL,
+            "PULSE_DATABASE_URL": f"sqlite:///{tmp / 'pulse.db'}",
+            "PULSE_HEARTBEAT_INTERVAL_S": "0.3",
+            "PULSE_DEGRADED_AFTER_S": "3",
+            "PULSE_LOST_AFTER_S": "120",
+            "PULSE_EVALUATE_INTERVAL_S": "0.1",
+            "PULSE_PERSIST_INTERVAL_S": "0.5",
+            "PULSE_API_TOKEN": TOKEN,
+            "PULSE_AGENT_STATE_DIR": str(tmp / "agents"),
+            "PULSE_JOB_STOP_GRACE_S": "3",
+        }
+        self.env = pulse_env(**{**defaults, **env})
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.api = f"http://127.0.0.1:{self.port}"
 
@@ -41,9 +46,27 @@ class Stack:
         self.procs["orch"] = spawn(["orchestrator", "--port", str(self.port)], env=self.env, log=self.tmp / "orch.log")
         wait_for(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
 
-    def agent(self, node: str, *extra: str) -> None:
+    def agent(self, node: str, *extra: str, env: dict[str, str] | None = None) -> None:
+        """Start ``pulse agent`` for ``node``; ``env`` adds settings for this agent only."""
         args = ["agent", "--node", node, "--source", "simulated", "--interval", "0.3", "--label", "addr=127.0.0.1"]
-        self.procs[node] = spawn([*args, *extra], env=self.env, log=self.tmp / f"{node}.log")
+        self.procs[node] = spawn([*args, *extra], env={**self.env, **(env or {})}, log=self.tmp / f"{node}.log")
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """GET /v1/nodes as {name: node}."""
+        return {n["name"]: n for n in self.get("/v1/nodes")["data"]}
+
+    def events(self, **params: Any) -> list[dict[str, Any]]:
+        """GET /v1/events (oldest first), up to 10,000."""
+        data: list[dict[str, Any]] = self.get("/v1/events", params={"limit": 10000, **params})["data"]
+        return data
+
+    def metric(self, series: str) -> float:
+        """The value of one series on /metrics, e.g. ``pulse_partition_suspected`` or
+        ``pulse_node_clock_skew_seconds{node="n1"}``."""
+        for line in httpx.get(f"{self.api}/metrics", timeout=5).text.splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"{series} not on /metrics")
 
     def get(self, path: str, **kw: Any) -> Any:
         r = httpx.get(f"{self.api}{path}", timeout=5, **kw)
@@ -60,6 +83,23 @@ class Stack:
     def wait_state(self, job_id: str, state: str, timeout: float = 60) -> dict[str, Any]:
         wait_for(lambda: self.job(job_id)["state"] == state, timeout=timeout, what=f"job {job_id} {state}")
         return self.job(job_id)
+
+    def close(self) -> None:
+        """Stop every process, a SIGSTOPped one included, then every rank an agent launched.
+
+        The launcher's wrapper outlives its agent by design (a restarted agent re-attaches), so
+        without the second part a failed test would leave its ranks training and writing to the
+        test Redis. The ranks' process groups are the ones the agents recorded in
+        ``<state_dir>/<node>/jobs.json`` (agent/launcher.py)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+            stop(proc)
+        for record in (self.tmp / "agents").glob("*/jobs.json"):
+            with contextlib.suppress(OSError, ValueError):
+                for job in json.loads(record.read_text()).values():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(int(job["pgid"]), signal.SIGKILL)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))

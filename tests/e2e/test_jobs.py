@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.stack import Stack as BaseStack
-from tests.support import REDIS_URL, REPO, stop, wait_for
+from tests.support import REDIS_URL, REPO, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -52,8 +52,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
         yield s
     finally:
-        for p in s.procs.values():
-            stop(p)
+        s.close()
 
 
 def test_job_runs_to_success_on_healthy_nodes_only(stack: Stack) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.stack import Stack, registrations, reports
-from tests.support import REDIS_URL, stop, wait_for
+from tests.support import REDIS_URL, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -114,5 +114,4 @@ def test_killed_agent_reroutes_its_rank_and_training_goes_on(redis_url: str, tmp
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{s.logs()}") from None
     finally:
-        for p in s.procs.values():
-            stop(p)
+        s.close()

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.stack import Stack, registrations, reports
-from tests.support import REPO, free_port, pulse_env, stop, wait_for
+from tests.support import REPO, free_port, pulse_env, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -127,5 +127,4 @@ def test_example_job_through_orchestrator_and_agents(redis_url: str, tmp_path: P
         assert seen == set(wanted), (seen, s.logs())
         assert sorted(g.rank for g in registrations(redis_url) if g.job == job_id) == [0, 1]
     finally:
-        for p in s.procs.values():
-            stop(p)
+        s.close()

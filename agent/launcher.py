@@ -40,6 +40,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from clusterpulse import wire
+from clusterpulse.proc import alive
 from clusterpulse.retry import Backoff
 
 log = logging.getLogger("pulse.agent.launcher")
@@ -96,19 +97,6 @@ def preflight() -> tuple[bool, str]:
     return True, f"NVML: {count} GPUs answer; matmul ok"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(FileNotFoundError):  # a zombie is not alive
-        if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
-            return False
-    return True
-
-
 class Launcher:
     def __init__(
         self,
@@ -161,7 +149,7 @@ class Launcher:
         if not self._jobs_file.exists():
             return
         for job, rec in json.loads(self._jobs_file.read_text()).items():
-            pids = [p for p in rec["pids"] if _alive(p)]
+            pids = [p for p in rec["pids"] if alive(p)]
             if pids:
                 rj = RunningJob(job, rec["node_rank"], rec["pids"], rec["pgid"])
                 self.jobs[job] = rj
@@ -302,7 +290,7 @@ class Launcher:
                 if any(c not in (None, 0) for c in codes) and not rj.stopping:
                     # one rank failed: the others would hang in a collective; stop them
                     self._spawn(self.stop(rj.job, grace_s=5.0))
-            elif not any(_alive(p) for p in rj.pids):
+            elif not any(alive(p) for p in rj.pids):
                 codes_read = [self._rc(rj.job, i) for i in range(len(rj.pids))]
                 code = None if None in codes_read else next((c for c in codes_read if c), 0)
                 break
@@ -329,11 +317,11 @@ class Launcher:
             os.killpg(rj.pgid, signal.SIGTERM)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while loop.time() < deadline and any(_alive(p) for p in rj.pids):
+        while loop.time() < deadline and any(alive(p) for p in rj.pids):
             for p in rj.procs:
                 p.poll()  # reap, so a dead rank is not a zombie
             await asyncio.sleep(self.poll_s)
-        if any(_alive(p) for p in rj.pids):
+        if any(alive(p) for p in rj.pids):
             log.warning("event=job_kill job=%s after_grace_s=%g", job, grace_s)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(rj.pgid, signal.SIGKILL)

@@ -86,7 +86,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from sqlalchemy.orm import Session, sessionmaker
 
-from clusterpulse import wire
+from clusterpulse import proc, wire
 from clusterpulse.retry import PermanentError, is_transient
 from clusterpulse.settings import Settings
 from services import db
@@ -224,16 +224,6 @@ def commands_args(
 # --- The lease, with its I/O --------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class LeaderLease:
     """This replica's side of the lease: :meth:`tick` once per ``renew_s``; :meth:`leading` tells
     the loops whether they may act; writes are checked with :meth:`check` (database) and
@@ -246,7 +236,7 @@ class LeaderLease:
         sessions: sessionmaker[Session],
         redis_client: aioredis.Redis,
         monotonic: Callable[[], float] = time.monotonic,
-        pid_alive: Callable[[int], bool] = _pid_alive,
+        pid_alive: Callable[[int], bool] = proc.alive,
     ) -> None:
         self.hostname = socket.gethostname()
         self.me = settings.replica_id or default_replica_id(self.hostname, os.getpid())

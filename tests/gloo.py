@@ -15,7 +15,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clusterpulse.wire import Plan
 from tests.support import REPO, free_port
+
+
+def plan(
+    generation: int, participants: list[int], proxies: dict[str, int] | None = None, excluded: list[int] | None = None
+) -> Plan:
+    """A plan of job ``test`` for the worlds' scenarios."""
+    return Plan(
+        job="test",
+        generation=generation,
+        participants=participants,
+        proxies=proxies or {},
+        excluded=excluded or [],
+        reason="test",
+    )
 
 
 def write_result(out_dir: Path, rank: int, result: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -54,6 +55,14 @@ class Stack:
     def nodes(self) -> dict[str, dict[str, Any]]:
         """GET /v1/nodes as {name: node}."""
         return {n["name"]: n for n in self.get("/v1/nodes")["data"]}
+
+    def wait_healthy(self, nodes: Sequence[str], timeout: float = 60) -> None:
+        """Until exactly ``nodes`` are known, every one HEALTHY."""
+        wait_for(
+            lambda: {n: v["state"] for n, v in self.nodes().items()} == dict.fromkeys(nodes, "HEALTHY"),
+            timeout=timeout,
+            what=f"{len(nodes)} HEALTHY nodes",
+        )
 
     def events(self, **params: Any) -> list[dict[str, Any]]:
         """GET /v1/events (oldest first), up to 10,000."""

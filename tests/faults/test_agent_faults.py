@@ -41,11 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.orchestrator()
         for node in NODES:
             s.agent(node, "--no-jobs", env={"PULSE_AGENT_CLOCK_OFFSET_S": str(SKEWED.get(node, 0.0))})
-        wait_for(
-            lambda: {n: v["state"] for n, v in s.nodes().items()} == dict.fromkeys(NODES, "HEALTHY"),
-            timeout=60,
-            what="4 HEALTHY nodes",
-        )
+        s.wait_healthy(NODES)
         yield s
     finally:
         s.close()

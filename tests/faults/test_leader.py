@@ -159,11 +159,7 @@ def test_a_database_outage_longer_than_the_lease_does_not_stop_the_leader(
         s.orchestrator()
         for node in NODES:
             s.agent(node, "--no-jobs")
-        wait_for(
-            lambda: {n: v["state"] for n, v in s.nodes().items()} == dict.fromkeys(NODES, "HEALTHY"),
-            timeout=60,
-            what="3 HEALTHY nodes",
-        )
+        s.wait_healthy(NODES)
         epoch = s.metric("pulse_leader_epoch")
         private_postgres.stop()
         down = time.monotonic()

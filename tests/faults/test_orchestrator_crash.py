@@ -52,11 +52,7 @@ def _start(stack: Stack, *, crash_at: str) -> None:
     stack.orchestrator()
     for node in NODES:
         stack.agent(node, "--no-jobs")
-    wait_for(
-        lambda: {n: v["state"] for n, v in stack.nodes().items()} == dict.fromkeys(NODES, "HEALTHY"),
-        timeout=60,
-        what="4 HEALTHY nodes",
-    )
+    stack.wait_healthy(NODES)
 
 
 def _fault_victim(stack: Stack) -> None:

@@ -45,11 +45,7 @@ def stack(tmp_path: Path, redis_url: str, private_postgres: PrivatePostgres) -> 
         s.orchestrator()
         for node in NODES:
             s.agent(node, "--no-jobs")
-        wait_for(
-            lambda: {n: v["state"] for n, v in s.nodes().items()} == dict.fromkeys(NODES, "HEALTHY"),
-            timeout=60,
-            what="3 HEALTHY nodes",
-        )
+        s.wait_healthy(NODES)
         wait_for(lambda: len(_kind(s, "registered")) == 3, timeout=30, what="3 registrations stored")
         yield s
     finally:

@@ -47,11 +47,7 @@ def stack(tmp_path: Path, private_redis: PrivateRedis) -> Iterator[Stack]:
         s.orchestrator()
         for node in NODES:
             s.agent(node, "--no-jobs")
-        wait_for(
-            lambda: {n: v["state"] for n, v in s.nodes().items()} == dict.fromkeys(NODES, "HEALTHY"),
-            timeout=60,
-            what="4 HEALTHY nodes",
-        )
+        s.wait_healthy(NODES)
         yield s
     finally:
         s.close()

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from clusterpulse.wire import Plan
 from tests import gloo
+from tests.gloo import plan
 from trainer.collective import ReroutedAllReduce, ddp_comm_hook
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,19 +40,6 @@ SLACK_S = 3.0  # process scheduling on a small CI box; the step itself is millis
 SHAPES = [(33, 17), (5,), (40, 40), (7, 3, 2)]
 BUCKET_BYTES = 4096
 N_BUCKETS = 4
-
-
-def plan(
-    generation: int, participants: list[int], proxies: dict[str, int] | None = None, excluded: list[int] | None = None
-) -> Plan:
-    return Plan(
-        job="test",
-        generation=generation,
-        participants=participants,
-        proxies=proxies or {},
-        excluded=excluded or [],
-        reason="test",
-    )
 
 
 DEGRADED_2 = plan(1, [0, 1, 3], {"2": 3})

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clusterpulse.wire import Plan
 from tests import gloo
+from tests.gloo import plan
 from trainer.collective import ReroutedAllReduce
 from trainer.deepspeed_reroute import RerouteConfigError, attach
 
@@ -49,19 +49,6 @@ CLIP = 0.05  # gradient_clipping of the clipped run: small enough to clip (the t
 BUCKET_BYTES = 2048  # the collective's buckets at stage 0: several per step
 REDUCE_BUCKET = 500  # DeepSpeed's ZeRO buckets (elements): several, and one parameter (32 x 32) larger
 N_PARAMS = 8 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4
-
-
-def plan(
-    generation: int, participants: list[int], proxies: dict[str, int] | None = None, excluded: list[int] | None = None
-) -> Plan:
-    return Plan(
-        job="test",
-        generation=generation,
-        participants=participants,
-        proxies=proxies or {},
-        excluded=excluded or [],
-        reason="test",
-    )
 
 
 DEGRADED_2 = plan(1, [0, 1, 3], {"2": 3})

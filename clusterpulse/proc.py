@@ -1,0 +1,24 @@
+"""Whether a process of this host is alive: one answer for the agent's launcher (are a job's ranks
+still running?) and the orchestrator's leader lease (is the holder a dead process here?)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (exited, not yet reaped by its parent).
+
+    A process of another user counts as alive (``kill`` is refused, not failed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(FileNotFoundError, IndexError):
+        if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
+            return False
+    return True

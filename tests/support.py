@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REDIS_DB = int(os.environ.get("PULSE_TEST_REDIS_DB", "9"))
@@ -63,3 +65,27 @@ def stop(proc: subprocess.Popen[bytes], *, timeout: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout)
+
+
+@contextlib.contextmanager
+def fresh_database(kind: str, tmp_path: Path) -> Iterator[str]:
+    """The URL of an empty database nobody else uses: a SQLite file under ``tmp_path``, or
+    (``kind == "postgresql"``) a PostgreSQL schema of its own, dropped afterwards. For code under
+    test that commits, which a rolled-back transaction cannot isolate."""
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp_path / 'pulse.db'}"
+        return
+    from sqlalchemy import text
+
+    from services import db
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = db.make_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    try:
+        yield f"{PG_URL}{'&' if '?' in PG_URL else '?'}options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()

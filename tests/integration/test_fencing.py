@@ -9,7 +9,6 @@ and health states, telemetry, jobs, plans and job commands in Redis, and steps d
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from services.cluster import ClusterEvent
 from services.leader import FENCED_PLANS, StaleEpoch, plans_args
 from services.models import EventRow, JobRow, NodeRow
 from services.orchestrator import Orchestrator
-from tests.support import PG_URL
+from tests.support import fresh_database
 
 SPEC = {"name": "j", "nodes": 1, "gpus_per_node": 1, "selector": {}, "entrypoint": ["-m", "x"]}
 
@@ -35,23 +34,9 @@ SPEC = {"name": "j", "nodes": 1, "gpus_per_node": 1, "selector": {}, "entrypoint
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh, migrated database; PostgreSQL gets a schema of its own, dropped afterwards."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'pulse.db'}"
+    with fresh_database(request.param, tmp_path) as url:
         db.upgrade(url)
         yield url
-        return
-    schema = f"ha_{uuid.uuid4().hex[:12]}"
-    admin = db.make_engine(PG_URL)
-    with admin.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    url = f"{PG_URL}{'&' if '?' in PG_URL else '?'}options=-csearch_path%3D{schema}"
-    try:
-        db.upgrade(url)
-        yield url
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
 
 
 def test_lease_is_taken_renewed_and_fenced_on_the_database_clock(database_url: str) -> None:

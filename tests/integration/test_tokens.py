@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from clusterpulse.settings import Settings, load_settings
@@ -23,7 +23,7 @@ from services import db
 from services.api import create_app
 from services.models import EventRow, TokenRow
 from services.tokens import Caller, Role, TokenStore
-from tests.support import PG_URL
+from tests.support import fresh_database
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,23 +41,9 @@ def bearer(secret: str) -> dict[str, str]:
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh, migrated database with one known node. PostgreSQL gets a schema of its own (the
     app commits, so a rolled-back transaction cannot isolate it), dropped afterwards."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'pulse.db'}"
+    with fresh_database(request.param, tmp_path) as url:
         _seed(url)
         yield url
-        return
-    schema = f"tok_{uuid.uuid4().hex[:12]}"
-    admin = db.make_engine(PG_URL)
-    with admin.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    url = f"{PG_URL}{'&' if '?' in PG_URL else '?'}options=-csearch_path%3D{schema}"
-    try:
-        _seed(url)
-        yield url
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
 
 
 def _seed(url: str) -> None:

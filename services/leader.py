@@ -11,9 +11,14 @@ the ``tokens`` table, which no loop touches.
 the **database's clock** (``clock_timestamp()`` on PostgreSQL, ``julianday('now')`` on SQLite),
 never on a replica's: the conditional UPDATE that takes or extends it compares ``expires_at`` with
 the database's ``now`` in the same statement, so replicas whose clocks disagree still agree on who
-holds it. A replica ticks every ``leader_renew_s`` (default lease / 3):
+holds it. A replica ticks every ``leader_renew_s`` (default lease / 3), counted from the start of
+one tick to the start of the next, so a slow tick does not push the next one later:
 
-- the leader renews: ``UPDATE ... SET expires_at = now + lease WHERE epoch = :mine AND holder = :me``;
+- the leader renews: ``UPDATE ... SET expires_at = now + lease WHERE epoch = :mine AND holder = :me``,
+  also when its own deadline (below) passed while the renewal waited on a busy database (SQLite
+  holds one writer at a time): the row unchanged proves nobody else acted, so it goes on under the
+  same epoch, its loops having only paused. A replica that stepped down (it dropped its state)
+  takes the lease back under a new epoch instead, so that a write it still had in flight is refused;
 - a follower takes it when it ran out (``expires_at <= now``), when it holds it under its own
   replica id (a restarted process with a fixed ``PULSE_REPLICA_ID``), or when the holder is a
   process of this host that no longer runs (the default id is ``<hostname>-<pid>``: a replica
@@ -137,7 +142,10 @@ def local_pid(holder: str, hostname: str) -> int | None:
 def decide(lease: db.LeaseState, *, me: str, leading_epoch: int | None, holder_dead: bool) -> Renew | Acquire | Follow:
     """What a replica does with the lease it just read.
 
-    ``leading_epoch``: the epoch this replica leads under (its own clock still says so), or None.
+    ``leading_epoch``: the epoch this replica took and has not given up, or None. Its own deadline
+    may have passed (a renewal that waited on a busy database): while the row still names it at
+    that epoch nobody else can have acted, so it renews the same epoch and goes on where it
+    paused, instead of taking the lease back under a new one and reloading everything.
     ``holder_dead``: the holder is a process of this host that no longer runs."""
     if leading_epoch is not None:
         if lease.epoch == leading_epoch and lease.holder == me:
@@ -275,7 +283,7 @@ class LeaderLease:
         and after; errors propagate (the leader's own deadline still ends its leadership)."""
         started = self.monotonic()
         try:
-            outcome = await asyncio.to_thread(self._tick_db, self.epoch if self.leading() else None)
+            outcome = await asyncio.to_thread(self._tick_db, self.epoch)
         except Exception as exc:
             if is_transient(exc) and await self._redis_vouches(exc):
                 return

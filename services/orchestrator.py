@@ -237,6 +237,7 @@ class Orchestrator:
         """Stop acting at once: what was not written is dropped (the leader recomputes it), and
         unacknowledged stream entries stay pending for the next leader to claim."""
         log.warning("event=stepped_down replica=%s epoch=%s reason=%r", self.leader.me, self._led_epoch, reason)
+        self.leader.step_down(reason)  # leading again takes a new epoch: what is in flight is refused
         self._led_epoch = None
         self._outbox, self._job_statuses = [], []
         self._unacked = {s: [] for s in self.streams}
@@ -244,6 +245,7 @@ class Orchestrator:
     async def _lease_loop(self) -> None:
         """Renew or acquire every ``leader_renew_s``; take over or step down when that changed."""
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 await self.leader.tick()
             except NotLeader:
@@ -260,7 +262,7 @@ class Orchestrator:
                         await self.leader.raise_epoch(self._led_epoch)  # a Redis that restarted empty
                 except Exception as exc:
                     log.warning("event=leadership_failed replica=%s error=%r", self.leader.me, str(exc))
-            await asyncio.sleep(self.leader.renew_s)
+            await asyncio.sleep(max(0.0, started + self.leader.renew_s - time.monotonic()))
 
     async def _follow_loop(self) -> None:
         """A follower's read snapshot: nodes, plans and job states from the database."""

@@ -42,6 +42,15 @@ def test_a_leader_whose_row_changed_follows(row: LeaseState) -> None:
     assert f"epoch {row.epoch}" in d.reason
 
 
+def test_a_leader_whose_renewal_came_late_keeps_its_epoch_while_the_row_is_unchanged() -> None:
+    """Its own deadline passed (the renewal waited on a busy SQLite) and even the row's expiry:
+    nobody took the lease meanwhile, so it renews the same epoch instead of re-taking it under a
+    new one (which would make it drop and reload its whole state)."""
+    assert decide(lease(expires_at=80.0), me="a", leading_epoch=3, holder_dead=False) == Renew(3)
+    # the same replica id without an epoch of its own (a restarted process) takes it back anew
+    assert isinstance(decide(lease(expires_at=80.0), me="a", leading_epoch=None, holder_dead=False), Acquire)
+
+
 def test_a_follower_waits_for_a_live_unexpired_lease() -> None:
     d = decide(lease(holder="b"), me="a", leading_epoch=None, holder_dead=False)
     assert d == Follow("b", 3, "b leads at epoch 3 (10.0s left)")
@@ -115,9 +124,9 @@ def test_no_two_replicas_ever_believe_they_lead_at_once() -> None:
         while t < 60.0:
             n = min(next_tick, key=lambda k: next_tick[k])
             t = next_tick[n]
-            leading = epoch[n] if epoch[n] is not None and t < deadline[n] else None
+            # the epoch it holds, even past its own deadline (a late renewal of an unchanged row)
             d = decide(
-                LeaseState(row.holder, row.epoch, row.expires_at, t), me=n, leading_epoch=leading, holder_dead=False
+                LeaseState(row.holder, row.epoch, row.expires_at, t), me=n, leading_epoch=epoch[n], holder_dead=False
             )
             if isinstance(d, Renew):
                 row = LeaseState(n, d.epoch, t + lease_s, t)

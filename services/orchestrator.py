@@ -140,6 +140,7 @@ class Orchestrator:
         self.cluster: Cluster | None = None
         self._outbox: list[Outboxed] = []
         self._unacked: dict[str, list[bytes]] = {s: [] for s in self.streams}
+        self._folded_upto: dict[str, str] = {}  # per stream: the last entry id folded
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self._db_lock = asyncio.Lock()  # one database writer at a time: the outbox keeps its order
@@ -193,6 +194,7 @@ class Orchestrator:
         now = self.clock.now()
         self._outbox, self._job_statuses, self._ranks_changed = [], [], False
         self._unacked = {s: [] for s in self.streams}
+        self._folded_upto = {}  # refold everything pending: the state was reloaded from the database
         self._stragglers = set()
         self.progress = Progress(
             straggler_factor=self.settings.straggler_factor, stale_after=self.settings.job_stale_after_s
@@ -413,9 +415,11 @@ class Orchestrator:
 
     # --- ingest ---------------------------------------------------------------------------------
     async def _read_pending(self) -> None:
-        """Fold entries delivered to this consumer before a crash but never acknowledged."""
+        """Fold entries delivered to this consumer but not folded yet: after a takeover (from the
+        start: a predecessor's, claimed), and after an ingest error, whose XREADGROUP reply may
+        have been lost on the way (a timeout) although Redis counts its entries as delivered."""
         for stream in self.streams:
-            last = "0"
+            last = self._folded_upto.get(stream, "0")
             while True:
                 resp = await self._xreadgroup({stream: last}, block_ms=None)
                 entries = resp[0][1] if resp else []
@@ -426,6 +430,8 @@ class Orchestrator:
 
     async def _fold(self, stream: str, entries: Entries) -> None:
         assert self.cluster is not None
+        if entries:
+            self._folded_upto[stream] = entries[-1][0].decode()
         unacked = self._unacked[stream]
         if stream == wire.TRAINER_STREAM:
             for entry_id, fields in entries:
@@ -559,6 +565,8 @@ class Orchestrator:
     async def _ingest_loop(self) -> None:
         block_ms = max(1, int(self.settings.ingest_block_s * 1000))
         streams = dict.fromkeys(self.streams, ">")
+        if self.leading:  # (re)started after an error: what the failed read was given comes first
+            await self._read_pending()
         while not self._stop.is_set():
             if not self.leading:  # followers read nothing: a consumer group gives each entry to one
                 await asyncio.sleep(self.settings.ingest_block_s)

@@ -15,7 +15,7 @@ from clusterpulse import wire
 from clusterpulse.retry import Backoff
 from clusterpulse.settings import Settings, load_settings
 from services import db
-from services.orchestrator import Orchestrator
+from services.orchestrator import Entries, Orchestrator
 
 
 def _settings(redis_url: str, sqlite_url: str, **kw: object) -> Settings:
@@ -163,6 +163,43 @@ def test_restart_rereads_unacknowledged_entries_and_keeps_state(redis_url: str, 
         assert orch.cluster.nodes["n0"].latest is not None and orch.cluster.nodes["n0"].latest.seq == 3
 
     asyncio.run(_with_orchestrator(_settings(redis_url, sqlite_url), after))
+
+
+def test_a_read_whose_reply_is_lost_loses_no_entry(redis_url: str, sqlite_url: str) -> None:
+    """XREADGROUP delivered entries (Redis counts them pending for this consumer) but the reply
+    never arrived (a socket timeout, e.g. after the event loop stalled): the restarted ingest
+    loop folds them from the pending list, and folds nothing twice."""
+    settings = _settings(redis_url, sqlite_url)
+    raw = redis.Redis.from_url(redis_url)
+
+    async def body(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        real = orch._xreadgroup
+        lost: list[int] = []
+
+        async def lossy(streams: dict[str, str], *, block_ms: int | None) -> list[tuple[str, Entries]]:
+            resp = await real(streams, block_ms=block_ms)
+            if not lost and any(entries for _, entries in resp):
+                lost.append(sum(len(e) for _, e in resp))
+                raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
+            return resp
+
+        orch._xreadgroup = lossy  # type: ignore[method-assign]
+        agent = _agents(1)[0]
+        for _ in range(3):
+            payload = wire.encode(agent.heartbeat(agent.sim.sample()))  # type: ignore[union-attr]
+            raw.set(wire.node_latest_key(agent.node), payload)
+            raw.xadd(wire.heartbeat_stream_key(0), {wire.HEARTBEAT_FIELD: payload})
+        await _until(lambda: orch.cluster.received == 3)
+        assert lost and lost[0] >= 1
+        assert orch.cluster.nodes["n0"].latest is not None and orch.cluster.nodes["n0"].latest.seq == 3
+        await asyncio.sleep(0.4)  # a persist tick acknowledges
+        assert orch.cluster.received == 3 and not orch.cluster.rejected
+        pending = raw.xpending(wire.heartbeat_stream_key(0), wire.ORCHESTRATOR_GROUP)
+        assert pending["pending"] == 0
+
+    asyncio.run(_with_orchestrator(settings, body))
+    raw.close()
 
 
 def test_degraded_node_stays_degraded_across_a_restart(redis_url: str, sqlite_url: str) -> None:

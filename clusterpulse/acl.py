@@ -28,7 +28,7 @@ restrict which entries a user ``XADD``\\ s to a stream it may write, so the send
 belongs to one node: only ``pulse-node-NAME`` (and admins) can write ``pulse:{node:NAME}:latest``.
 The publisher ``SET``\\ s that key before its ``XADD`` on the same connection, so when the
 orchestrator reads an entry claiming node N, N's own key holds that heartbeat or a newer one of
-the same agent process. :func:`sender_verdict` refuses (reason ``sender``, counted in
+the same agent process. :class:`SenderCheck` refuses (reason ``sender``, counted in
 ``pulse_heartbeats_rejected_total``) an entry that N's own key does not vouch for: the key is
 missing, names another node, is of another ``boot_id``, is older than the entry (``seq``), or is of
 the same ``seq`` with other bytes. A heartbeat sent with A's credentials and claiming B is refused
@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from clusterpulse import wire
@@ -183,18 +184,52 @@ def redis_cli_line(args: list[str]) -> str:
     return " ".join(["ACL", "SETUSER", *(q(a) for a in args)])
 
 
-def sender_verdict(hb: wire.Heartbeat, payload: bytes, own: bytes | None) -> str | None:
-    """Whether node ``hb.node``'s own latest key (``own``, its bytes or None when missing)
-    vouches for the stream entry ``payload`` (decoded: ``hb``). None: it does; else the reason
-    ``sender`` (see the module docstring for what this proves and what it cannot)."""
-    if own is None:
-        return "sender"
-    if own == payload:
-        return None
-    try:
-        latest = wire.decode_heartbeat(own)
-    except wire.WireError:
-        return "sender"
-    if latest.node != hb.node or latest.boot_id != hb.boot_id or latest.seq <= hb.seq:
-        return "sender"  # another node's, another agent process's, or not (yet) written by N
-    return None
+@dataclass(frozen=True, slots=True)
+class _Vouch:
+    boot_id: str
+    seq: int
+    digest: bytes  # of the payload the key held at that seq
+
+
+class SenderCheck:
+    """Whether a stream entry's node vouches for it (see the module docstring), with a memory.
+
+    What a node's own key once held stays proof: the key only moves forward, so once it held
+    ``(boot_id, seq)`` every entry of that boot with a lower ``seq`` (and the entry of that ``seq``
+    with the same bytes) was written by the node. The orchestrator therefore reads the own keys of
+    only the entries :meth:`vouched` cannot pass: in steady state about one per entry (each is its
+    node's newest), behind a backlog one per node per batch. Evidence is remembered per node, so
+    the memory is bounded by the cluster's size."""
+
+    def __init__(self) -> None:
+        self._vouched: dict[str, _Vouch] = {}
+
+    def vouched(self, hb: wire.Heartbeat, payload: bytes) -> bool:
+        """Passed on what the node's key held before, with no read."""
+        v = self._vouched.get(hb.node)
+        if v is None or v.boot_id != hb.boot_id or hb.seq > v.seq:
+            return False
+        return hb.seq < v.seq or hashlib.blake2b(payload, digest_size=16).digest() == v.digest
+
+    def verdict(self, hb: wire.Heartbeat, payload: bytes, own: bytes | None) -> str | None:
+        """None when node ``hb.node`` vouches for the entry ``payload`` (decoded: ``hb``), on what
+        its own latest key held before or holds now (``own``: its bytes, None when missing); else
+        the reason ``sender``. Remembers what ``own`` proves."""
+        if self.vouched(hb, payload):
+            return None
+        if own is None:
+            return "sender"
+        if own == payload:
+            latest = hb
+        else:
+            try:
+                latest = wire.decode_heartbeat(own)
+            except wire.WireError:
+                return "sender"
+            if latest.node != hb.node:
+                return "sender"  # the key of N holds another node's heartbeat: its writer lies
+        v = self._vouched.get(hb.node)
+        if v is None or latest.boot_id != v.boot_id or latest.seq >= v.seq:
+            digest = hashlib.blake2b(own, digest_size=16).digest()
+            self._vouched[hb.node] = _Vouch(latest.boot_id, latest.seq, digest)
+        return None if self.vouched(hb, payload) else "sender"

@@ -141,6 +141,7 @@ class Orchestrator:
         self._outbox: list[Outboxed] = []
         self._unacked: dict[str, list[bytes]] = {s: [] for s in self.streams}
         self._folded_upto: dict[str, str] = {}  # per stream: the last entry id folded
+        self._senders = acl.SenderCheck()
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self._db_lock = asyncio.Lock()  # one database writer at a time: the outbox keeps its order
@@ -483,7 +484,8 @@ class Orchestrator:
 
     async def _fold_heartbeats(self, stream: str, entries: Entries) -> None:
         """Decode, check each entry's sender against its node's own latest key (one pipelined
-        read per batch, see :func:`clusterpulse.acl.sender_verdict`), fold what passes."""
+        read per batch of the keys whose earlier contents do not vouch for the entry already,
+        see :class:`clusterpulse.acl.SenderCheck`), fold what passes."""
         assert self.cluster is not None
         decoded: list[tuple[bytes, bytes | None, wire.Heartbeat | wire.WireError | None]] = []
         for entry_id, fields in entries:
@@ -496,7 +498,12 @@ class Orchestrator:
                     item = exc
             decoded.append((entry_id, payload, item))
         check = self.settings.heartbeat_sender_check
-        nodes = sorted({hb.node for _, _, hb in decoded if isinstance(hb, wire.Heartbeat)}) if check else []
+        senders = self._senders
+        nodes = sorted(
+            {hb.node for _, p, hb in decoded if isinstance(hb, wire.Heartbeat) and p and not senders.vouched(hb, p)}
+            if check
+            else ()
+        )
         own: dict[str, bytes | None] = {}
         if nodes:
 
@@ -516,7 +523,7 @@ class Orchestrator:
             elif isinstance(item, wire.WireError):
                 self.cluster.rejected[item.reason] += 1
                 log.debug("event=heartbeat_rejected reason=%s detail=%s", item.reason, item)
-            elif check and (reason := acl.sender_verdict(item, payload, own.get(item.node))) is not None:
+            elif check and (reason := senders.verdict(item, payload, own.get(item.node))) is not None:
                 self.cluster.rejected[reason] += 1
                 log.warning(
                     "event=heartbeat_rejected reason=%s node=%s boot_id=%s seq=%d entry=%s stream=%s detail=%r",

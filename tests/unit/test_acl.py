@@ -82,20 +82,43 @@ def test_redis_cli_line_quotes_selectors() -> None:
     assert line == 'ACL SETUSER u on "(+get ~a)" "x\\"y"'
 
 
-def test_sender_verdict() -> None:
+def test_sender_check_judges_an_entry_by_its_nodes_own_key() -> None:
+    def verdict(hb: wire.Heartbeat, own: bytes | None) -> str | None:
+        return acl.SenderCheck().verdict(hb, wire.encode(hb), own)  # nothing remembered
+
     own = _hb(seq=5)
     own_bytes = wire.encode(own)
-    assert acl.sender_verdict(own, own_bytes, own_bytes) is None  # the entry is the node's latest
-    older = _hb(seq=4)
-    assert acl.sender_verdict(older, wire.encode(older), own_bytes) is None  # a backlog entry of the same boot
-    same_seq_other_bytes = _hb(seq=5, labels={"rack": "forged"})
-    assert acl.sender_verdict(same_seq_other_bytes, wire.encode(same_seq_other_bytes), own_bytes) == "sender"
-    ahead = _hb(seq=6)
-    assert acl.sender_verdict(ahead, wire.encode(ahead), own_bytes) == "sender"  # its node never wrote it
-    other_boot = _hb(boot_id="forged", seq=1)
-    assert acl.sender_verdict(other_boot, wire.encode(other_boot), own_bytes) == "sender"
-    assert acl.sender_verdict(older, wire.encode(older), None) == "sender"  # no evidence at all
-    assert acl.sender_verdict(older, wire.encode(older), b"{not json") == "sender"
+    assert verdict(own, own_bytes) is None  # the entry is the node's latest
+    assert verdict(_hb(seq=4), own_bytes) is None  # a backlog entry of the same boot
+    assert verdict(_hb(seq=5, labels={"rack": "forged"}), own_bytes) == "sender"  # same seq, other bytes
+    assert verdict(_hb(seq=6), own_bytes) == "sender"  # its node never wrote it
+    assert verdict(_hb(boot_id="forged", seq=1), own_bytes) == "sender"
+    assert verdict(_hb(seq=4), None) == "sender"  # no evidence at all
+    assert verdict(_hb(seq=4), b"{not json") == "sender"
     # The node's own key names another node: its writer claims a node it is not.
-    other_node = wire.encode(_hb(node="n2", seq=9))
-    assert acl.sender_verdict(older, wire.encode(older), other_node) == "sender"
+    assert verdict(_hb(seq=4), wire.encode(_hb(node="n2", seq=9))) == "sender"
+
+
+def test_sender_check_remembers_what_a_key_held() -> None:
+    """Once the key held seq 5, entries 1-5 of that boot need no read; seq 6 does, and a forged
+    seq 5 (other bytes) never passes; a new boot's key starts a new memory."""
+    check = acl.SenderCheck()
+    five = _hb(seq=5)
+    assert not check.vouched(_hb(seq=3), wire.encode(_hb(seq=3)))
+    assert check.verdict(_hb(seq=3), wire.encode(_hb(seq=3)), wire.encode(five)) is None
+    for seq in (1, 4):
+        assert check.vouched(_hb(seq=seq), wire.encode(_hb(seq=seq)))
+    assert check.vouched(five, wire.encode(five))
+    forged = _hb(seq=5, labels={"rack": "forged"})
+    assert not check.vouched(forged, wire.encode(forged))
+    assert check.verdict(forged, wire.encode(forged), None) == "sender"  # the key expired meanwhile
+    six = _hb(seq=6)
+    assert not check.vouched(six, wire.encode(six))
+    assert check.verdict(six, wire.encode(six), wire.encode(five)) == "sender"  # the key still says 5
+    assert check.verdict(six, wire.encode(six), wire.encode(six)) is None
+    assert not check.vouched(_hb(boot_id="other", seq=1), wire.encode(_hb(boot_id="other", seq=1)))
+    rebooted = _hb(boot_id="new", seq=2)
+    assert (
+        check.verdict(_hb(boot_id="new", seq=1), wire.encode(_hb(boot_id="new", seq=1)), wire.encode(rebooted)) is None
+    )
+    assert check.vouched(_hb(boot_id="new", seq=1), wire.encode(_hb(boot_id="new", seq=1)))

@@ -210,6 +210,10 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
         redis_url=url,
         database_url=f"sqlite:///{workdir / 'bench.db'}",
         heartbeat_interval_s=1.0,
+        # Steady state: the backlog below is written while the loop is blocked (seconds), so
+        # with the default suspect_after every node would turn SUSPECT the moment it resumes,
+        # and the benchmark would time that transition storm, not ingest.
+        suspect_after_s=1800,
         degraded_after_s=3600,
         lost_after_s=3600,
         evaluate_interval_s=0.25,

@@ -16,7 +16,9 @@ N simulated nodes run in this process (the agents' own loop and publisher), agai
    transition in its detection window, or (faults that clear) no HEALTHY one in its recovery
    window, is a **lost event**; a DEGRADED or LOST transition outside every fault window of its
    node is a **false DEGRADED**; a node not HEALTHY at the end without a permanent fault is
-   ``unhealthy_at_end``.
+   ``unhealthy_at_end``. The one orchestrator must lead throughout: ``leader_elections`` (a
+   ``leader`` event during the soak: it lost and re-took its lease) must be 0 and
+   ``leader_at_end`` (``pulse_leader``) 1.
 
 Expected outcome by kind, with the orchestrator's policy set here (all scale with ``--interval``):
 
@@ -364,13 +366,14 @@ async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, 
 
     engine = db.make_engine(db_url)
     with db.session_factory(engine)() as s:
-        rows = db.list_events(s, since=soak_wall0 - 1.0, kinds=["health", "partition"], limit=10**7)
+        rows = db.list_events(s, since=soak_wall0 - 1.0, kinds=["health", "partition", "leader"], limit=10**7)
         transitions = [
             Transition(e.node, e.to_state, round(e.at - soak_wall0, 3), e.reason)
             for e in rows
             if e.kind == "health" and e.node and e.to_state
         ]
         partitions = sum(e.kind == "partition" for e in rows)
+        elections = sum(e.kind == "leader" for e in rows)  # the one replica took the lease anew
     engine.dispose()
     verdict = judge(faults, transitions, timing=timing)
     permanent = {f.node for f in faults if not f.clears}
@@ -401,6 +404,8 @@ async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, 
         "false_degraded": len(verdict.false_degraded),
         "unhealthy_at_end": len(unhealthy),
         "partition_events": partitions,
+        "leader_elections": elections,
+        "leader_at_end": int(_metric(metrics, "pulse_leader ")),
         "heartbeats_sent": sent,
         "heartbeats_received": int(_metric(metrics, "pulse_heartbeats_received_total")),
         "heartbeats_rejected": int(_metric(metrics, "pulse_heartbeats_rejected_total{")),
@@ -418,6 +423,8 @@ async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, 
         result["lost_events"] == 0
         and result["false_degraded"] == 0
         and result["unhealthy_at_end"] == 0
+        and result["leader_elections"] == 0
+        and result["leader_at_end"] == 1
         and growth <= args.max_rss_growth
     )
     return result

@@ -32,6 +32,7 @@ def test_short_soak_detects_every_fault_and_invents_none() -> None:
     assert r["faults_injected"] >= 3 and sum(r["faults_by_kind"].values()) == r["faults_injected"]
     assert set(r["faults_by_kind"]) <= set(FAULT_KINDS)
     assert (r["lost_events"], r["false_degraded"], r["unhealthy_at_end"]) == (0, 0, 0)
+    assert (r["leader_elections"], r["leader_at_end"]) == (0, 1)  # it led throughout, under one epoch
     assert set(r["detection_latency_s"]) == set(r["faults_by_kind"])  # every kind injected was detected
     assert 0 < r["heartbeats_received"] <= r["heartbeats_sent"] and r["heartbeats_rejected"] == 0
     assert r["orchestrator_rss_warm_bytes"] > 0 and r["orchestrator_rss_end_bytes"] > 0

@@ -42,8 +42,9 @@ orchestrator lags more than one interval behind the stream (see below).
   the orchestrator folded and B's latest passes; the genuine entry with the same ``seq`` follows
   and is folded after it, so a forger gets at most that backlog window.
 - A genuine heartbeat from before an agent restart that the orchestrator reads only after the
-  restart is refused too (another ``boot_id``): harmless (a newer heartbeat of the node follows),
-  but it shows in the ``sender`` count.
+  restart is refused too (another ``boot_id``), unless :class:`SenderCheck` already remembers a
+  newer ``seq`` of that boot: harmless (a newer heartbeat of the node follows), but it shows in
+  the ``sender`` count.
 - A node may write to its shard of the heartbeat stream, and so can trim it (``XADD ... MAXLEN
   0``) or push its ids into the future (``XADD`` with an explicit id), which delays or drops the
   other nodes' entries of that shard; more shards narrow the damage to the nodes sharing one.

@@ -422,7 +422,13 @@ class Orchestrator:
         for stream in self.streams:
             last = self._folded_upto.get(stream, "0")
             while True:
-                resp = await self._xreadgroup({stream: last}, block_ms=None)
+                try:
+                    resp = await self._xreadgroup({stream: last}, block_ms=None)
+                except redis.exceptions.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    await self._ensure_group(stream)  # deleted with a Redis restart: nothing is pending
+                    break
                 entries = resp[0][1] if resp else []
                 if not entries:
                     break

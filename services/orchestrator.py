@@ -589,8 +589,7 @@ class Orchestrator:
             except redis.exceptions.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
-                for stream in self.streams:  # the stream was deleted (a Redis restart): recreate
-                    await self._ensure_group(stream)
+                await self._read_pending()  # a Redis restart deleted a stream: it recreates the group
                 continue
             for stream, entries in resp:
                 await self._fold(stream, entries)

@@ -30,9 +30,9 @@ the next plan. The exchange runs on a 2-rank process group per (carrier, degrade
 gloo receive that times out closes every pair of its process group ("Application timeout caused
 pair closure"): a per-pair group confines that to the one failed rank, and the world and
 participants' groups stay usable. A pair that failed once stays failed for the life of the
-object: its degraded rank missed a reduced gradient, so its parameters have diverged and it must
-rejoin through a restart. A degraded rank whose exchange fails raises :class:`RerouteError`
-instead of stepping with a wrong gradient. The carrier never waits on its result sends within a
+object (until the rank is excluded and comes back as a new process, see :meth:`switch`): its
+degraded rank missed a reduced gradient, so its parameters have diverged. A degraded rank whose
+exchange fails raises :class:`RerouteError` instead of stepping with a wrong gradient. The carrier never waits on its result sends within a
 step: they are drained (again within the budget) at the next step or plan switch.
 
 A dead or hung *participant* is another matter: it breaks the participants' group itself. With
@@ -52,14 +52,17 @@ Plan switch protocol, at a step boundary (a plan arriving mid-step waits for the
 plan *in force*: with no plan (or a trivial one) rank 0 broadcasts on the world group; otherwise the
 lowest participant broadcasts on the participants' group and each carrier forwards the value to its
 degraded ranks (the world group would make everybody wait on a hung degraded or dead excluded rank).
-:meth:`~ReroutedAllReduce.switch` creates the plan's groups. ``torch.distributed.new_group`` names a
-group by a per-process counter, so every live rank calls it for every group of the plan in the same
-order (pair groups sorted by degraded rank, then the participants' group), members and non-members
-alike; non-members return at once and only members connect, so a dead excluded rank blocks nobody
-and a hung degraded rank costs its carrier at most ``proxy_timeout_s``. Groups are cached by member
-set, so a plan that comes back costs nothing (groups are created per distinct member set, at
-most once per generation). Do not set ``TORCH_DIST_INIT_BARRIER=1``: it adds a world-wide barrier
-to ``new_group`` that waits on dead ranks.
+:meth:`~ReroutedAllReduce.switch` creates the plan's groups from the job's store (the TCPStore of
+``init_process_group``, or the one passed as ``store``), each named by the job, a *salt* and its
+member ranks, and registered with ``torch.distributed`` under those ranks. Only members take part
+(a dead excluded rank blocks nobody, a hung degraded rank costs its carrier at most
+``proxy_timeout_s``), and a group does not need the world group: a rank started after the others
+(a restarted one rejoining a running job, :meth:`trainer.follow.PlanFollower.join`) makes the same
+groups from the same names. Every rank that puts a plan in force passes the same salt (the root
+draws it from the store at each switch; :mod:`trainer.follow` agrees on it), so a group made
+anew after a failure never meets the rendezvous keys of an earlier one. Groups are cached by
+member set, so a plan that comes back costs nothing; a switch drops every cached group holding a
+rank the new plan excludes (its process is gone or leaving, and it comes back as a new process).
 
 Cost: with no plan, or a plan with nobody degraded or excluded, a bucket costs one all-reduce on
 the world group, like a stock DDP hook. With only excluded ranks it is one all-reduce on the
@@ -91,12 +94,13 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import GradBucket  # torch.distributed re-exports it untyped
+from torch._C._distributed_c10d import GradBucket, PrefixStore, Store  # torch.distributed re-exports them untyped
+from torch.distributed.distributed_c10d import GroupName, _get_default_store, _register_pg_in_world
 
 from clusterpulse.wire import Plan
 
@@ -123,7 +127,7 @@ class RerouteError(RuntimeError):
     """A degraded rank could not complete its exchange with its carrier.
 
     Its gradient is not the reduced one: it must not step. The carrier has recorded it as
-    missing, and the rank rejoins only through a restart.
+    missing; the rank comes back only as a new process (``trainer.follow``, ``join``).
     """
 
 
@@ -306,6 +310,47 @@ def _wait(work: dist.Work, timeout_s: float) -> None:
         raise RuntimeError(f"timed out after {timeout_s:.3f}s")
 
 
+def make_group(store: Store, *, name: str, members: Sequence[int], rank: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A process group of ``members`` (global ranks, ascending) made through ``store`` under ``name``,
+    with the default group's backend (gloo, or NCCL on GPUs), registered with ``torch.distributed``
+    so its collectives take global ranks. Only members call it; it returns once every member has
+    connected (gloo raises after ``timeout`` otherwise). Unlike ``dist.new_group`` it needs
+    neither the world group nor every process's call, so a rank started after the others can make
+    it too (see the module docstring). ``name`` must be new to ``store``."""
+    group_rank = list(members).index(rank)
+    group_name = GroupName(name)
+    size = len(members)
+    prefix = PrefixStore(f"{name}/", store)
+    group = dist.ProcessGroup(prefix, group_rank, size)
+    backend: dist.Backend | Any
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        options.group_name = group_name
+        options.global_ranks_in_group = list(members)
+        backend = dist.ProcessGroupNCCL(PrefixStore("cuda/", prefix), group_rank, size, options)
+        kind = dist.ProcessGroup.BackendType.NCCL
+        config = "cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = dist.ProcessGroupGloo(PrefixStore("cpu/", prefix), group_rank, size, timeout=timeout)
+        kind = dist.ProcessGroup.BackendType.GLOO
+        config = "cpu:gloo"
+    group._set_default_backend(kind)
+    group._register_backend(device, kind, backend)
+    group._set_group_name(group_name)
+    _register_pg_in_world(
+        group,
+        backend_name=config.split(":")[1],
+        store=prefix,
+        group_name=group_name,
+        backend_config=config,
+        rank_mapping={r: i for i, r in enumerate(members)},
+    )
+    return group
+
+
 @dataclass
 class _Bucket:
     numel: int
@@ -352,6 +397,7 @@ class ReroutedAllReduce:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         peer_timeout_s: float = 300.0,
         collective_timeout_s: float | None = None,
+        store: Store | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: expected at least 1")
@@ -379,6 +425,26 @@ class ReroutedAllReduce:
         self._pending_sends: list[tuple[int, dist.Work]] = []  # carrier -> degraded, not yet drained
         self._hook_step: _Step | None = None
         self._excluded_logged: int | None = None
+        self._store = store
+        self.joined: tuple[int, ...] = ()
+        self.salt = ""
+        """Names the groups of the plan in force (``<job>/<salt>``); :mod:`trainer.follow` keys
+        a recovery by it, so two failures under one generation never read each other's agreement."""
+        self.left: frozenset[int] = frozenset()
+        """Ranks the last plan in force excluded; kept across :meth:`reset`, so a switch after a
+        failure still knows which ranks it brings back."""
+
+    @property
+    def root(self) -> int:
+        """The rank whose value every live rank takes when they agree (:meth:`share_`)."""
+        return 0 if self.route is None or self.route.trivial else self.route.root
+
+    @property
+    def store(self) -> Store:
+        """The job's store: groups are made through it (and :mod:`trainer.follow` agrees through it)."""
+        if self._store is None:
+            self._store = _get_default_store()
+        return self._store
 
     # -- plan in force --------------------------------------------------------------------------
 
@@ -404,12 +470,14 @@ class ReroutedAllReduce:
             return None
         return self._groups[self.route.participants]
 
-    def switch(self, plan: Plan | None) -> None:
+    def switch(self, plan: Plan | None, *, salt: str | None = None) -> None:
         """Put ``plan`` in force (``None``: the plain world all-reduce). Call between steps only.
 
-        Collective over every live rank of the world, at the same step boundary (see the module
-        docstring for why and in which order groups are created). A no-op when ``plan`` is the
-        plan already in force.
+        Collective over the plan's live ranks, at the same step boundary, every one passing the
+        same ``salt`` (default: the plan's generation), which names the groups made now (see the
+        module docstring). A no-op when ``plan`` is the plan already in force. Afterwards
+        :attr:`joined` holds the ranks the plan in force excluded and ``plan`` counts on again
+        (restarted ranks: the caller shares the root's state with them).
         """
         if self._hook_step is not None:
             raise RuntimeError("switch() called in the middle of a DDP step; call it between optimizer steps")
@@ -418,42 +486,54 @@ class ReroutedAllReduce:
             return
         self._drain_sends(StepBudget(self.proxy_timeout_s))
         self.missing = {}
+        gone = set() if route is None else set(route.excluded)
+        joined = tuple(sorted(self.left - gone))
+        for members in [m for m in self._groups if gone & set(m) or set(joined) & set(m)]:
+            del self._groups[members]  # a group holding a rank that left (or left and came back) is dead
+        self._dead_pairs = {pair: why for pair, why in self._dead_pairs.items() if not set(joined) & set(pair)}
+        name = f"{plan.job}/{plan.generation if salt is None else salt}" if plan is not None else ""
         if route is not None and route.trivial and self.collective_timeout_s is not None:
-            self._group(route.participants, timeout_s=self.collective_timeout_s)
+            self._group(route.participants, timeout_s=self.collective_timeout_s, salt=name)
         if route is not None and not route.trivial:
             for degraded, carrier in route.proxies:
-                self._pair_group(carrier, degraded)
-            self._group(route.participants, timeout_s=self.collective_timeout_s)
+                self._pair_group(carrier, degraded, salt=name)
+            self._group(route.participants, timeout_s=self.collective_timeout_s, salt=name)
             for degraded in route.carried_by(self.rank):
                 reason = self._dead_pairs.get((self.rank, degraded))
                 if reason is not None:
                     self.missing[degraded] = reason
         log.info(
-            "reroute plan job=%s generation=%s rank=%d role=%s missing=%s",
+            "reroute plan job=%s generation=%s rank=%d role=%s missing=%s joined=%s",
             None if route is None else route.job,
             None if route is None else route.generation,
             self.rank,
             "participant" if route is None else route.role(self.rank),
             sorted(self.missing),
+            list(joined),
         )
         self.route = route
+        self.joined = joined
+        self.left = frozenset(gone)
+        self.salt = name
 
-    def _group(self, members: tuple[int, ...], *, timeout_s: float | None) -> dist.ProcessGroup | None:
+    def _group(self, members: tuple[int, ...], *, timeout_s: float | None, salt: str) -> dist.ProcessGroup | None:
         if members in self._groups:
             return self._groups[members]
-        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        # Every live rank makes this call, member or not: torch names groups by a per-process counter.
-        group = dist.new_group(ranks=list(members), timeout=timeout)
-        self._groups[members] = group if self.rank in members else None
-        return self._groups[members]
+        if self.rank not in members:
+            return None  # only members connect: nobody waits on a rank outside the group
+        timeout = timedelta(minutes=30) if timeout_s is None else timedelta(seconds=timeout_s)
+        name = f"pulse/{salt}/{','.join(map(str, members))}"
+        group = make_group(self.store, name=name, members=members, rank=self.rank, timeout=timeout)
+        self._groups[members] = group
+        return group
 
-    def _pair_group(self, carrier: int, degraded: int) -> None:
+    def _pair_group(self, carrier: int, degraded: int, *, salt: str) -> None:
         members = tuple(sorted((carrier, degraded)))
-        if members in self._groups or (carrier, degraded) in self._dead_pairs:
+        if members in self._groups or (carrier, degraded) in self._dead_pairs or self.rank not in members:
             return
         timeout_s = self.peer_timeout_s if self.rank == degraded else self.proxy_timeout_s
         try:
-            self._group(members, timeout_s=timeout_s)
+            self._group(members, timeout_s=timeout_s, salt=salt)
         except RuntimeError as exc:  # gloo could not connect the pair within the timeout
             self._groups[members] = None
             if self.rank == degraded:
@@ -496,10 +576,12 @@ class ReroutedAllReduce:
         self._groups = {}
         self._pending_sends = []
 
-    def adopt(self, plan: Plan) -> None:
-        """Take ``plan`` as the plan in force without any of its groups (a switch to it failed
-        part-way): only a later :meth:`reset` and :meth:`switch` make it usable."""
+    def adopt(self, plan: Plan, *, salt: str) -> None:
+        """Take ``plan`` (agreed under ``salt``) as the plan in force without any of its groups (a
+        switch to it failed part-way): only a later :meth:`reset` and :meth:`switch` make it usable."""
         self.route = parse_plan(plan, self.world_size)
+        self.salt = f"{plan.job}/{salt}"
+        self.left = frozenset(self.route.excluded)
         self._groups = {}
 
     def share_(self, t: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,15 @@ that finds itself excluded (a hung one that wakes up) leaves with exit code 0.
 ``--recovery-timeout`` (``PULSE_RECOVERY_TIMEOUT_S``, default 120 s) bounds the wait for that
 plan; past it the rank fails.
 
+Rejoining (``--rejoin``, ``PULSE_REJOIN=1``, which the orchestrator sets when it launches an
+excluded node's share anew, ``services/jobs.py``): the rank cannot enter the live ranks' world
+(its size was fixed at ``init_process_group``), so it makes a world of one for itself, connects
+to the job's store (``MASTER_ADDR:MASTER_PORT``, as every rank does with a collective timeout),
+registers, and waits (:meth:`trainer.follow.PlanFollower.join`) until the live ranks put in
+force a plan that counts on it; at that boundary every live rank takes the root's parameters,
+optimizer state, step count and learning rate, and the restarted rank trains on from the
+root's step. A rank whose job finished while it waited leaves with 0.
+
 Emergency checkpoint: ``SIGUSR2`` to any rank asks for ``engine.save_checkpoint`` into
 ``--checkpoint-dir`` (tag ``emergency-stepN``) at the next step boundary, then training goes
 on. All ranks must save together, so with a checkpoint dir each step ends with a one-element
@@ -54,6 +63,7 @@ import signal
 import socket
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -61,10 +71,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._C._distributed_c10d import HashStore, TCPStore  # torch.distributed re-exports them untyped
 
 from trainer import deepspeed_reroute
 from trainer.collective import ReroutedAllReduce
-from trainer.follow import PlanFollower, RecoveryError
+from trainer.follow import JobFinished, PlanFollower, RecoveryError, forget_invitation
 from trainer.mfu import model_flops_per_token, peak_flops
 from trainer.report import StepTimer, TrainerReporter, cosine_warmup, env_peak_flops
 
@@ -167,6 +178,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=_env_float("PULSE_RECOVERY_TIMEOUT_S", 120.0),
         help="seconds survivors wait for a plan without a failed rank (PULSE_RECOVERY_TIMEOUT_S, default 120)",
     )
+    p.add_argument(
+        "--rejoin",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("PULSE_REJOIN", "") == "1",
+        help="this rank was restarted while the job runs on: join the live ranks at a step boundary and take "
+        "their state instead of starting a world (PULSE_REJOIN=1, set by the orchestrator's relaunch; "
+        "needs --collective-timeout)",
+    )
     p.add_argument("--plan-poll", type=float, default=1.0, help="seconds between plan reads besides notifications")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="where SIGUSR2 saves an emergency checkpoint")
@@ -184,6 +203,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
     if args.collective_timeout < 0:
         p.error(f"--collective-timeout={args.collective_timeout}: expected seconds >= 0 (0: off)")
+    if args.rejoin and not (args.collective_timeout > 0 and args.reroute and args.report):
+        p.error("--rejoin: needs --collective-timeout > 0 with --reroute and --report (the live ranks' plans)")
     for name in ("proxy_timeout", "plan_poll", "recovery_timeout"):
         if not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected seconds > 0")
@@ -286,28 +307,63 @@ def _checkpoint_boundary(
 
 
 def _sync_from_root(engine: Any, reroute: ReroutedAllReduce, completed: int) -> int:
-    """After a recovery: every live rank takes the new root's parameters, optimizer state and
-    step count (a survivor may have completed the failed step's update when another did not).
-    Returns the root's last completed step."""
+    """After a recovery or a rank's return: every live rank takes the root's parameters, optimizer
+    state, step count and learning rate (a survivor may have completed the failed step's update
+    when another did not; a restarted rank has nothing). Returns the root's last completed step."""
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed may wrap the torch optimizer
     tensors = [p.data for p in engine.module.parameters()]
     for group in opt.param_groups:
         for p in group["params"]:
             state = opt.state.get(p, {})
             tensors.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
-    group_steps = [float(g.get("step", 0) or 0) for g in opt.param_groups]
-    header = torch.tensor([float(completed), float(engine.global_steps), *group_steps], dtype=torch.float64)
+    sched = engine.lr_scheduler
+    header = torch.tensor(
+        [
+            float(completed),
+            float(engine.global_steps),
+            float(getattr(sched, "last_epoch", -1)),
+            float(len(tensors)),
+            *[float(g.get("step", 0) or 0) for g in opt.param_groups],
+            *[float(g["lr"]) for g in opt.param_groups],
+        ],
+        dtype=torch.float64,
+    )
     reroute.share_(header)
+    if int(header[3].item()) != len(tensors):
+        raise RuntimeError(
+            f"rank {reroute.rank}: {len(tensors)} state tensors here, {int(header[3].item())} on the root "
+            "(an optimizer that has not stepped yet has no state)"
+        )
     if tensors:
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
         reroute.share_(flat)
         for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
             t.copy_(piece.view_as(t))
     engine.global_steps = int(header[1].item())
-    for g, v in zip(opt.param_groups, header[2:].tolist(), strict=True):
+    if sched is not None and hasattr(sched, "last_epoch"):
+        sched.last_epoch = int(header[2].item())
+    n = len(opt.param_groups)
+    for g, v, lr in zip(opt.param_groups, header[4 : 4 + n].tolist(), header[4 + n :].tolist(), strict=True):
         if "step" in g:
             g["step"] = int(v)
+        g["lr"] = lr
     return int(header[0].item())
+
+
+def _materialize_optimizer_state(engine: Any) -> None:
+    """A restarted rank: give its optimizer the state tensors the live ranks' optimizers have (torch
+    optimizers make them at the first step), by one step on zero gradients, so that
+    :func:`_sync_from_root` can overwrite them with the root's. Parameters change at most by
+    weight decay; the sync overwrites them too."""
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if all(opt.state.get(p) for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in params:
+        p.grad = None
 
 
 def _grad_norm(model: nn.Module) -> float | None:
@@ -336,10 +392,32 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    backend = "nccl" if cuda else "gloo"
+    if args.rejoin:
+        # The live ranks' world cannot take a new process; this rank works through the plans'
+        # groups (trainer.collective), so its own world group is a world of one.
+        torch.distributed.init_process_group(backend, store=HashStore(), rank=0, world_size=1)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    deepspeed.init_distributed(dist_backend=backend)
+    if not args.rejoin:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    job_store = None
+    if args.collective_timeout > 0 and args.reroute and args.report and os.environ.get("PULSE_REDIS_URL"):
+        # Every rank, first or restarted, agrees and makes groups through the rendezvous store.
+        job_store = TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=args.recovery_timeout),
+            wait_for_workers=False,
+        )
+        if args.rejoin:
+            forget_invitation(job_store, job=args.job, rank=rank)  # before registering: see trainer.follow
 
     config = load_config(args.deepspeed_config, bf16=cuda and torch.cuda.is_bf16_supported())
+    if args.rejoin and "train_batch_size" in config:
+        # DeepSpeed checks train_batch_size = micro * accumulation * its world, which is one here
+        config = {**config, "train_batch_size": int(config["train_batch_size"]) // world}
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = TinyGPT(vocab=args.vocab, seq_len=args.seq_len, hidden=args.hidden, layers=args.layers, heads=args.heads)
     n_params = sum(p.numel() for p in model.parameters())
@@ -397,9 +475,12 @@ def main(argv: list[str] | None = None) -> int:
             # a degraded rank learns that its carrier's group broke only when the answer does not come
             peer_timeout_s=args.proxy_timeout + 2 * args.collective_timeout + 1.0 if bounded else 300.0,
             collective_timeout_s=args.collective_timeout if bounded else None,
+            store=job_store,
         )
         deepspeed_reroute.attach(engine, reroute)
         follower = PlanFollower(job=args.job, reroute=reroute, redis_url=url, poll_s=args.plan_poll)
+    elif args.rejoin:
+        raise SystemExit("--rejoin: PULSE_REDIS_URL is unset, so this rank cannot follow the live ranks' plans")
 
     checkpoint_requested = False
 
@@ -414,6 +495,21 @@ def main(argv: list[str] | None = None) -> int:
     timer = StepTimer()
     step = completed = 0
     failures_here = 0  # recoveries without a completed step in between
+    if args.rejoin:
+        assert follower is not None and reroute is not None
+        try:
+            follower.join(timeout_s=args.recovery_timeout)
+        except JobFinished as exc:
+            log.warning("event=rejoin_abandoned job=%s rank=%d reason=%r", args.job, rank, str(exc))
+            follower.close()
+            if reporter is not None:
+                reporter.close(timeout=5.0)
+            return 0
+        _materialize_optimizer_state(engine)
+        step = completed = _sync_from_root(engine, reroute, 0)
+        log.warning("event=rejoined job=%s rank=%d step=%d", args.job, rank, step)
+        if args.checkpoint_dir is not None:  # the rest of the boundary the live ranks are at
+            _checkpoint_boundary(args, engine, reroute, rank=rank, step=step, requested=False)
     try:
         while step < args.steps:
             step += 1
@@ -441,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                 unreachable: list[int] = []
                 if follower is not None:
                     follower.boundary()
+                    if follower.joined and reroute is not None:  # restarted ranks came back: share state
+                        completed = _sync_from_root(engine, reroute, completed)
                     unreachable = sorted(follower.newly_missing())
                     if reroute is not None and reroute.role == "excluded":
                         log.warning("event=excluded job=%s rank=%d step=%d note=leaving_training", args.job, rank, step)
@@ -505,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
                     plan_generation=None if reroute is None else reroute.generation,
                     unreachable_ranks=unreachable or None,
                 )
+        if follower is not None and reroute is not None and reroute.role != "excluded":
+            follower.finish()  # a restarted rank still waiting to rejoin leaves with success
     finally:
         if follower is not None:
             follower.close()

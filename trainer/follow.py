@@ -37,40 +37,56 @@ timeout, so a survivor's collective fails within it (at once for a dead peer, af
 for a hung one) instead of waiting out the world's 30 minutes. The caller catches the failure at
 the step (that step's update is skipped) and calls ``recover``, which on every survivor:
 
-1. writes ``pulse/recover/<job>/<generation>/alive/<rank>`` into the job's TCPStore (the default
-   store that ``init_process_group`` made, hosted by rank 0; it is not a gloo group, so it still
-   works when the groups are broken);
+1. writes ``pulse/<job>/recover/<generation>/<salt>/alive/<rank>`` into the job's store (the
+   rendezvous TCPStore, hosted by rank 0; it is not a gloo group, so it still works when the
+   groups are broken; the salt names the groups in force, so two failures under one generation
+   never read each other's keys);
 2. waits until either a plan the orchestrator published has a higher generation than the plan in
    force and excludes a rank the plan in force did not (the orchestrator excludes a rank whose
    node's ranks exited, from the agent's report, or one that survivors reported unreachable), or
    every rank the plan in force counts on is alive in the store (a spurious failure: the same
    plan is rebuilt on fresh groups). Ranks still not alive after ``survey_s`` are reported once
    through ``report(missing)`` (a ``TrainerReport.unreachable_ranks``: sticky exclusion in
-   ``services/plans.py``). ``survey_s`` must cover the slowest survivor's detection: a degraded
-   rank learns of the failure only when its carrier's answer does not come (``peer_timeout_s``);
-3. agrees on that plan through the store: the first survivor's ``compare_set`` of
-   ``pulse/recover/<job>/<generation>/plan`` wins and every other survivor (and a hung rank that
-   wakes up later) reads the winner's plan, so all live ranks switch to the same plan even when
-   the orchestrator publishes two generations in between;
+   ``services/plans.py``), and so, at once, are ranks a failed switch had invited back (below).
+   ``survey_s`` must cover the slowest survivor's detection: a degraded rank learns of the
+   failure only when its carrier's answer does not come (``peer_timeout_s``);
+3. agrees on that plan and a fresh salt through the store: the first survivor's ``compare_set``
+   of ``.../plan`` wins and every other survivor (and a hung rank that wakes up later) reads the
+   winner's, so all live ranks switch to the same plan even when the orchestrator publishes two
+   generations in between;
 4. drops every group (:meth:`~trainer.collective.ReroutedAllReduce.reset`) and switches to the
-   agreed plan, creating its groups anew in the same order on every live rank (the per-process
-   group counter stays in step, see :mod:`trainer.collective`). A rank the agreed plan excludes
+   agreed plan, making its groups anew under the agreed salt. A rank the agreed plan excludes
    leaves training (``trainer.example`` exits 0). When another rank died in the meantime the
    new groups cannot connect and ``switch`` raises on every member: the agreed plan is then
    adopted as the plan in force (groups broken) and the caller calls ``recover`` again, which
-   runs the same protocol under the agreed plan's generation.
+   runs the same protocol under the agreed plan's generation and salt.
 
 The caller then re-synchronises state from the new root (``trainer.example`` broadcasts the
-parameters, optimizer state and step count with
+parameters, optimizer state, step count and learning rate with
 :meth:`~trainer.collective.ReroutedAllReduce.share_`): a survivor may have completed the failed
 step's update when another did not.
+
+Rejoining (:meth:`PlanFollower.join`). An excluded rank's process has left (dead, or it woke up
+excluded and exited 0); the orchestrator launches its node's share anew once the node is HEALTHY
+(``services/jobs.py``), and the new process must come back into a world whose size was fixed at
+``init_process_group`` without it. It does not need that world: every group the plans use is made
+from the job's store by name (:func:`trainer.collective.make_group`). So the new process makes a
+world of one for itself, connects to the store, drops any invitation left for its earlier self
+(:func:`forget_invitation`), registers (which ends its sticky exclusion, so the orchestrator
+publishes a plan that counts on it) and waits in :meth:`join`. The live ranks agree on that plan
+at a boundary like any other; the root draws the switch's salt, and before switching the root
+writes an *invitation* (the plan and the salt) to ``pulse/<job>/join/<rank>`` for each rank the
+plan brings back. The invited rank makes the same groups under the same names, and every live
+rank, it included, takes the root's state (:attr:`PlanFollower.joined` says when). If the
+invited rank does not come within the collective timeout the switch fails on the live ranks, the
+recovery that follows keeps the old plan and reports the rank unreachable (so it is excluded
+again, not invited at every boundary). The live ranks write ``pulse/<job>/done`` after the last
+step (:meth:`finish`): a rank still waiting then leaves with success (:class:`JobFinished`).
 
 Limits: rank 0 hosts the TCPStore (``MASTER_ADDR``); when it dies no group can be made any more
 and ``recover`` raises after ``timeout_s`` (the job fails and must restart from a checkpoint).
 Surviving that needs the store elsewhere (a store on a highly available service, or re-forming
-the world around a new store host, as torchft's lighthouse does). An excluded rank cannot come
-back into a running world (the world size is fixed at ``init_process_group``); it rejoins
-through a restart of the job.
+the world around a new store host, as torchft's lighthouse does) and rank 0's roles handed on.
 """
 
 from __future__ import annotations
@@ -82,7 +98,9 @@ from collections.abc import Callable
 
 import msgspec
 import redis
-import torch.distributed as dist
+import torch
+from torch._C._distributed_c10d import Store  # torch.distributed re-exports it untyped
+from torch.distributed import DistError
 
 from clusterpulse import wire
 from clusterpulse.retry import Backoff, is_transient
@@ -116,6 +134,10 @@ class PlanFollower:
         self._refused: set[int] = set()
         self._calls = 0
         self._reported_missing: set[int] = set()
+        self._failed_invites: set[int] = set()
+        self.joined: tuple[int, ...] = ()
+        """Ranks the switch at the last :meth:`boundary` brought back (restarted ranks that
+        :meth:`join` ed): every live rank then shares the root's state with them."""
         self._stop = threading.Event()
         self._redis = redis.Redis.from_url(
             redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
@@ -136,31 +158,121 @@ class PlanFollower:
         Returns the plan that came into force at this boundary, or None when nothing changed.
         """
         self._calls += 1
+        self.joined = ()
         if self._calls % self.every:
             return None
-        current = self.reroute.generation or 0
+        reroute = self.reroute
+        current = reroute.generation or 0
         latest = self._latest
         proposed = latest.generation if latest is not None and latest.generation not in self._refused else current
-        agreed = self.reroute.agree_generation(proposed)
+        salt = 0
+        if proposed != current and reroute.rank == reroute.root:
+            salt = reroute.store.add(self._salt_key, 1)  # names the groups of the switch below
+        agreed, salt = (int(v) for v in reroute.share_(torch.tensor([proposed, salt], dtype=torch.int64)))
         if agreed == current or agreed in self._refused:
             return None
         mine = latest if latest is not None and latest.generation == agreed else _placeholder(self.job)
-        plan = self.reroute.agree_plan(mine)
+        plan = reroute.agree_plan(mine)
         try:
-            self.reroute.switch(plan)
+            self._switch(plan, f"s{salt}", invite=reroute.rank == reroute.root)
         except PlanError as exc:
             self._refused.add(plan.generation)
             log.error(
                 "event=plan_unusable job=%s generation=%d rank=%d error=%r",
                 self.job,
                 plan.generation,
-                self.reroute.rank,
+                reroute.rank,
                 str(exc),
             )
             return None
         self.switches += 1
         self._reported_missing.clear()
+        self.joined = reroute.joined
         return plan
+
+    def _switch(self, plan: wire.Plan, salt: str, *, invite: bool) -> None:
+        """Switch to ``plan``; with ``invite``, first tell each rank it brings back (a restarted
+        rank waiting in :meth:`join`) the plan and salt, so it makes the same groups."""
+        reroute = self.reroute
+        back = sorted(reroute.left - set(plan.excluded))
+        if invite and back:
+            record = msgspec.json.encode(_Invitation(plan=plan, salt=salt)).decode()
+            for r in back:
+                reroute.store.set(self._join_key(r), record)
+            log.warning("event=rejoin_invited job=%s generation=%d ranks=%s", self.job, plan.generation, back)
+        try:
+            reroute.switch(plan, salt=salt)
+        except RuntimeError:
+            # A rank brought back did not come (it died again, or gave up waiting): the recovery
+            # that follows reports it, so the orchestrator excludes it again instead of the live
+            # ranks inviting it at every boundary.
+            self._failed_invites.update(back)
+            raise
+
+    def _invited(self, key: str) -> bool:
+        store = self.reroute.store
+        try:
+            if store.check([self._done_key]):
+                raise JobFinished(f"job {self.job} finished before rank {self.reroute.rank} could rejoin it")
+            return store.check([key])
+        except DistError as exc:
+            # The store lives in rank 0's process: gone means the job is over, one way or the
+            # other (rank 0's own exit says which).
+            raise JobFinished(f"job {self.job}: its store is gone ({exc}); nothing left to rejoin") from exc
+
+    def finish(self) -> None:
+        """The live ranks, after the last step: a restarted rank still waiting in :meth:`join`
+        learns that there is nothing to rejoin (and leaves with success, not a failure)."""
+        if self.reroute.route is not None and self.reroute.rank == self.reroute.root:
+            self.reroute.store.set(self._done_key, "1")
+
+    @property
+    def _done_key(self) -> str:
+        return f"pulse/{self.job}/done"
+
+    @property
+    def _salt_key(self) -> str:
+        return f"pulse/{self.job}/salt"
+
+    def _join_key(self, rank: int) -> str:
+        return _join_key(self.job, rank)
+
+    def join(self, *, timeout_s: float, poll_s: float = 0.05) -> wire.Plan:
+        """A restarted rank: wait until the live ranks put in force a plan that counts on it again
+        (the orchestrator publishes one once it has registered again), then make the plan's groups
+        with them. The caller then takes the root's state (``trainer.example``:
+        ``_sync_from_root``), as every live rank does after a switch that brought ranks back
+        (:attr:`~trainer.collective.ReroutedAllReduce.joined`). Raises :class:`RecoveryError`
+        when no invitation came within ``timeout_s``, :class:`JobFinished` when the live ranks
+        finished the job meanwhile (:meth:`finish`)."""
+        reroute = self.reroute
+        key = self._join_key(reroute.rank)
+        started = time.monotonic()
+        while True:
+            while not self._invited(key):
+                if time.monotonic() - started > timeout_s:
+                    raise RecoveryError(
+                        f"rank {reroute.rank}: the live ranks of job {self.job} did not take it back "
+                        f"within {timeout_s:g}s"
+                    )
+                time.sleep(poll_s)
+            invitation = msgspec.json.decode(reroute.store.get(key), type=_Invitation)
+            reroute.store.delete_key(key)
+            try:
+                reroute.switch(invitation.plan, salt=invitation.salt)
+                break
+            except RuntimeError as exc:  # the live ranks gave up on this attempt: they invite again
+                log.warning(
+                    "event=rejoin_attempt_failed job=%s rank=%d generation=%d error=%r",
+                    self.job, reroute.rank, invitation.plan.generation, str(exc)[:300],
+                )  # fmt: skip
+                reroute.reset()
+        self.switches += 1
+        log.warning(
+            "event=rejoined job=%s rank=%d generation=%d role=%s after_s=%.2f",
+            self.job, reroute.rank, invitation.plan.generation, reroute.role, time.monotonic() - started,
+        )  # fmt: skip
+        return invitation.plan
 
     def newly_missing(self) -> dict[int, str]:
         """Degraded ranks this rank (as their carrier) gave up on since the last call, with why.
@@ -189,8 +301,8 @@ class PlanFollower:
         route = reroute.route
         if route is None:
             raise RecoveryError(f"rank {reroute.rank}: a collective failed before any plan was in force") from error
-        store = dist.distributed_c10d._get_default_store()
-        prefix = f"pulse/recover/{self.job}/{route.generation}"
+        store = reroute.store
+        prefix = f"pulse/{self.job}/recover/{route.generation}/{reroute.salt}"
         key = f"{prefix}/plan"
         store.set(f"{prefix}/alive/{reroute.rank}", "1")
         expected = [r for r in range(route.world_size) if route.role(r) != "excluded"]
@@ -200,12 +312,15 @@ class PlanFollower:
             self.job, reroute.rank, route.generation, str(error)[:300],
         )  # fmt: skip
         started = time.monotonic()
+        if self._failed_invites:
+            report(sorted(self._failed_invites))
+            self._failed_invites.clear()
         reported = False
-        agreed: wire.Plan | None = None
+        agreed: _Invitation | None = None
         while agreed is None:
             elapsed = time.monotonic() - started
             if store.check([key]):
-                agreed = msgspec.json.decode(store.get(key), type=wire.Plan)
+                agreed = msgspec.json.decode(store.get(key), type=_Invitation)
                 break
             missing = [r for r in expected if not store.check([f"{prefix}/alive/{r}"])]
             latest = self._latest
@@ -215,8 +330,9 @@ class PlanFollower:
             elif not missing:
                 candidate = _plan_of(route)  # nobody is gone: the same plan on fresh groups
             if candidate is not None:
-                won = store.compare_set(key, "", msgspec.json.encode(candidate).decode())
-                agreed = msgspec.json.decode(won, type=wire.Plan)
+                mine = _Invitation(plan=candidate, salt=f"r{store.add(self._salt_key, 1)}")
+                won = store.compare_set(key, "", msgspec.json.encode(mine).decode())
+                agreed = msgspec.json.decode(won, type=_Invitation)
                 break
             if missing and not reported and elapsed >= survey_s:
                 reported = True
@@ -233,19 +349,20 @@ class PlanFollower:
             time.sleep(poll_s)
         reroute.reset()
         try:
-            reroute.switch(agreed)
+            self._switch(agreed.plan, agreed.salt, invite=True)
         except RuntimeError:
             # Another rank died meanwhile (its group cannot connect): the agreed plan counts as in
             # force, groups broken, so the caller's next recover() starts from its generation.
-            reroute.adopt(agreed)
+            reroute.adopt(agreed.plan, salt=agreed.salt)
             raise
         self.switches += 1
         self._reported_missing.clear()
         log.warning(
             "event=recovered job=%s rank=%d generation=%d role=%s excluded=%s after_s=%.2f",
-            self.job, reroute.rank, agreed.generation, reroute.role, agreed.excluded, time.monotonic() - started,
+            self.job, reroute.rank, agreed.plan.generation, reroute.role, agreed.plan.excluded,
+            time.monotonic() - started,
         )  # fmt: skip
-        return agreed
+        return agreed.plan
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -298,8 +415,30 @@ class PlanFollower:
                 pubsub.close()
 
 
+class _Invitation(msgspec.Struct, frozen=True):
+    """A plan the live ranks agreed on and the salt that names its groups (``trainer.collective``)."""
+
+    plan: wire.Plan
+    salt: str
+
+
 class RecoveryError(RuntimeError):
     """Survivors of a failed collective could not agree on a plan without the failed rank."""
+
+
+class JobFinished(RecoveryError):
+    """A restarted rank waiting to rejoin found the job finished: nothing is left to do."""
+
+
+def _join_key(job: str, rank: int) -> str:
+    return f"pulse/{job}/join/{rank}"
+
+
+def forget_invitation(store: Store, *, job: str, rank: int) -> None:
+    """A restarted rank, before it registers again (which is what makes the orchestrator count on
+    it): drop any invitation left in the job's store for its earlier self, so that
+    :meth:`PlanFollower.join` waits for one meant for this process."""
+    store.delete_key(_join_key(job, rank))
 
 
 def _plan_of(route: Route) -> wire.Plan:

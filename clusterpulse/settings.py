@@ -74,6 +74,7 @@ class Settings(BaseSettings):
     job_start_timeout_s: float = Field(120.0, gt=0)
     job_stop_grace_s: float = Field(10.0, ge=0)
     job_resend_s: float = Field(5.0, gt=0)
+    job_max_rejoins: int = Field(10, ge=0)  # relaunches per node and job of excluded ranks (0: never)
     agent_state_dir: str = ""  # <dir>/<node>; default $XDG_STATE_HOME or ~/.local/state, /clusterpulse/<node>
     job_master_addr_label: str = "addr"  # the node label holding the rendezvous address
 

@@ -10,6 +10,13 @@ reported unreachable, never the node of rank 0, see ``services/plans.py``) no lo
 the job is RUNNING: their ranks exiting non-zero or being lost does not fail the job (the others
 train on without them), and the job SUCCEEDS when every other node's ranks exited 0.
 
+**Rejoin.** An excluded node whose ranks are gone (exited, with any code, or lost) and that is
+HEALTHY again gets its share of the job launched anew with ``PULSE_REJOIN=1`` (``relaunch``):
+its ranks join the live ones at a step boundary and take their state (``trainer/follow.py``,
+``PlanFollower.join``), no restart of the job. Their registration ends the exclusion
+(``services/plans.py``), so the node counts again. At most ``max_rejoins`` relaunches per node
+and job (``rejoins``), so a node whose ranks die at every start is not relaunched for ever.
+
 :func:`decide` looks at the current state, the latest status per node and the time, and says
 what the job's state should be and which commands to send; the orchestrator persists the state
 change (with its event) and sends the commands. Running it twice changes nothing
@@ -32,6 +39,7 @@ class Decision:
     state: str
     reason: str
     send: str | None = None  # "launch" or "stop": to every assigned node
+    relaunch: tuple[str, ...] = ()  # nodes whose share is launched anew to rejoin the running job
 
 
 def _last_line(status: Mapping[str, object]) -> str:
@@ -48,6 +56,9 @@ def decide(
     now: float,
     start_timeout: float,
     excluded: Collection[str] = (),
+    healthy: Collection[str] = (),
+    rejoins: Mapping[str, int] | None = None,
+    max_rejoins: int = 0,
 ) -> Decision:
     """What to do with a job in ``state`` since ``since``, given ``status[node]`` (the latest
     JobStatus of each node as a dict). A command in ``send`` with an unchanged state is a resend:
@@ -62,7 +73,16 @@ def decide(
         if not running:
             return Decision("STOPPED", "every node's ranks are gone")
         return Decision("STOPPING", "", send="stop")  # re-sent (rate-limited by the caller) until gone
+    relaunch: tuple[str, ...] = ()
     if state == "RUNNING" and excluded:
+        relaunch = tuple(
+            n
+            for n in nodes
+            if n in excluded
+            and n in healthy
+            and states.get(n) in ("exited", "lost")
+            and (rejoins or {}).get(n, 0) < max_rejoins
+        )
         nodes = [n for n in nodes if n not in excluded]
     for n in nodes:
         st = status.get(n, {})
@@ -81,7 +101,7 @@ def decide(
         if now - since > start_timeout:
             return Decision("FAILED", f"no start from {', '.join(missing)} within {start_timeout:g}s", send="stop")
         return Decision(state, "", send="launch")  # re-sent (rate-limited) until every node answers
-    return Decision(state, "")
+    return Decision(state, "", relaunch=relaunch)
 
 
 def master_port(job_id: str, *, base: int = 29500, span: int = 500) -> int:

@@ -52,7 +52,7 @@ from clusterpulse.retry import Backoff, is_transient
 from clusterpulse.settings import Settings
 from services import db
 from services.cluster import Cluster, ClusterEvent
-from services.health import Policy, Transition
+from services.health import Policy, State, Transition
 from services.leader import FENCED_COMMANDS, FENCED_PLANS, LeaderLease, NotLeader, commands_args, plans_args
 from services.planner import PlannerPolicy
 from services.plans import PlanChange, PlanKeeper, PlanRefused
@@ -133,6 +133,8 @@ class Orchestrator:
         self.plans = PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=settings.max_proxied_per_rank))
         self._ranks_changed = False
         self._excluded_nodes: dict[str, set[str]] = {}  # job -> nodes that no longer count (services/jobs.py)
+        self._healthy_excluded: set[str] = set()  # excluded nodes that are HEALTHY: may rejoin
+        self._rejoins: dict[str, dict[str, int]] = {}  # job -> node -> relaunches sent
         self._last_send: dict[tuple[str, str], float] = {}
         self.job_states: dict[str, tuple[str, float]] = {}  # job -> (state, updated_at), for /metrics
         self.progress = Progress(straggler_factor=settings.straggler_factor, stale_after=settings.job_stale_after_s)
@@ -832,6 +834,13 @@ class Orchestrator:
     async def reconcile_jobs(self) -> None:
         statuses, self._job_statuses = self._job_statuses, []
         self._excluded_nodes = {job: self.plans.excluded_nodes(job) for job in self.plans.plans}
+        nodes = self.cluster.nodes if self.cluster is not None else {}
+        self._healthy_excluded = {
+            n
+            for ex in self._excluded_nodes.values()
+            for n in ex
+            if n in nodes and nodes[n].health.state == State.HEALTHY
+        }
         try:
             async with self._db_lock:
                 # read under the lock: a job created while this waited is older than its first move
@@ -840,14 +849,17 @@ class Orchestrator:
         except Exception:
             self._job_statuses[:0] = statuses  # not stored: try again next tick
             raise
-        for kind, job_id, nodes, spec, addr, port in sends:
-            await self._send(kind, job_id, nodes=nodes, spec=spec, addr=addr, port=port)
+        for send in sends:
+            await self._send(send)
 
-    async def _send(
-        self, kind: str, job_id: str, *, nodes: list[str], spec: dict[str, Any], addr: str, port: int
-    ) -> None:
+    async def _send(self, send: _Send) -> None:
+        """One command to the job's nodes (``send.only``: to those alone; ``send.rejoin``: ranks
+        that join the running job, services/jobs.py)."""
+        kind, job_id, nodes, spec = send.kind, send.job, send.nodes, send.spec
         commands = []
         for rank, node in enumerate(nodes):
+            if send.only and node not in send.only:
+                continue
             cmd = wire.JobCommand(
                 v=wire.PROTOCOL_VERSION,
                 kind=cast(Literal["launch", "stop"], kind),
@@ -855,24 +867,25 @@ class Orchestrator:
                 node_rank=rank,
                 nodes=len(nodes),
                 gpus_per_node=spec["gpus_per_node"],
-                master_addr=addr,
-                master_port=port,
+                master_addr=send.addr,
+                master_port=send.port,
                 argv=list(spec["entrypoint"]),
-                env={**spec.get("env", {}), **_ds_env(spec)},
+                env={**spec.get("env", {}), **_ds_env(spec), **({"PULSE_REJOIN": "1"} if send.rejoin else {})},
                 grace_s=self.settings.job_stop_grace_s,
             )
             commands.append((node, wire.encode(cmd)))
         keys, args = commands_args(self.leader.fence(), commands, maxlen=10_000)
         await self.leader.fenced_eval(FENCED_COMMANDS, keys, args, what="job command")
-        log.info("event=job_command job=%s kind=%s nodes=%s", job_id, kind, nodes)
+        log.info(
+            "event=job_command job=%s kind=%s nodes=%s rejoin=%s", job_id, kind, [c[0] for c in commands], send.rejoin
+        )
 
-    def _reconcile_jobs_db(
-        self, statuses: list[wire.JobStatus], now: float
-    ) -> list[tuple[str, str, list[str], dict[str, Any], str, int]]:
+    def _reconcile_jobs_db(self, statuses: list[wire.JobStatus], now: float) -> list[_Send]:
         from services.jobs import ACTIVE, decide
 
-        sends = []
-        excluded = self._excluded_nodes  # a snapshot taken on the event loop
+        sends: list[_Send] = []
+        excluded = self._excluded_nodes  # snapshots taken on the event loop
+        healthy = self._healthy_excluded
         with self._leader_tx("jobs") as s:
             for st in statuses:
                 try:
@@ -888,6 +901,9 @@ class Orchestrator:
                     now=now,
                     start_timeout=self.settings.job_start_timeout_s,
                     excluded=excluded.get(job.id, ()),
+                    healthy=healthy,
+                    rejoins=self._rejoins.get(job.id, {}),
+                    max_rejoins=self.settings.job_max_rejoins,
                 )
                 if d.state != job.state:
                     db.set_job_state(s, job_id=job.id, state=d.state, reason=d.reason, at=now)
@@ -898,7 +914,34 @@ class Orchestrator:
                 ):
                     self._last_send[key] = now
                     sends.append(
-                        (d.send, job.id, list(job.assigned_nodes), dict(job.spec), job.master_addr, job.master_port)
+                        _Send(
+                            d.send, job.id, list(job.assigned_nodes), dict(job.spec), job.master_addr, job.master_port
+                        )
+                    )
+                for node in d.relaunch:
+                    key = (job.id, f"rejoin:{node}")
+                    if now - self._last_send.get(key, 0.0) < self.settings.job_resend_s:
+                        continue
+                    self._last_send[key] = now
+                    count = self._rejoins.setdefault(job.id, {})
+                    count[node] = count.get(node, 0) + 1
+                    reason = (
+                        f"the ranks on {node} are gone and it is HEALTHY: launched anew to rejoin job {job.id} "
+                        f"(relaunch {count[node]} of at most {self.settings.job_max_rejoins})"
+                    )
+                    db.record_event(s, kind="rank_rejoin", reason=reason, at=now, node=node, job=job.id)
+                    log.info("event=rank_rejoin job=%s node=%s relaunch=%d", job.id, node, count[node])
+                    sends.append(
+                        _Send(
+                            "launch",
+                            job.id,
+                            list(job.assigned_nodes),
+                            dict(job.spec),
+                            job.master_addr,
+                            job.master_port,
+                            only=(node,),
+                            rejoin=True,
+                        )
                     )
             cutoff = now - self.settings.job_stale_after_s
             self.job_states = {
@@ -1049,7 +1092,7 @@ class Orchestrator:
             changed, nodes, spec, addr, port = await asyncio.to_thread(write)
         if changed:
             self._last_send[(job_id, "stop")] = self.clock.now()
-            await self._send("stop", job_id, nodes=nodes, spec=spec, addr=addr, port=port)
+            await self._send(_Send("stop", job_id, nodes, spec, addr, port))
         return changed
 
     async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:
@@ -1069,6 +1112,20 @@ class Orchestrator:
         if self.cluster is not None and name in self.cluster.nodes:
             self.cluster.set_schedulable(name, schedulable)
         return changed
+
+
+@dataclass(frozen=True)
+class _Send:
+    """A job command to send: ``kind`` to the job's nodes (``only`` some of them)."""
+
+    kind: str
+    job: str
+    nodes: list[str]
+    spec: dict[str, Any]
+    addr: str
+    port: int
+    only: tuple[str, ...] = ()
+    rejoin: bool = False
 
 
 def _ds_env(spec: dict[str, Any]) -> dict[str, str]:

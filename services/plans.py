@@ -13,7 +13,8 @@ an event). When no valid plan exists the old one stays in force, and the refusal
 Exclusion is sticky. A rank a plan excluded (its node LOST), or one a carrier reported
 unreachable (it hung or died mid-step: :meth:`PlanKeeper.rank_unreachable`), received no reduced
 gradient, so its parameters have diverged: it stays excluded, whatever its node's health
-becomes, until it registers again (a restarted rank does, from a checkpoint). After an
+becomes, until it registers again (a rank the orchestrator relaunched to rejoin the running job
+does, ``services/jobs.py``, and takes the live ranks' state at the boundary it joins). After an
 orchestrator restart the excluded ranks of the restored plans are unreachable again, so a
 restart loses none of this.
 

@@ -25,7 +25,7 @@ from services import db
 from services.cluster import ClusterEvent
 from services.leader import FENCED_PLANS, StaleEpoch, plans_args
 from services.models import EventRow, JobRow, NodeRow
-from services.orchestrator import Orchestrator
+from services.orchestrator import Orchestrator, _Send
 from tests.support import fresh_database
 
 SPEC = {"name": "j", "nodes": 1, "gpus_per_node": 1, "selector": {}, "entrypoint": ["-m", "x"]}
@@ -168,9 +168,9 @@ def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, 
             _pretend_leading(a, old)
             spec = {"gpus_per_node": 1, "entrypoint": ["-m", "x"]}
             with pytest.raises(StaleEpoch):
-                await a._send("launch", "job1", nodes=["n1"], spec=spec, addr="127.0.0.1", port=1)
+                await a._send(_Send("launch", "job1", ["n1"], spec, "127.0.0.1", 1))
             assert await client.xlen(wire.node_commands_key("n1")) == 0
-            await b._send("launch", "job1", nodes=["n1"], spec=spec, addr="127.0.0.1", port=1)
+            await b._send(_Send("launch", "job1", ["n1"], spec, "127.0.0.1", 1))
             entries: list[tuple[bytes, dict[bytes, bytes]]] = await client.xrange(wire.node_commands_key("n1"))  # type: ignore[assignment]
             assert [int(f[wire.COMMAND_EPOCH_FIELD]) for _, f in entries] == [new]
 

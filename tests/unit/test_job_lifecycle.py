@@ -75,3 +75,20 @@ def test_a_node_whose_ranks_the_plan_excluded_no_longer_counts_once_running() ->
     assert x("RUNNING", {"a": exited(1), "b": exited(0)}).state == "FAILED"  # a survivor failing still fails it
     r = x("STARTING", {"a": started(), "b": exited(-9)})
     assert r.state == "FAILED"  # before RUNNING nothing is excluded: a failed start is a failure
+
+
+def test_an_excluded_node_whose_ranks_are_gone_is_relaunched_to_rejoin_once_healthy() -> None:
+    def x(status: dict[str, dict[str, object]], **kw: object):  # type: ignore[no-untyped-def]
+        args: dict[str, object] = {"excluded": {"b"}, "healthy": {"b"}, "max_rejoins": 3, **kw}
+        return decide(state="RUNNING", nodes=NODES, status=status, since=0.0, now=1.0, start_timeout=60.0, **args)  # type: ignore[arg-type]
+
+    assert x({"a": started(), "b": exited(-9)}).relaunch == ("b",)  # killed
+    assert x({"a": started(), "b": exited(0)}).relaunch == ("b",)  # woke up excluded and left
+    assert x({"a": started(), "b": {"state": "lost"}}).relaunch == ("b",)  # died while its agent was away
+    assert x({"a": started(), "b": started()}).relaunch == ()  # still running (hung, or relaunched already)
+    assert x({"a": started(), "b": exited(-9)}, healthy=set()).relaunch == ()  # its node is not HEALTHY yet
+    assert x({"a": started(), "b": exited(-9)}, rejoins={"b": 3}).relaunch == ()  # relaunched often enough
+    assert x({"a": started(), "b": exited(-9)}, max_rejoins=0).relaunch == ()  # rejoin off
+    assert x({"a": started(), "b": exited(-9)}, excluded=set()).state == "FAILED"  # not excluded: a failure
+    done = x({"a": exited(0), "b": exited(-9)})
+    assert done.state == "SUCCEEDED" and done.relaunch == ()  # nothing to rejoin once the others are done

@@ -27,12 +27,15 @@ agent_kill        SIGKILL the node's agent; ranks compute on -> DEGRADED ->   he
 agent_stop        SIGSTOP the agent -> DEGRADED -> proxied; healed by SIGCONT  health -> DEGRADED
 psu_imbalance,    the agent restarted with ``--fault KIND@0+hold`` (simulated  health -> DEGRADED
 pcie_x8, xid      telemetry) -> DEGRADED -> proxied; the fault clears itself
-rank_stop         SIGSTOP a non-zero rank -> its peers' collective times out,  rank_unreachable
-                  they report it -> excluded; training goes on without it
+rank_stop         SIGSTOP a non-zero rank -> its peers' collective times out,  rank_unreachable,
+                  they report it -> excluded; training goes on without it     rank_rejoin
                   (``trainer/follow.py``). Once excluded it gets SIGCONT: it
-                  finds itself excluded and leaves with 0
-rank_kill         SIGKILL a non-zero rank -> its agent reports the exit, the   rank_unreachable
-                  orchestrator excludes it, the survivors go on, as above
+                  finds itself excluded and leaves with 0; then as rank_kill
+rank_kill         SIGKILL a non-zero rank -> its agent reports the exit, the   rank_unreachable,
+                  orchestrator excludes it, the survivors go on, as above.     rank_rejoin
+                  Its node is HEALTHY, so the orchestrator launches its share
+                  anew (``PULSE_REJOIN``) and the new rank joins the live ones
+                  at a step boundary with the root's state: no restart
 redis_restart     the private Redis stopped for degraded_after + 2 s, then    redis_outage or
                   restarted empty -> health held, nobody degraded             partition
 orchestrator_     SIGKILL the orchestrator, start it again at once (same      orchestrator_started
@@ -41,8 +44,8 @@ restart           database): the job is tracked on, nobody degraded           (o
 
 Rank faults never hit rank 0: it hosts the job's TCPStore (``MASTER_ADDR``), without which no new
 process group can be made, so a job whose rank 0 dies can only restart. At most ``R - 2`` ranks
-are lost per campaign (two keep training); once that many are gone the rank kinds are no longer
-drawn. A fault needs a victim: node faults pick a node with no fault in force, a tick without one
+are out at once (two keep training); while that many are out (not rejoined yet) the rank kinds
+are not drawn. A fault needs a victim: node faults pick a node with no fault in force, a tick without one
 is recorded as skipped.
 
 Accounting (the JSON object; every figure has a definition a reader can check against the PNG):
@@ -64,6 +67,9 @@ Accounting (the JSON object; every figure has a definition a reader can check ag
 - ``detection_s``: injection -> the node DEGRADED (node faults) or the plan excluding the rank
   (rank faults); ``reroute_s``: injection -> rank 0 reports a plan generation that carries
   (proxies) or excludes the faulted rank. Percentiles p50/p90/max over faults that got there.
+- ``rejoin_s``: a rank fault's injection -> rank 0 reports a plan generation that counts on the
+  rank again (its relaunched process joined); ``rejoins`` counts them, ``ranks_out_at_end`` the
+  ranks still out when the window closed.
 - ``false_degraded``: a node entering DEGRADED with no node fault on it (within the fault's
   hold + 5 s); the Redis restart must cause none.
 - ``lost_events``: faults with no matching event in ``GET /v1/events`` (table above).
@@ -189,6 +195,7 @@ class Fault:
     generation_before: int = 0
     detected_s: float | None = None
     rerouted_s: float | None = None
+    rejoined_s: float | None = None  # rank faults: injection -> rank 0 trains with the rank again
     event: bool = False
     note: str = ""
 
@@ -620,7 +627,7 @@ class Campaign:
             os.kill(pid, signal.SIGSTOP if f.kind == "rank_stop" else signal.SIGKILL)
             f.note = f"pid {pid}"
             if f.kind == "rank_kill":
-                f.healed = True  # nothing comes back: the rank stays excluded
+                f.healed = True  # the orchestrator relaunches its node's share: see rejoined()
         elif f.kind == "redis_restart":
             s.stop_redis()
             f.heal_at = f.at + DEGRADED_AFTER_S + 2.0
@@ -647,6 +654,27 @@ class Campaign:
         elif f.kind == "redis_restart":
             s.start_redis()
         # hardware faults clear themselves in the agent after ``hold``
+
+    def rejoined(self, run: Run) -> None:
+        """Rank faults whose rank trains again: rank 0 reports a generation that counts on it,
+        after a plan that excluded it. Such a rank is no longer out (``lost_ranks``)."""
+        assert self.monitor is not None
+        mon = self.monitor
+        for f in self.faults:
+            if f.kind not in RANK_KINDS or f.rejoined_s is not None or f.rank is None:
+                continue
+            plans = [(t, p) for t, p in mon.plans if p.get("job") == run.job and t >= f.at - 0.5]
+            out = next((i for i, (_, p) in enumerate(plans) if f.rank in (p.get("excluded") or [])), None)
+            if out is None:
+                continue
+            back = next((p["generation"] for _, p in plans[out:] if f.rank not in (p.get("excluded") or [])), None)
+            if back is None:
+                continue
+            seen = [t for t, r in run.reports if r.rank == 0 and (r.plan_generation or 0) >= back and t >= f.at]
+            if seen:
+                f.rejoined_s = seen[0] - f.at
+                self.lost_ranks.discard(f.rank)
+                log.info("event=rank_rejoined rank=%d after_s=%.1f", f.rank, f.rejoined_s)
 
     def heal_due(self, run: Run, now: float, *, all_: bool = False) -> None:
         assert self.monitor is not None
@@ -704,6 +732,7 @@ class Campaign:
         while time.time() < end:
             now = time.time()
             self.heal_due(runs[-1], now)
+            self.rejoined(runs[-1])
             if mon.rank0_step(runs[-1]) >= steps_expected:
                 break  # the job is done: faults from here on would hit nothing
             if now >= next_fault:
@@ -718,11 +747,14 @@ class Campaign:
             self._resubmit_if_failed(runs)
             time.sleep(0.1)
         steps_done = mon.rank0_step(runs[-1], at=end)
+        self.rejoined(runs[-1])
+        out_at_end = sorted(self.lost_ranks)
         self.heal_due(runs[-1], time.time(), all_=True)
         for node, p in list(s.agents.items()):  # an agent killed near the end is not left dead
             if p.poll() is not None:
                 s.start_agent(node)
         final_state = self._finish(runs)
+        self.rejoined(runs[-1])  # a rank that rejoined after the window still counts in rejoin_s
         return self._result(
             ff=ff,
             runs=runs,
@@ -732,6 +764,7 @@ class Campaign:
             noise=noise,
             end=end,
             final_state=final_state,
+            out_at_end=out_at_end,
         )
 
     def _resubmit_if_failed(self, runs: list[Run]) -> None:
@@ -785,6 +818,7 @@ class Campaign:
         noise: float,
         end: float,
         final_state: str,
+        out_at_end: list[int],
     ) -> dict[str, Any]:
         assert self.monitor is not None
         mon = self.monitor
@@ -836,9 +870,11 @@ class Campaign:
             "faults_skipped": len(self.skipped),
             "detection_s": percentiles([f.detected_s for f in self.faults if f.detected_s is not None]),
             "reroute_s": percentiles([f.rerouted_s for f in self.faults if f.rerouted_s is not None]),
+            "rejoins": sum(1 for f in self.faults if f.rejoined_s is not None),
+            "rejoin_s": percentiles([f.rejoined_s for f in self.faults if f.rejoined_s is not None]),
             "steps_lost_by_kind": {k: round(v, 4) for k, v in sorted(lost_by_kind.items())},
             "steps_lost_degraded_faults": round(sum(v for k, v in lost_by_kind.items() if k in DEGRADING), 4),
-            "ranks_lost": sorted(self.lost_ranks),
+            "ranks_out_at_end": out_at_end,
             "job_done_s": None if finished >= end else round(finished - first, 1),
             "final_loss": None if final_loss is None else round(final_loss, 5),
             "final_step": final_step,
@@ -857,6 +893,7 @@ class Campaign:
                     "rank": f.rank,
                     "detection_s": None if f.detected_s is None else round(f.detected_s, 2),
                     "reroute_s": None if f.rerouted_s is None else round(f.rerouted_s, 2),
+                    "rejoin_s": None if f.rejoined_s is None else round(f.rejoined_s, 2),
                     "event": f.event,
                     "note": f.note,
                 }
@@ -973,10 +1010,15 @@ def plot(camp: Campaign, ff: Run, runs: list[Run], result: dict[str, Any], path:
             lo, hi = max(t, 0.0), max(t_end, 0.0)
             if hi > lo:
                 ax2.barh(i, hi - lo, left=lo, color=colors.get(st, "0.5"), height=0.6)
+    plans = [(t - t0, p) for t, p in mon.plans if p.get("job") == runs[-1].job]
     for rank in sorted(camp.lost_ranks | {f.rank for f in camp.faults if f.kind in RANK_KINDS and f.rank}):
-        excl = [t - t0 for t, p in mon.plans if rank in (p.get("excluded") or []) and p.get("job") == runs[-1].job]
-        if excl:
-            ax2.plot([excl[0], end], [rank, rank], color="k", lw=2, ls=":")
+        out_since: float | None = None  # each span: from a plan excluding the rank to one counting on it again
+        for t, p in [*plans, (end, {"excluded": []})]:
+            if rank in (p.get("excluded") or []):
+                out_since = t if out_since is None else out_since
+            elif out_since is not None:
+                ax2.plot([out_since, t], [rank, rank], color="k", lw=2, ls=":")
+                out_since = None
     ax2.set_yticks(range(len(camp.stack.nodes)), [f"{n} (rank {i})" for i, n in enumerate(camp.stack.nodes)])
     ax2.set_ylabel("node state")
     handles = [Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]

@@ -88,15 +88,28 @@ class RerouteConfigError(ValueError):
     """The engine's configuration is one the rerouted all-reduce cannot serve exactly."""
 
 
-def attach(engine: Any, reroute: ReroutedAllReduce) -> None:
+def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False) -> None:
     """Route ``engine``'s gradient reduction through ``reroute`` (see the module docstring).
 
     Call once, right after ``deepspeed.initialize`` and before the first step, on every rank.
     Raises :class:`RerouteConfigError` naming the setting to change when the engine's
     configuration cannot be rerouted exactly; the engine is then left as it was.
+
+    ``rejoining``: a restarted rank joining a running job (``trainer.follow``, ``join``) runs
+    DeepSpeed in a world of one, so only ZeRO stage 0 (a whole optimizer on every rank) fits it:
+    stages 1 and 2 partition the optimizer state over the world the job started with.
     """
     world = int(torch.distributed.get_world_size())
-    if world != reroute.world_size:
+    if rejoining:
+        if world != 1:
+            raise RerouteConfigError(f"a rejoining rank runs in a world of one; the process group has {world} ranks")
+        stage = int(engine.zero_optimization_stage())
+        if stage != 0:
+            raise RerouteConfigError(
+                f"zero_optimization.stage={stage}: a restarted rank cannot rejoin, its optimizer partition "
+                "lives in the world the job started with; use stage 0, or restart the job"
+            )
+    elif world != reroute.world_size:
         raise RerouteConfigError(f"reroute.world_size={reroute.world_size} but the process group has {world} ranks")
     if engine.pipeline_parallelism:
         raise RerouteConfigError("pipeline parallelism: the plan numbers data-parallel ranks of the whole world")

@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             collective_timeout_s=args.collective_timeout if bounded else None,
             store=job_store,
         )
-        deepspeed_reroute.attach(engine, reroute)
+        deepspeed_reroute.attach(engine, reroute, rejoining=args.rejoin)
         follower = PlanFollower(job=args.job, reroute=reroute, redis_url=url, poll_s=args.plan_poll)
     elif args.rejoin:
         raise SystemExit("--rejoin: PULSE_REDIS_URL is unset, so this rank cannot follow the live ranks' plans")

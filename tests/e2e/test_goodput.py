@@ -4,7 +4,8 @@ A private redis-server (the campaign restarts it), the orchestrator, four simula
 4-rank DeepSpeed job of ``trainer.example`` on gloo; a short fault-free run, then the same job
 with a fault every 10 s, taken in turn from a mix that covers each way a fault can go: an agent
 SIGKILLed (DEGRADED -> proxied -> the agent comes back), Redis restarted (health held), a rank
-SIGKILLed (excluded, the survivors go on without a restart), the orchestrator SIGKILLed and
+SIGKILLed (excluded, the survivors go on without a restart, its node's share is relaunched and
+rejoins the running job with the root's state), the orchestrator SIGKILLed and
 restarted, a simulated PSU imbalance. Asserts the invariants, never timing: no restart (a DEGRADED fault
 costs none, and the lost rank is survived), the job SUCCEEDS, no node is DEGRADED that no fault
 touched (the Redis restart included), every fault shows up as an event, every loss and gradient
@@ -65,6 +66,7 @@ def test_short_campaign_keeps_training_through_every_fault(tmp_path: Path) -> No
             assert f["detection_s"] is not None, f  # the node did go DEGRADED
         if f["kind"] == "rank_kill":
             assert f["detection_s"] is not None, f  # a plan excluded the rank
+            assert f["rejoin_s"] is not None, (f, shown)  # relaunched, it joined the live ranks again
     assert result["params_finite"], shown
     assert result["final_loss"] is not None and result["final_step"] == result["steps_expected"], shown
     assert Path(result["png"]).stat().st_size > 0

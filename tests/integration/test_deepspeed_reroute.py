@@ -191,10 +191,12 @@ def scenario_train(rank: int) -> dict[str, Any]:
     return out
 
 
-def refusal(config: dict[str, Any]) -> str | None:
+def refusal(config: dict[str, Any], *, rejoining: bool = False, job_world: int = 1) -> str | None:
     engine = make_engine(config)
+    # a rank rejoining a 4-rank job runs its engine in a world of one, like this one
+    reroute = ReroutedAllReduce(world_size=job_world, rank=job_world - 1)
     try:
-        attach(engine, ReroutedAllReduce(world_size=1, rank=0))
+        attach(engine, reroute, rejoining=rejoining)
     except RerouteConfigError as exc:
         return str(exc)
     return None
@@ -213,6 +215,9 @@ def scenario_refuse() -> dict[str, Any]:
         "contiguous": refusal(ds_config(1, reduce_scatter=False, contiguous_gradients=False)),
         "sum": refusal({**ds_config(0), "gradient_allreduce_op": "sum"}),
         "stage2_ok": refusal(rerouteable(2)),
+        "rejoin_stage0_ok": refusal(ds_config(0), rejoining=True, job_world=4),
+        "rejoin_stage1": refusal(rerouteable(1), rejoining=True, job_world=4),
+        "world_mismatch": refusal(ds_config(0), job_world=4),
     }
 
 
@@ -308,6 +313,9 @@ def test_attach_refuses_what_it_cannot_reroute(tmp_path: Path) -> None:
     assert out["contiguous"] is not None and "zero_optimization.contiguous_gradients=false" in out["contiguous"]
     assert out["sum"] is not None and "gradient_allreduce_op" in out["sum"]
     assert out["stage2_ok"] is None
+    assert out["rejoin_stage0_ok"] is None  # a restarted rank of a stage-0 job may rejoin
+    assert out["rejoin_stage1"] is not None and "zero_optimization.stage=1" in out["rejoin_stage1"]
+    assert out["world_mismatch"] is not None and "reroute.world_size=4" in out["world_mismatch"]
     assert out["bf16_stage1"] == {
         "optimizer": "BF16_Optimizer",
         "hooked": ["buffered_allreduce_fallback", "clip_fp32_gradients"],

@@ -212,6 +212,13 @@ def job_plan_key(job: str) -> str:
     return f"pulse:{{job:{job}}}:plan"
 
 
+def job_done_store_key(job: str) -> str:
+    """Not Redis: the key the job's live ranks write into the job's TCPStore after their last step
+    (``trainer.follow.PlanFollower.finish``); the store's host (``agent/jobstore.py``) and a rank
+    waiting to rejoin read it."""
+    return f"pulse/{job}/done"
+
+
 PLAN_CHANNEL = "pulse:plans"
 """Pub/sub channel announcing ``job`` ids whose plan changed."""
 

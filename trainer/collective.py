@@ -584,10 +584,21 @@ class ReroutedAllReduce:
         self.left = frozenset(self.route.excluded)
         self._groups = {}
 
-    def share_(self, t: torch.Tensor) -> torch.Tensor:
+    def share_(self, t: torch.Tensor, *, src: int | None = None) -> torch.Tensor:
         """Overwrite ``t`` with the root's ``t`` on every live rank (as :meth:`agree_plan` does:
-        the participants' group, relayed to degraded ranks by their carriers)."""
-        return self._share(t)
+        the participants' group, relayed to degraded ranks by their carriers). ``src``: another
+        participant's ``t`` instead of the root's (after a switch that brought ranks back the
+        root may be one of them, with nothing to give: see :attr:`source`)."""
+        return self._share(t, src)
+
+    @property
+    def source(self) -> int:
+        """The participant whose state every live rank takes after the switch in force: the lowest
+        participant that did not just come back (:attr:`joined`), or the root."""
+        if self.route is None:
+            return 0
+        kept = [r for r in self.route.participants if r not in self.joined]
+        return kept[0] if kept else self.route.root
 
     # -- agreement at a step boundary -----------------------------------------------------------
 
@@ -611,14 +622,14 @@ class ReroutedAllReduce:
         data = bytes(self._share(buf).tolist())
         return msgspec.json.decode(data, type=Plan)
 
-    def _share(self, t: torch.Tensor) -> torch.Tensor:
+    def _share(self, t: torch.Tensor, src: int | None = None) -> torch.Tensor:
         route = self.route
         if route is None or route.trivial:
-            dist.broadcast(t, src=0, group=self._live_group())
+            dist.broadcast(t, src=0 if src is None else src, group=self._live_group())
             return t
         role = route.role(self.rank)
         if role == "participant":
-            dist.broadcast(t, src=route.root, group=self._groups[route.participants])
+            dist.broadcast(t, src=route.root if src is None else src, group=self._groups[route.participants])
             for degraded in self._live_carried():
                 try:
                     work = dist.isend(t.clone(), dst=degraded, group=self._pair(degraded), tag=_TAG_AGREE)

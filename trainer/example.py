@@ -28,7 +28,8 @@ Surviving a dead or hung participant (``--collective-timeout``, ``PULSE_COLLECTI
 off by default): the plan's groups are made with that timeout, a step whose collective fails
 (a peer died or hangs) is skipped on every survivor (gradients zeroed, no update), the
 survivors agree on a plan that excludes the failed rank (:meth:`trainer.follow.PlanFollower.recover`:
-through the job's TCPStore, hosted by rank 0, so rank 0 itself must survive), switch to it,
+through the job's TCPStore: the agent of the first node hosts it, so any rank may fail, rank 0
+included; started otherwise, rank 0 hosts it and must survive), switch to it,
 take the new root's parameters, optimizer state and step count, and go on. No restart. A rank
 that finds itself excluded (a hung one that wakes up) leaves with exit code 0.
 ``--recovery-timeout`` (``PULSE_RECOVERY_TIMEOUT_S``, default 120 s) bounds the wait for that
@@ -300,14 +301,14 @@ def _checkpoint_boundary(
     if flag.item() > 0:
         tag = f"emergency-step{step}"
         engine.save_checkpoint(str(args.checkpoint_dir), tag=tag, client_state={"step": step})
-        if rank == 0:
+        if rank == (0 if reroute is None else reroute.root):
             log.info(json.dumps({"event": "checkpoint", "step": step, "dir": str(args.checkpoint_dir / tag)}))
         return True
     return False
 
 
-def _sync_from_root(engine: Any, reroute: ReroutedAllReduce, completed: int) -> int:
-    """After a recovery or a rank's return: every live rank takes the root's parameters, optimizer
+def _sync_from_root(engine: Any, reroute: ReroutedAllReduce, completed: int, *, src: int) -> int:
+    """After a recovery or a rank's return: every live rank takes ``src``'s parameters, optimizer
     state, step count and learning rate (a survivor may have completed the failed step's update
     when another did not; a restarted rank has nothing). Returns the root's last completed step."""
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed may wrap the torch optimizer
@@ -328,7 +329,7 @@ def _sync_from_root(engine: Any, reroute: ReroutedAllReduce, completed: int) -> 
         ],
         dtype=torch.float64,
     )
-    reroute.share_(header)
+    reroute.share_(header, src=src)
     if int(header[3].item()) != len(tensors):
         raise RuntimeError(
             f"rank {reroute.rank}: {len(tensors)} state tensors here, {int(header[3].item())} on the root "
@@ -336,7 +337,7 @@ def _sync_from_root(engine: Any, reroute: ReroutedAllReduce, completed: int) -> 
         )
     if tensors:
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
-        reroute.share_(flat)
+        reroute.share_(flat, src=src)
         for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
             t.copy_(piece.view_as(t))
     engine.global_steps = int(header[1].item())
@@ -506,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                 reporter.close(timeout=5.0)
             return 0
         _materialize_optimizer_state(engine)
-        step = completed = _sync_from_root(engine, reroute, 0)
+        step = completed = _sync_from_root(engine, reroute, 0, src=follower.source)
         log.warning("event=rejoined job=%s rank=%d step=%d", args.job, rank, step)
         if args.checkpoint_dir is not None:  # the rest of the boundary the live ranks are at
             _checkpoint_boundary(args, engine, reroute, rank=rank, step=step, requested=False)
@@ -538,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                 if follower is not None:
                     follower.boundary()
                     if follower.joined and reroute is not None:  # restarted ranks came back: share state
-                        completed = _sync_from_root(engine, reroute, completed)
+                        completed = _sync_from_root(engine, reroute, completed, src=follower.source)
                     unreachable = sorted(follower.newly_missing())
                     if reroute is not None and reroute.role == "excluded":
                         log.warning("event=excluded job=%s rank=%d step=%d note=leaving_training", args.job, rank, step)
@@ -575,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                             error, report=report_missing, survey_s=survey_s, timeout_s=args.recovery_timeout
                         )
                         if reroute.role != "excluded":
-                            completed = _sync_from_root(engine, reroute, completed)
+                            completed = _sync_from_root(engine, reroute, completed, src=follower.source)
                         break
                     except RecoveryError:
                         raise

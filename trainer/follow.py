@@ -38,9 +38,10 @@ for a hung one) instead of waiting out the world's 30 minutes. The caller catche
 the step (that step's update is skipped) and calls ``recover``, which on every survivor:
 
 1. writes ``pulse/<job>/recover/<generation>/<salt>/alive/<rank>`` into the job's store (the
-   rendezvous TCPStore, hosted by rank 0; it is not a gloo group, so it still works when the
-   groups are broken; the salt names the groups in force, so two failures under one generation
-   never read each other's keys);
+   rendezvous TCPStore, hosted outside the ranks by the first node's agent, ``agent/jobstore.py``,
+   or by rank 0 when the job was started otherwise; it is not a gloo group, so it still works
+   when the groups are broken; the salt names the groups in force, so two failures under one
+   generation never read each other's keys);
 2. waits until either a plan the orchestrator published has a higher generation than the plan in
    force and excludes a rank the plan in force did not (the orchestrator excludes a rank whose
    node's ranks exited, from the agent's report, or one that survivors reported unreachable), or
@@ -83,10 +84,13 @@ recovery that follows keeps the old plan and reports the rank unreachable (so it
 again, not invited at every boundary). The live ranks write ``pulse/<job>/done`` after the last
 step (:meth:`finish`): a rank still waiting then leaves with success (:class:`JobFinished`).
 
-Limits: rank 0 hosts the TCPStore (``MASTER_ADDR``); when it dies no group can be made any more
-and ``recover`` raises after ``timeout_s`` (the job fails and must restart from a checkpoint).
-Surviving that needs the store elsewhere (a store on a highly available service, or re-forming
-the world around a new store host, as torchft's lighthouse does) and rank 0's roles handed on.
+Limits: the store's host must live. In jobs the agents launch it is a process of the first
+node's agent (``agent/jobstore.py``), so rank 0 dies, is excluded and rejoins like any rank (the
+root is the lowest live participant); in a job started otherwise (``torchrun``, ``deepspeed``
+without ``TORCHELASTIC_USE_AGENT_STORE``) rank 0 hosts it, and when rank 0 dies no group can be
+made any more and ``recover`` raises after ``timeout_s``. When the store's host itself is lost
+the job must restart from a checkpoint (a store on a highly available service, as torchft's
+lighthouse is, would lift that).
 """
 
 from __future__ import annotations
@@ -135,6 +139,9 @@ class PlanFollower:
         self._calls = 0
         self._reported_missing: set[int] = set()
         self._failed_invites: set[int] = set()
+        self.source = 0
+        """The rank whose state every live rank takes after the last switch that brought ranks
+        back (never one of them: a rejoined rank 0 is the root of a trivial plan, with nothing)."""
         self.joined: tuple[int, ...] = ()
         """Ranks the switch at the last :meth:`boundary` brought back (restarted ranks that
         :meth:`join` ed): every live rank then shares the root's state with them."""
@@ -188,6 +195,7 @@ class PlanFollower:
         self.switches += 1
         self._reported_missing.clear()
         self.joined = reroute.joined
+        self.source = reroute.source
         return plan
 
     def _switch(self, plan: wire.Plan, salt: str, *, invite: bool) -> None:
@@ -196,7 +204,9 @@ class PlanFollower:
         reroute = self.reroute
         back = sorted(reroute.left - set(plan.excluded))
         if invite and back:
-            record = msgspec.json.encode(_Invitation(plan=plan, salt=salt)).decode()
+            kept = [r for r in plan.participants if r not in back]
+            source = min(kept) if kept else min(plan.participants)  # what ReroutedAllReduce.source says
+            record = msgspec.json.encode(_Invitation(plan=plan, salt=salt, source=source)).decode()
             for r in back:
                 reroute.store.set(self._join_key(r), record)
             log.warning("event=rejoin_invited job=%s generation=%d ranks=%s", self.job, plan.generation, back)
@@ -216,8 +226,8 @@ class PlanFollower:
                 raise JobFinished(f"job {self.job} finished before rank {self.reroute.rank} could rejoin it")
             return store.check([key])
         except DistError as exc:
-            # The store lives in rank 0's process: gone means the job is over, one way or the
-            # other (rank 0's own exit says which).
+            # The store outlives every rank but the job (agent/jobstore.py), or it lives in rank 0:
+            # gone means the job is over, one way or the other (the job's state says which).
             raise JobFinished(f"job {self.job}: its store is gone ({exc}); nothing left to rejoin") from exc
 
     def finish(self) -> None:
@@ -228,7 +238,7 @@ class PlanFollower:
 
     @property
     def _done_key(self) -> str:
-        return f"pulse/{self.job}/done"
+        return wire.job_done_store_key(self.job)
 
     @property
     def _salt_key(self) -> str:
@@ -260,6 +270,7 @@ class PlanFollower:
             reroute.store.delete_key(key)
             try:
                 reroute.switch(invitation.plan, salt=invitation.salt)
+                self.source = invitation.source
                 break
             except RuntimeError as exc:  # the live ranks gave up on this attempt: they invite again
                 log.warning(
@@ -357,6 +368,7 @@ class PlanFollower:
             raise
         self.switches += 1
         self._reported_missing.clear()
+        self.source = reroute.source
         log.warning(
             "event=recovered job=%s rank=%d generation=%d role=%s excluded=%s after_s=%.2f",
             self.job, reroute.rank, agreed.plan.generation, reroute.role, agreed.plan.excluded,
@@ -416,10 +428,12 @@ class PlanFollower:
 
 
 class _Invitation(msgspec.Struct, frozen=True):
-    """A plan the live ranks agreed on and the salt that names its groups (``trainer.collective``)."""
+    """A plan the live ranks agreed on, the salt that names its groups (``trainer.collective``)
+    and, for a rank invited back, the rank whose state it takes."""
 
     plan: wire.Plan
     salt: str
+    source: int = 0
 
 
 class RecoveryError(RuntimeError):

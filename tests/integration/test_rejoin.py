@@ -2,14 +2,17 @@
 
 Three ranks (this file run as a script per rank) train a toy model with the bounded collective
 (``collective_timeout_s``), agreeing and making groups through the job's TCPStore as
-``trainer.example`` does. The test process plays the orchestrator: rank 2 dies mid-run
-(``os._exit``), the survivors' collective fails, the test publishes a plan that excludes it
-(what the orchestrator does when the node's agent reports the exit), the survivors recover and
-train on; then the test starts a *new* rank-2 process (a world of one for itself, a TCPStore
-client to the job's store, as a relaunched rank does), waits for it to register and publishes a
-plan that counts on it again. At the next step boundary the live ranks invite it, make the new
-groups with it and share the root's state; from then on every rank steps with the average over
-all three, and all end with identical weights.
+``trainer.example`` does. The store is hosted by the test process, as the agent of the job's
+first node hosts it (``agent/jobstore.py``): every rank is its client
+(``TORCHELASTIC_USE_AGENT_STORE``), so rank 0 can die too. The test process plays the
+orchestrator: a rank dies mid-run (``os._exit``), the survivors' collective fails, the test
+publishes a plan that excludes it (what the orchestrator does when the node's agent reports the
+exit), the survivors recover and train on; then the test starts a *new* process for that rank (a
+world of one for itself, a TCPStore client to the job's store, as a relaunched rank does), waits
+for it to register and publishes a plan that counts on it again. At the next step boundary the
+live ranks invite it, make the new groups with it and share the state of a rank that stayed (for
+rank 0, which is the root again once back, not its own); from then on every rank steps with the
+average over all three, and all end with identical weights.
 """
 
 from __future__ import annotations
@@ -38,13 +41,13 @@ pytestmark = pytest.mark.timeout(150)
 
 JOB = "rejoin"
 WORLD = 3
-DIES_AT = 8  # rank 2's first life ends after this many steps
+DIES_AT = 8  # the dying rank's first life ends after this many steps
 STEP_S = 0.05
 SHAPE = (64,)
 STEPS_AFTER_JOIN = 6
 MAX_STEPS = 2000
 STEP_KEY = "test:rejoin:step"  # rank 0's last step, for the test's timing
-REGISTERED_KEY = "test:rejoin:registered"  # the new rank 2 says it is ready (its "registration")
+REGISTERED_KEY = "test:rejoin:registered"  # the restarted rank says it is ready (its "registration")
 
 
 def plan(generation: int, participants: list[int], excluded: list[int] | None = None) -> wire.Plan:
@@ -69,7 +72,7 @@ def mean_over(ranks: list[int], step: int) -> torch.Tensor:
 # --- one rank (this file as a script) ----------------------------------------------------------------
 
 
-def run_rank(rank: int, redis_url: str, *, rejoin: bool) -> dict[str, Any]:
+def run_rank(rank: int, redis_url: str, *, rejoin: bool, dying: int) -> dict[str, Any]:
     store = TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
     )
@@ -85,24 +88,24 @@ def run_rank(rank: int, redis_url: str, *, rejoin: bool) -> dict[str, Any]:
     joined_at: int | None = None
     gens: list[int | None] = []
 
-    def share_state(completed: int) -> int:
-        """The root's last completed step and weights, on every live rank (``_sync_from_root``)."""
+    def share_state(completed: int, src: int) -> int:
+        """``src``'s last completed step and weights, on every live rank (``_sync_from_root``)."""
         header[0] = float(completed)
-        reroute.share_(header)
-        reroute.share_(weights)
+        reroute.share_(header, src=src)
+        reroute.share_(weights, src=src)
         return int(header[0].item())
 
     if rejoin:
         client.set(REGISTERED_KEY, "1")
         follower.join(timeout_s=60)
-        step = share_state(0)
+        step = share_state(0, follower.source)
         joined_at = step
         gens.append(reroute.generation)
     after_join = 1 if rejoin else 0
     while step < MAX_STEPS:
         step += 1
         time.sleep(STEP_S)
-        if rank == 2 and not rejoin and step == DIES_AT:
+        if rank == dying and not rejoin and step == DIES_AT:
             os._exit(17)  # mid-run, before this step's collective: the survivors' collective fails
         g = grad(rank, step)
         try:
@@ -113,16 +116,16 @@ def run_rank(rank: int, redis_url: str, *, rejoin: bool) -> dict[str, Any]:
             weights -= 0.1 * g
             follower.boundary()
             if follower.joined:
-                assert share_state(step) == step
+                assert share_state(step, follower.source) == step
                 joined_at = step
         except RecoveryError:
             raise
         except RuntimeError as exc:  # a peer died: skip the step, agree on a plan without it
             follower.recover(exc, report=lambda missing: None, survey_s=3.0, timeout_s=60)
-            step = share_state(step - 1)
+            step = share_state(step - 1, follower.source)
             continue
         gens.append(reroute.generation)
-        if rank == 0:
+        if rank == reroute.root:
             client.set(STEP_KEY, step)
         if joined_at is not None:
             after_join += 1
@@ -158,50 +161,63 @@ def logs(out: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(out.glob("*.log")))
 
 
-def test_a_dead_rank_restarted_rejoins_the_running_world_with_the_roots_state(redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("dying", [2, 0], ids=["rank2", "rank0"])
+def test_a_dead_rank_restarted_rejoins_the_running_world_with_the_live_state(
+    redis_url: str, tmp_path: Path, dying: int
+) -> None:
     client = redis.Redis.from_url(redis_url)
     client.delete(STEP_KEY, REGISTERED_KEY, wire.job_plan_key(JOB))
+    port = free_port()
+    # the job's store, hosted outside every rank (as agent/jobstore.py does on the first node)
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "PYTHONPATH": str(REPO),
         "PULSE_TEST_REJOIN_REDIS": redis_url,
+        "PULSE_TEST_REJOIN_DYING": str(dying),
     }
+    others = [r for r in range(WORLD) if r != dying]
     procs = {r: start(r, tmp_path, env, rejoin=False) for r in range(WORLD)}
-    new2: subprocess.Popen[bytes] | None = None
+    new: subprocess.Popen[bytes] | None = None
     try:
         publish(client, plan(1, [0, 1, 2]))  # a trivial plan with bounded groups from the start
-        wait_for(lambda: procs[2].poll() is not None, timeout=60, what="rank 2 to die\n" + logs(tmp_path))
-        assert procs[2].returncode == 17, logs(tmp_path)
-        publish(client, plan(2, [0, 1], excluded=[2]))  # the agent reported rank 2's exit
+        wait_for(lambda: procs[dying].poll() is not None, timeout=60, what=f"rank {dying} to die\n" + logs(tmp_path))
+        assert procs[dying].returncode == 17, logs(tmp_path)
+        publish(client, plan(2, others, excluded=[dying]))  # the agent reported the rank's exit
         step_then = int(client.get(STEP_KEY) or 0)
         wait_for(
             lambda: int(client.get(STEP_KEY) or 0) >= step_then + 5,
             timeout=40,
-            what="the survivors to train on without rank 2\n" + logs(tmp_path),
+            what=f"the survivors to train on without rank {dying}\n" + logs(tmp_path),
         )
-        new2 = start(2, tmp_path, env, rejoin=True)
-        wait_for(lambda: client.get(REGISTERED_KEY) is not None, timeout=60, what="the new rank 2 to register")
+        new = start(dying, tmp_path, env, rejoin=True)
+        wait_for(lambda: client.get(REGISTERED_KEY) is not None, timeout=60, what=f"the new rank {dying} to register")
         publish(client, plan(3, [0, 1, 2]))  # it registered again: the orchestrator counts on it
-        for p in (procs[0], procs[1], new2):
+        for p in [procs[r] for r in others] + [new]:
             assert p.wait(60) == 0, logs(tmp_path)
     finally:
-        for p in [*procs.values(), *([new2] if new2 else [])]:
+        for p in [*procs.values(), *([new] if new else [])]:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
         client.close()
+        del store
 
     results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)}
     joined = {r: results[r]["joined_at"] for r in range(WORLD)}
     assert len(set(joined.values())) == 1 and joined[0] > DIES_AT, joined  # the same boundary everywhere
     assert {r: results[r]["step"] for r in range(WORLD)} == {r: joined[0] + STEPS_AFTER_JOIN for r in range(WORLD)}
-    assert results[0]["weights"] == results[1]["weights"] == results[2]["weights"]  # the root's state, then equal steps
+    # the state of a rank that stayed, then equal steps: identical weights, and not the zeros a
+    # restarted rank starts with (a rejoined rank 0 is the root again but must not be the source)
+    assert results[0]["weights"] == results[1]["weights"] == results[2]["weights"]
+    assert any(w != 0.0 for w in results[0]["weights"])
     for r in range(WORLD):
         assert results[r]["max_err"] < 1e-6, results[r]  # every step averaged over the ranks alive in it
         assert results[r]["generations"][-1] == 3
-    assert 2 in results[0]["generations"]  # the survivors trained under the plan without rank 2
+    assert 2 in results[others[0]]["generations"]  # the survivors trained under the plan without it
 
 
 if __name__ == "__main__":
@@ -211,6 +227,6 @@ if __name__ == "__main__":
         dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group("gloo", rank=rank_arg, world_size=WORLD, timeout=timedelta(seconds=30))
-    result = run_rank(rank_arg, url, rejoin=mode == "rejoin")
+    result = run_rank(rank_arg, url, rejoin=mode == "rejoin", dying=int(os.environ["PULSE_TEST_REJOIN_DYING"]))
     (out_dir / f"rank{rank_arg}.json").write_text(json.dumps(result))
     os._exit(0)  # gloo threads of groups with a dead peer must not run interpreter finalization

@@ -13,7 +13,14 @@ commands are idempotent.
   on the CPU alike. Without DeepSpeed installed, ``gpus_per_node`` (at least one) plain processes
   with the torch.distributed environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
   ``MASTER_ADDR``, ``MASTER_PORT``) set. Output goes to ``state_dir/<job>.log``.
-- **stop**: SIGTERM to the whole process group, SIGKILL after ``grace_s``.
+- **the job's store**: on the job's first node (``node_rank`` 0) the agent starts the job's
+  rendezvous TCPStore (``agent/jobstore.py``) at ``master_port`` before the ranks, in a session
+  of its own, and every node's ranks get ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch's
+  rendezvous then connects to it, rank 0 included): rank 0 can die and rejoin like any rank. It
+  outlives the node's ranks (their exit, a relaunch to rejoin) and ends with the job (the done
+  key its ranks write, or the stop the orchestrator sends when the job is over);
+  ``state_dir/stores.json`` lets a restarted agent find it. Without torch on the node neither.
+- **stop**: SIGTERM to the whole process group, SIGKILL after ``grace_s``; the job's store too.
 - **exit**: when every rank has exited, a ``JobStatus(exited)`` with the first non-zero exit code
   (or 0) and the tail of the log.
 - **restart**: the running jobs are recorded in ``state_dir/jobs.json``; a restarted agent
@@ -106,13 +113,17 @@ class Launcher:
         state_dir: Path,
         poll_s: float = 0.2,
         python: str = sys.executable,
+        store_linger_s: float = 30.0,
     ) -> None:
         self.node = node
         self.redis = redis_client
         self.state_dir = state_dir
         self.poll_s = poll_s
         self.python = python
+        self.store_linger_s = store_linger_s
+        self.hosts_store = importlib.util.find_spec("torch") is not None  # the store is torch's TCPStore
         self.jobs: dict[str, RunningJob] = {}
+        self.stores: dict[str, int] = {}  # job -> pid of the job's store process (agent/jobstore.py)
         self._tasks: set[asyncio.Task[None]] = set()
         state_dir.mkdir(parents=True, exist_ok=True)
 
@@ -125,11 +136,17 @@ class Launcher:
     def _cursor_file(self) -> Path:
         return self.state_dir / "last_command_id"
 
+    @property
+    def _stores_file(self) -> Path:
+        return self.state_dir / "stores.json"
+
     def _save(self) -> None:
         data = {j.job: {"node_rank": j.node_rank, "pids": j.pids, "pgid": j.pgid} for j in self.jobs.values()}
-        tmp = self._jobs_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(self._jobs_file)  # atomic: a crash leaves the old or the new file, never half
+        self.stores = {job: pid for job, pid in self.stores.items() if alive(pid)}
+        for path, content in ((self._jobs_file, data), (self._stores_file, self.stores)):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(content))
+            tmp.replace(path)  # atomic: a crash leaves the old or the new file, never half
 
     async def _status(self, job: str, node_rank: int, state: str, **kw: Any) -> None:
         st = wire.JobStatus(v=wire.PROTOCOL_VERSION, job=job, node=self.node, node_rank=node_rank, state=state, **kw)  # type: ignore[arg-type]
@@ -145,7 +162,10 @@ class Launcher:
         log.info("event=job_status job=%s node=%s state=%s %s", job, self.node, state, kw.get("exit_code", ""))
 
     async def reattach(self) -> None:
-        """After a restart: watch ranks still alive, report the ones that died meanwhile."""
+        """After a restart: watch ranks still alive, report the ones that died meanwhile; keep
+        the job stores still running."""
+        if self._stores_file.exists():
+            self.stores = {job: pid for job, pid in json.loads(self._stores_file.read_text()).items() if alive(pid)}
         if not self._jobs_file.exists():
             return
         for job, rec in json.loads(self._jobs_file.read_text()).items():
@@ -223,6 +243,24 @@ class Launcher:
             ]  # fmt: skip
         return [[self.python, *entry] for _ in range(local)]
 
+    def _start_store(self, cmd: wire.JobCommand) -> None:
+        """The job's store on its first node (module docstring); one per job, kept across relaunches."""
+        pid = self.stores.get(cmd.job)
+        if pid is not None and alive(pid):
+            return
+        argv = [self.python, "-m", "agent.jobstore", f"--port={cmd.master_port}", f"--job={cmd.job}"]
+        with (self.state_dir / f"{cmd.job}.store.log").open("ab") as logf:
+            proc = subprocess.Popen(
+                [*argv, f"--linger={self.store_linger_s}"],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # not in the ranks' process group: it outlives them
+            )
+        self.stores[cmd.job] = proc.pid
+        self._spawn(asyncio.to_thread(proc.wait))  # reaped when it ends, never a zombie
+        log.info("event=job_store_started job=%s port=%d pid=%d", cmd.job, cmd.master_port, proc.pid)
+
     async def launch(self, cmd: wire.JobCommand) -> None:
         if cmd.job in self.jobs:
             return  # already running here: launch is idempotent
@@ -230,6 +268,12 @@ class Launcher:
         if not ok:
             await self._status(cmd.job, cmd.node_rank, "preflight_failed", detail=detail)
             return
+        if cmd.node_rank == 0 and self.hosts_store:
+            try:
+                self._start_store(cmd)
+            except OSError as exc:
+                await self._status(cmd.job, 0, "exited", exit_code=127, detail=f"cannot start the job's store: {exc}")
+                return
         lines = self.argv(cmd)
         local = max(1, cmd.gpus_per_node)
         logf = (self.state_dir / f"{cmd.job}.log").open("ab")
@@ -237,6 +281,8 @@ class Launcher:
         try:
             for i, line in enumerate(lines):
                 env = {**os.environ, **cmd.env, "PULSE_JOB_ID": cmd.job, "PULSE_NODE": self.node}
+                if self.hosts_store:
+                    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the first node's agent hosts the store
                 if "deepspeed.launcher.launch" not in line:
                     env.update(
                         RANK=str(cmd.node_rank * local + i),
@@ -289,7 +335,7 @@ class Launcher:
                     break
                 if any(c not in (None, 0) for c in codes) and not rj.stopping:
                     # one rank failed: the others would hang in a collective; stop them
-                    self._spawn(self.stop(rj.job, grace_s=5.0))
+                    self._spawn(self.stop(rj.job, grace_s=5.0, store_too=False))
             elif not any(alive(p) for p in rj.pids):
                 codes_read = [self._rc(rj.job, i) for i in range(len(rj.pids))]
                 code = None if None in codes_read else next((c for c in codes_read if c), 0)
@@ -308,7 +354,14 @@ class Launcher:
         else:
             await self._status(rj.job, rj.node_rank, "exited", exit_code=code, log_tail=self._tail(rj.job))
 
-    async def stop(self, job: str, *, grace_s: float) -> None:
+    async def stop(self, job: str, *, grace_s: float, store_too: bool = True) -> None:
+        """Stop the job's ranks here and, unless ``store_too`` is False (one of this node's ranks
+        failed: the others go, the job's store stays for the rest of the job), its store."""
+        store = self.stores.pop(job, None) if store_too else None
+        if store is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(store, signal.SIGKILL)  # holds nothing a stopped job needs
+            self._save()
         rj = self.jobs.get(job)
         if rj is None or rj.stopping:
             return

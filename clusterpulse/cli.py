@@ -736,6 +736,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bg.add_argument("--cycle", action="store_true", help="take --kinds in turn instead of drawing them")
     bg.add_argument(
+        "--rank-victims",
+        type=lambda v: [int(r) for r in v.split(",") if r],
+        default=None,
+        help="comma-separated ranks rank faults may hit (default: any)",
+    )
+    bg.add_argument(
         "--fault-free-duration", type=float, default=0.0, help="seconds of the fault-free run (default --duration)"
     )
     bg.add_argument("--out", default=None, help="folder for goodput.json and goodput.png (default: the run's temp dir)")

@@ -42,8 +42,8 @@ orchestrator_     SIGKILL the orchestrator, start it again at once (same      or
 restart           database): the job is tracked on, nobody degraded           (or leader)
 ================  ==========================================================  ==================
 
-Rank faults never hit rank 0: it hosts the job's TCPStore (``MASTER_ADDR``), without which no new
-process group can be made, so a job whose rank 0 dies can only restart. At most ``R - 2`` ranks
+Rank faults hit any rank, rank 0 included: the job's TCPStore is hosted by the first node's agent
+(``agent/jobstore.py``), not by rank 0, and the lowest live participant leads. At most ``R - 2`` ranks
 are out at once (two keep training); while that many are out (not rejoined yet) the rank kinds
 are not drawn. A fault needs a victim: node faults pick a node with no fault in force, a tick without one
 is recorded as skipped.
@@ -52,7 +52,7 @@ Accounting (the JSON object; every figure has a definition a reader can check ag
 
 - ``goodput_ratio = steps_done / steps_expected``: optimizer steps, measured from each run's first
   step, so start-up (imports, DeepSpeed init) is in neither; a restart's start-up *is* in the
-  faulted run. Step times come from rank 0's reports (see :meth:`Monitor.rank0_timeline`: a
+  faulted run. Step times come from the ranks' reports (see :meth:`Monitor.timeline`: a
   report delayed by a Redis outage is placed at the time later reports vouch for).
   ``--fault-free-duration`` shortens the fault-free run (the test does): ``steps_expected`` is
   then its rate times ``--duration``, and the two final losses are at different steps. ``samples_ratio`` weighs each step by the ranks that contributed to it (a job
@@ -65,9 +65,9 @@ Accounting (the JSON object; every figure has a definition a reader can check ag
   the job's pace changes with the ranks it has left and the machine's load.
   ``steps_lost_degraded_faults`` sums the DEGRADED kinds (the issue's <= 1 % target).
 - ``detection_s``: injection -> the node DEGRADED (node faults) or the plan excluding the rank
-  (rank faults); ``reroute_s``: injection -> rank 0 reports a plan generation that carries
+  (rank faults); ``reroute_s``: injection -> another rank reports a plan generation that carries
   (proxies) or excludes the faulted rank. Percentiles p50/p90/max over faults that got there.
-- ``rejoin_s``: a rank fault's injection -> rank 0 reports a plan generation that counts on the
+- ``rejoin_s``: a rank fault's injection -> another rank reports a plan generation that counts on the
   rank again (its relaunched process joined); ``rejoins`` counts them, ``ranks_out_at_end`` the
   ranks still out when the window closed.
 - ``false_degraded``: a node entering DEGRADED with no node fault on it (within the fault's
@@ -80,7 +80,7 @@ Accounting (the JSON object; every figure has a definition a reader can check ag
 - ``params_finite``: every reported loss and gradient norm of the faulted run was finite.
 
 The PNG (``goodput.png`` beside ``goodput.json`` in ``--out``): step rate of both runs, each
-node's state, the plan generation rank 0 trains under, and a line per fault.
+node's state, the newest plan generation the ranks train under, and a line per fault.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ class Fault:
     generation_before: int = 0
     detected_s: float | None = None
     rerouted_s: float | None = None
-    rejoined_s: float | None = None  # rank faults: injection -> rank 0 trains with the rank again
+    rejoined_s: float | None = None  # rank faults: injection -> the others train with the rank again
     event: bool = False
     note: str = ""
 
@@ -464,14 +464,15 @@ class Monitor:
                     run = self.run
                     if run is not None and rep.job == run.job:
                         run.reports.append((now, rep))
-                        if run.first_step_at is None and rep.rank == 0:
+                        if run.first_step_at is None:
                             run.first_step_at = now
         if client is not None:
             client.close()
 
     # --- derived views --------------------------------------------------------------------------
-    def rank0_timeline(self, run: Run) -> list[tuple[float, int]]:
-        """(when, step) of rank 0's steps, ordered by step.
+    def timeline(self, run: Run) -> list[tuple[float, int]]:
+        """(when, step) of the job's steps, ordered by step: the first report of each step by any
+        rank (the live ranks finish a step together; any of them, rank 0 included, may be out).
 
         A report is received late when Redis was down (the reporter queues it and retries), so
         the receive time alone would show a stall and then a burst. Each step's time is instead
@@ -481,7 +482,7 @@ class Monitor:
         bound looser, never earlier than the truth)."""
         first: dict[int, tuple[float, float | None]] = {}
         for t, r in run.reports:
-            if r.rank == 0 and r.step not in first:
+            if r.step not in first:
                 first[r.step] = (t, r.step_time_s)
         steps = sorted(first)
         out: list[tuple[float, int]] = []
@@ -498,13 +499,13 @@ class Monitor:
         out.reverse()
         return out
 
-    def rank0_step(self, run: Run, *, at: float | None = None) -> int:
-        line = self.rank0_timeline(run)
+    def step(self, run: Run, *, at: float | None = None) -> int:
+        line = self.timeline(run)
         return max((s for t, s in line if at is None or t <= at), default=0)
 
     def generation(self, run: Run) -> int:
-        gens = [r.plan_generation or 0 for _, r in run.reports if r.rank == 0]
-        return gens[-1] if gens else 0
+        """The newest plan generation any rank reports training under."""
+        return max((r.plan_generation or 0 for _, r in run.reports), default=0)
 
 
 def _finite(r: wire.TrainerReport) -> bool:
@@ -588,7 +589,12 @@ class Campaign:
             pids = rank_pids(run.job)
             busy = self._busy_nodes(now)
             node_of = {i: n for i, n in enumerate(self.stack.nodes)}
-            live = [r for r in sorted(pids) if r != 0 and r not in self.lost_ranks and node_of.get(r) not in busy]
+            victims = getattr(self.args, "rank_victims", None)
+            live = [
+                r
+                for r in sorted(pids)
+                if r not in self.lost_ranks and node_of.get(r) not in busy and (not victims or r in victims)
+            ]
             if not live:
                 self.skipped.append((now, kind))
                 return None
@@ -656,7 +662,7 @@ class Campaign:
         # hardware faults clear themselves in the agent after ``hold``
 
     def rejoined(self, run: Run) -> None:
-        """Rank faults whose rank trains again: rank 0 reports a generation that counts on it,
+        """Rank faults whose rank trains again: another rank reports a generation that counts on it,
         after a plan that excluded it. Such a rank is no longer out (``lost_ranks``)."""
         assert self.monitor is not None
         mon = self.monitor
@@ -670,7 +676,7 @@ class Campaign:
             back = next((p["generation"] for _, p in plans[out:] if f.rank not in (p.get("excluded") or [])), None)
             if back is None:
                 continue
-            seen = [t for t, r in run.reports if r.rank == 0 and (r.plan_generation or 0) >= back and t >= f.at]
+            seen = [t for t, r in run.reports if r.rank != f.rank and (r.plan_generation or 0) >= back and t >= f.at]
             if seen:
                 f.rejoined_s = seen[0] - f.at
                 self.lost_ranks.discard(f.rank)
@@ -709,7 +715,7 @@ class Campaign:
         ff_end = ff.first_step_at + ff_s
         while time.time() < ff_end:
             time.sleep(0.5)
-        ff_steps = mon.rank0_step(ff, at=ff_end)
+        ff_steps = mon.step(ff, at=ff_end)
         steps_expected = round(ff_steps * a.duration / ff_s)  # the same when both last --duration
         if ff_steps < 1:
             raise CampaignError("the fault-free run made no step")
@@ -733,7 +739,7 @@ class Campaign:
             now = time.time()
             self.heal_due(runs[-1], now)
             self.rejoined(runs[-1])
-            if mon.rank0_step(runs[-1]) >= steps_expected:
+            if mon.step(runs[-1]) >= steps_expected:
                 break  # the job is done: faults from here on would hit nothing
             if now >= next_fault:
                 next_fault += a.fault_every
@@ -746,7 +752,7 @@ class Campaign:
                         f.note = f"injection failed: {exc}"
             self._resubmit_if_failed(runs)
             time.sleep(0.1)
-        steps_done = mon.rank0_step(runs[-1], at=end)
+        steps_done = mon.step(runs[-1], at=end)
         self.rejoined(runs[-1])
         out_at_end = sorted(self.lost_ranks)
         self.heal_due(runs[-1], time.time(), all_=True)
@@ -834,7 +840,7 @@ class Campaign:
         lost_by_kind: dict[str, float] = {}
         first = runs[0].first_step_at or 0.0
         in_window = [f for f in self.faults if f.at <= end]
-        finished = next((t for t, s in mon.rank0_timeline(last) if s >= steps_expected), end)
+        finished = next((t for t, s in mon.timeline(last) if s >= steps_expected), end)
         half = self.args.fault_every / 2
         for i, f in enumerate(in_window):
             t1 = min(in_window[i + 1].at if i + 1 < len(in_window) else end, finished)
@@ -843,8 +849,8 @@ class Campaign:
             run = next((r for r in reversed(runs) if r.submitted <= f.at), runs[0])
             # the rate just before the fault (the later half of the previous interval): the job's
             # own pace at the time, whatever ranks it had left and whatever the machine's load
-            rate = (mon.rank0_step(run, at=f.at) - mon.rank0_step(run, at=f.at - half)) / half
-            done = mon.rank0_step(run, at=t1) - mon.rank0_step(run, at=f.at)
+            rate = (mon.step(run, at=f.at) - mon.step(run, at=f.at - half)) / half
+            done = mon.step(run, at=t1) - mon.step(run, at=f.at)
             deficit = rate * (t1 - f.at) - done
             lost_by_kind[f.kind] = lost_by_kind.get(f.kind, 0.0) + deficit / steps_expected
         contributors: dict[int, int] = {}
@@ -934,7 +940,9 @@ class Campaign:
                 )  # fmt: skip
                 if gens:
                     g = gens[0]
-                    seen = [t for t, r in run.reports if r.rank == 0 and (r.plan_generation or 0) >= g and t >= f.at]
+                    seen = [
+                        t for t, r in run.reports if r.rank != f.rank and (r.plan_generation or 0) >= g and t >= f.at
+                    ]
                     if seen:
                         f.rerouted_s = seen[0] - f.at
 
@@ -990,12 +998,12 @@ def plot(camp: Campaign, ff: Run, runs: list[Run], result: dict[str, Any], path:
     t0 = runs[0].first_step_at or runs[0].submitted
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(13, 8), sharex=True, gridspec_kw={"height_ratios": [2, 1.4, 1]})
     bin_s = max(1.0, camp.args.duration / 120)
-    x, y = _rate(mon.rank0_timeline(ff), ff.first_step_at or ff.submitted, bin_s)
+    x, y = _rate(mon.timeline(ff), ff.first_step_at or ff.submitted, bin_s)
     ax1.plot(x, y, color="0.6", lw=1, label="fault-free run")
     for i, run in enumerate(runs):
-        x, y = _rate(mon.rank0_timeline(run), t0, bin_s)
+        x, y = _rate(mon.timeline(run), t0, bin_s)
         ax1.plot(x, y, lw=1.2, label="faulted run" if i == 0 else f"restart {i}")
-    ax1.set_ylabel("steps / s (rank 0)")
+    ax1.set_ylabel("steps / s")
     ax1.legend(loc="lower left", fontsize=8)
     ax1.set_title(
         f"goodput {result['goodput_ratio']:.3f}  restarts {result['restarts']}  "
@@ -1025,10 +1033,13 @@ def plot(camp: Campaign, ff: Run, runs: list[Run], result: dict[str, Any], path:
     ax2.legend([*handles, Line2D([], [], color="k", ls=":")], [*colors, "rank excluded"], fontsize=7,
                loc="upper right", ncol=5)  # fmt: skip
     for run in runs:
-        pts = [(t - t0, r.plan_generation or 0) for t, r in run.reports if r.rank == 0]
+        pts, newest = [], 0
+        for t, r in run.reports:
+            newest = max(newest, r.plan_generation or 0)
+            pts.append((t - t0, newest))
         if pts:
             ax3.step([p[0] for p in pts], [p[1] for p in pts], where="post", color="tab:blue")
-    ax3.set_ylabel("plan generation\n(rank 0)")
+    ax3.set_ylabel("plan generation")
     ax3.set_xlabel("seconds since the faulted run's first step")
     for f in camp.faults:
         for ax in (ax1, ax2, ax3):
@@ -1050,6 +1061,9 @@ def run_goodput(args: argparse.Namespace) -> int:
         raise SystemExit(f"pulse bench goodput: --kinds {unknown}: unknown; known: {', '.join(FAULT_KINDS)}")
     if args.ranks < 2:
         raise SystemExit(f"pulse bench goodput: --ranks={args.ranks}: expected at least 2")
+    outside = sorted(r for r in getattr(args, "rank_victims", None) or () if not 0 <= r < args.ranks)
+    if outside:
+        raise SystemExit(f"pulse bench goodput: --rank-victims {outside}: outside the ranks 0..{args.ranks - 1}")
     workdir = Path(tempfile.mkdtemp(prefix="pulse-goodput-"))
     out = Path(args.out) if args.out else workdir
     out.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,13 @@
 """A job's life as a pure function of what its nodes' agents reported.
 
 States: ``PENDING`` (placed, nothing sent) -> ``STARTING`` (launch sent to every assigned node)
--> ``RUNNING`` (every node's ranks started) -> ``SUCCEEDED`` (every node exited 0) or
+-> ``RUNNING`` (every node's ranks started) -> ``SUCCEEDED`` (every node exited 0; a stop then
+ends what outlives the ranks: the job's store on its first node, ``agent/jobstore.py``) or
 ``FAILED`` (a preflight failed, a node's ranks exited non-zero or were lost, or the start
 timed out); ``STOPPING`` (a stop was asked) -> ``STOPPED`` (every node's ranks are gone).
 
 Excluded nodes (``excluded``: nodes all of whose ranks the job's plan excluded or its survivors
-reported unreachable, never the node of rank 0, see ``services/plans.py``) no longer count once
+reported unreachable, see ``services/plans.py``) no longer count once
 the job is RUNNING: their ranks exiting non-zero or being lost does not fail the job (the others
 train on without them), and the job SUCCEEDS when every other node's ranks exited 0.
 
@@ -93,7 +94,8 @@ def decide(
         if states.get(n) == "exited" and st.get("exit_code") != 0:
             return Decision("FAILED", f"ranks on {n} exited with {st.get('exit_code')}{_last_line(st)}", send="stop")
     if nodes and all(states.get(n) == "exited" for n in nodes):
-        return Decision("SUCCEEDED", f"every node's ranks exited 0 ({len(nodes)} nodes)")
+        # the stop ends what outlives the ranks: the job's store (agent/jobstore.py), an excluded rank still hung
+        return Decision("SUCCEEDED", f"every node's ranks exited 0 ({len(nodes)} nodes)", send="stop")
     if state == "STARTING":
         if all(states.get(n) in ("started", "exited") for n in nodes):
             return Decision("RUNNING", f"ranks started on {', '.join(nodes)}")

@@ -21,10 +21,10 @@ restart loses none of this.
 A participant that dies or hangs is excluded the same way, from two triggers: the survivors of
 its failed collective report it (``unreachable_ranks``, see ``trainer/follow.py``), and, faster
 for a dead one, its node's agent reports that the node's ranks exited non-zero
-(:meth:`PlanKeeper.node_exited`). Rank 0 is never excluded this way: it hosts the job's
-TCPStore, so without it the survivors can make no new group and the job must fail and restart.
-:meth:`PlanKeeper.excluded_nodes` tells the job lifecycle (``services/jobs.py``) which nodes no
-longer count.
+(:meth:`PlanKeeper.node_exited`). Rank 0 is excluded like any other: in jobs the agents launch,
+the job's TCPStore is hosted by the first node's agent, not by rank 0 (``agent/jobstore.py``), so
+the survivors still agree and make groups without it. :meth:`PlanKeeper.excluded_nodes` tells the
+job lifecycle (``services/jobs.py``) which nodes no longer count.
 """
 
 from __future__ import annotations
@@ -83,21 +83,19 @@ class PlanKeeper:
 
     def node_exited(self, job: str, node: str) -> list[int]:
         """The ranks on ``node`` exited (non-zero) or were lost while the job goes on: mark them
-        unreachable. Returns the ranks that are news; none when ``node`` hosts rank 0."""
+        unreachable. Returns the ranks that are news."""
         on_node = sorted(r for r, info in self.ranks.get(job, {}).items() if info.node == node)
-        if not on_node or 0 in on_node:
-            return []
         return [r for r in on_node if self.rank_unreachable(job, r)]
 
     def excluded_nodes(self, job: str) -> set[str]:
-        """Nodes all of whose ranks are excluded or unreachable (never the node of rank 0)."""
+        """Nodes all of whose ranks are excluded or unreachable."""
         ranks = self.ranks.get(job, {})
         plan = self.plans.get(job)
         gone = self.unreachable.get(job, set()) | set(plan.excluded if plan else ())
         nodes: dict[str, list[int]] = {}
         for r, info in ranks.items():
             nodes.setdefault(info.node, []).append(r)
-        return {n for n, rs in nodes.items() if 0 not in rs and all(r in gone for r in rs)}
+        return {n for n, rs in nodes.items() if all(r in gone for r in rs)}
 
     def restore(self, *, ranks: Mapping[str, Mapping[int, str]], plans: Mapping[str, wire.Plan]) -> None:
         for job, m in ranks.items():

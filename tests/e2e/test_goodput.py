@@ -4,8 +4,9 @@ A private redis-server (the campaign restarts it), the orchestrator, four simula
 4-rank DeepSpeed job of ``trainer.example`` on gloo; a short fault-free run, then the same job
 with a fault every 10 s, taken in turn from a mix that covers each way a fault can go: an agent
 SIGKILLed (DEGRADED -> proxied -> the agent comes back), Redis restarted (health held), a rank
-SIGKILLed (excluded, the survivors go on without a restart, its node's share is relaunched and
-rejoins the running job with the root's state), the orchestrator SIGKILLed and
+SIGKILLed (rank 0, whose death the job used to be unable to survive: excluded, the survivors go on
+without a restart under rank 1, rank 0's node's share is relaunched and rejoins the running job with
+the survivors' state), the orchestrator SIGKILLed and
 restarted, a simulated PSU imbalance. Asserts the invariants, never timing: no restart (a DEGRADED fault
 costs none, and the lost rank is survived), the job SUCCEEDS, no node is DEGRADED that no fault
 touched (the Redis restart included), every fault shows up as an event, every loss and gradient
@@ -41,6 +42,7 @@ def test_short_campaign_keeps_training_through_every_fault(tmp_path: Path) -> No
         seed=7,
         kinds=KINDS,
         cycle=True,
+        rank_victims=[0],  # rank 0 too is a rank like any other (agent/jobstore.py hosts the store)
         fault_free_duration=10.0,
         start_timeout=600.0,
         finish_timeout=300.0,
@@ -66,7 +68,7 @@ def test_short_campaign_keeps_training_through_every_fault(tmp_path: Path) -> No
             assert f["detection_s"] is not None, f  # the node did go DEGRADED
         if f["kind"] == "rank_kill":
             assert f["detection_s"] is not None, f  # a plan excluded the rank
-            assert f["rejoin_s"] is not None, (f, shown)  # relaunched, it joined the live ranks again
+            assert f["rank"] == 0 and f["rejoin_s"] is not None, (f, shown)  # relaunched, it joined again
     assert result["params_finite"], shown
     assert result["final_loss"] is not None and result["final_step"] == result["steps_expected"], shown
     assert Path(result["png"]).stat().st_size > 0

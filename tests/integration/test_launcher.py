@@ -3,25 +3,39 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 
+import msgspec
 import redis
 import redis.asyncio as aioredis
+from torch._C._distributed_c10d import TCPStore
 
 from agent.launcher import Launcher
 from clusterpulse import wire
-from tests.support import REPO
+from clusterpulse.proc import alive
+from tests.support import REPO, free_port
 
 RANK = str(REPO / "tests" / "fixtures" / "jobs" / "rank.py")
 
 
-def _cmd(job: str, seconds: float, exit_code: int = 0) -> wire.JobCommand:
+def _cmd(job: str, seconds: float, exit_code: int = 0, env: dict[str, str] | None = None) -> wire.JobCommand:
     return wire.JobCommand(
-        v=wire.PROTOCOL_VERSION, kind="launch", job=job, nodes=1, gpus_per_node=1, master_port=29999,
-        argv=[RANK, "--seconds", str(seconds), "--exit-code", str(exit_code)],
+        v=wire.PROTOCOL_VERSION, kind="launch", job=job, nodes=1, gpus_per_node=1, master_port=free_port(),
+        argv=[RANK, "--seconds", str(seconds), "--exit-code", str(exit_code)], env=env or {},
     )  # fmt: skip
+
+
+def _end_stores(launcher: Launcher) -> None:
+    """The job stores a test's first node started (they would otherwise wait for a done key)."""
+    for pid in launcher.stores.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _statuses(url: str) -> list[wire.JobStatus]:
@@ -53,6 +67,7 @@ def test_restarted_agent_reattaches_and_reads_the_exit_code(redis_url: str, tmp_
         second = Launcher(node="n1", redis_client=client, state_dir=tmp_path, python=sys.executable)
         await second.reattach()
         assert "j1" in second.jobs
+        assert second.stores == first.stores and alive(first.stores["j1"])  # the job's store, found again
         await _until(lambda: len(_statuses(redis_url)) == 2)
         last = _statuses(redis_url)[-1]
         assert (last.state, last.exit_code) == ("exited", 7)
@@ -60,6 +75,7 @@ def test_restarted_agent_reattaches_and_reads_the_exit_code(redis_url: str, tmp_
         assert json.loads((tmp_path / "jobs.json").read_text()) == {}
         for p in orphans:
             p.wait()
+        _end_stores(second)
         await client.aclose()
 
     asyncio.run(body())
@@ -83,10 +99,39 @@ def test_stop_terminates_the_process_group(redis_url: str, tmp_path: Path) -> No
         client = aioredis.from_url(redis_url)
         launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path, python=sys.executable)
         await launcher.launch(_cmd("j2", seconds=120))
+        store = launcher.stores["j2"]
         await asyncio.sleep(1.0)
         await launcher.stop("j2", grace_s=10)
         await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"], limit_s=30)
+        await _until(lambda: not alive(store), limit_s=10)  # the job's store goes with it
+        assert launcher.stores == {}
         await client.aclose()
 
     asyncio.run(body())
     assert _statuses(redis_url)[-1].exit_code != 0
+
+
+def test_the_first_node_hosts_the_jobs_store_outside_its_ranks(redis_url: str, tmp_path: Path) -> None:
+    """Rank 0 does not host the job's TCPStore (agent/jobstore.py): it answers at master_port,
+    outlives the ranks' exit and a relaunch to rejoin (one store, its keys kept), and leaves
+    once the job's ranks write the done key."""
+
+    async def body() -> None:
+        client = aioredis.from_url(redis_url)
+        launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path, store_linger_s=0.2)
+        cmd = _cmd("j3", seconds=0.5)
+        await launcher.launch(cmd)
+        pid = launcher.stores["j3"]
+        store = TCPStore("127.0.0.1", cmd.master_port, is_master=False, timeout=timedelta(seconds=20))
+        store.set("pulse/j3/salt", "7")
+        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"], limit_s=30)
+        assert "agent_store=True" in _statuses(redis_url)[-1].log_tail  # torch's rendezvous: a client
+        assert alive(pid)  # the ranks are gone, the store is not
+        await launcher.launch(msgspec.structs.replace(cmd, env={"PULSE_REJOIN": "1"}))  # to rejoin
+        await _until(lambda: len(_statuses(redis_url)) == 4, limit_s=30)  # relaunched, exited again
+        assert launcher.stores["j3"] == pid and store.get("pulse/j3/salt") == b"7"
+        store.set(wire.job_done_store_key("j3"), "1")
+        await _until(lambda: not alive(pid), limit_s=15)
+        await client.aclose()
+
+    asyncio.run(body())

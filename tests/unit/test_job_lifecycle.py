@@ -71,7 +71,9 @@ def test_a_node_whose_ranks_the_plan_excluded_no_longer_counts_once_running() ->
 
     assert x("RUNNING", {"a": started(), "b": exited(-9)}).state == "RUNNING"  # the survivors train on
     assert x("RUNNING", {"a": started(), "b": {"state": "lost"}}).state == "RUNNING"
-    assert x("RUNNING", {"a": exited(0), "b": started()}).state == "SUCCEEDED"  # a hung excluded rank is not waited for
+    done = x("RUNNING", {"a": exited(0), "b": started()})
+    assert done.state == "SUCCEEDED"  # a hung excluded rank is not waited for,
+    assert done.send == "stop"  # it is stopped, with the job's store
     assert x("RUNNING", {"a": exited(1), "b": exited(0)}).state == "FAILED"  # a survivor failing still fails it
     r = x("STARTING", {"a": started(), "b": exited(-9)})
     assert r.state == "FAILED"  # before RUNNING nothing is excluded: a failed start is a failure

@@ -22,11 +22,12 @@ def test_a_node_whose_ranks_exited_has_them_excluded_once() -> None:
     assert k.node_exited("j", "elsewhere") == [] and k.node_exited("other-job", "n1") == []
 
 
-def test_the_node_of_rank_0_is_never_excluded_it_hosts_the_store() -> None:
-    k = keeper(["n0", "n1"])
-    assert k.node_exited("j", "n0") == []
-    k.rank_unreachable("j", 0)  # even reported by a survivor, its node still counts
-    assert k.excluded_nodes("j") == set()
+def test_rank_0_is_excluded_like_any_other_the_store_is_the_agents() -> None:
+    k = keeper(["n0", "n1", "n2"])
+    assert k.node_exited("j", "n0") == [0]  # agent/jobstore.py hosts the store, not rank 0
+    assert k.excluded_nodes("j") == {"n0"}
+    k.register(wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=0, node="n0", world_size=3))
+    assert k.excluded_nodes("j") == set()  # relaunched, it registered again
 
 
 def test_a_node_counts_while_any_of_its_ranks_is_live() -> None:

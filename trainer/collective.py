@@ -91,7 +91,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -224,6 +224,14 @@ def parse_plan(plan: Plan, world_size: int) -> Route:
         proxies=tuple(proxies),
         excluded=excluded,
     )
+
+
+def state_source(participants: Sequence[int], returning: Collection[int]) -> int:
+    """Whose state the live ranks take after a switch that brought ``returning`` ranks back: the
+    lowest participant not among them (a returning rank 0 is the root again, with nothing to give);
+    the lowest participant when every one is returning."""
+    kept = [r for r in participants if r not in returning]
+    return min(kept) if kept else min(participants)
 
 
 def plan_buckets(specs: Sequence[tuple[int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:
@@ -593,12 +601,9 @@ class ReroutedAllReduce:
 
     @property
     def source(self) -> int:
-        """The participant whose state every live rank takes after the switch in force: the lowest
-        participant that did not just come back (:attr:`joined`), or the root."""
-        if self.route is None:
-            return 0
-        kept = [r for r in self.route.participants if r not in self.joined]
-        return kept[0] if kept else self.route.root
+        """The participant whose state every live rank takes after the switch in force
+        (:func:`state_source` of the participants and :attr:`joined`)."""
+        return 0 if self.route is None else state_source(self.route.participants, self.joined)
 
     # -- agreement at a step boundary -----------------------------------------------------------
 

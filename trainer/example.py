@@ -307,10 +307,10 @@ def _checkpoint_boundary(
     return False
 
 
-def _sync_from_root(engine: Any, reroute: ReroutedAllReduce, completed: int, *, src: int) -> int:
+def _take_state(engine: Any, reroute: ReroutedAllReduce, completed: int, *, src: int) -> int:
     """After a recovery or a rank's return: every live rank takes ``src``'s parameters, optimizer
     state, step count and learning rate (a survivor may have completed the failed step's update
-    when another did not; a restarted rank has nothing). Returns the root's last completed step."""
+    when another did not; a restarted rank has nothing). Returns ``src``'s last completed step."""
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed may wrap the torch optimizer
     tensors = [p.data for p in engine.module.parameters()]
     for group in opt.param_groups:
@@ -354,7 +354,7 @@ def _sync_from_root(engine: Any, reroute: ReroutedAllReduce, completed: int, *, 
 def _materialize_optimizer_state(engine: Any) -> None:
     """A restarted rank: give its optimizer the state tensors the live ranks' optimizers have (torch
     optimizers make them at the first step), by one step on zero gradients, so that
-    :func:`_sync_from_root` can overwrite them with the root's. Parameters change at most by
+    :func:`_take_state` can overwrite them with the live ranks'. Parameters change at most by
     weight decay; the sync overwrites them too."""
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
     params = [p for group in opt.param_groups for p in group["params"]]
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                 reporter.close(timeout=5.0)
             return 0
         _materialize_optimizer_state(engine)
-        step = completed = _sync_from_root(engine, reroute, 0, src=follower.source)
+        step = completed = _take_state(engine, reroute, 0, src=follower.source)
         log.warning("event=rejoined job=%s rank=%d step=%d", args.job, rank, step)
         if args.checkpoint_dir is not None:  # the rest of the boundary the live ranks are at
             _checkpoint_boundary(args, engine, reroute, rank=rank, step=step, requested=False)
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                 if follower is not None:
                     follower.boundary()
                     if follower.joined and reroute is not None:  # restarted ranks came back: share state
-                        completed = _sync_from_root(engine, reroute, completed, src=follower.source)
+                        completed = _take_state(engine, reroute, completed, src=follower.source)
                     unreachable = sorted(follower.newly_missing())
                     if reroute is not None and reroute.role == "excluded":
                         log.warning("event=excluded job=%s rank=%d step=%d note=leaving_training", args.job, rank, step)
@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                             error, report=report_missing, survey_s=survey_s, timeout_s=args.recovery_timeout
                         )
                         if reroute.role != "excluded":
-                            completed = _sync_from_root(engine, reroute, completed, src=follower.source)
+                            completed = _take_state(engine, reroute, completed, src=follower.source)
                         break
                     except RecoveryError:
                         raise

@@ -78,7 +78,8 @@ publishes a plan that counts on it) and waits in :meth:`join`. The live ranks ag
 at a boundary like any other; the root draws the switch's salt, and before switching the root
 writes an *invitation* (the plan and the salt) to ``pulse/<job>/join/<rank>`` for each rank the
 plan brings back. The invited rank makes the same groups under the same names, and every live
-rank, it included, takes the root's state (:attr:`PlanFollower.joined` says when). If the
+rank, it included, takes the state of a rank that stayed (:attr:`PlanFollower.joined` says when,
+:attr:`PlanFollower.source` whose: after rank 0 returns it is the root again, with nothing). If the
 invited rank does not come within the collective timeout the switch fails on the live ranks, the
 recovery that follows keeps the old plan and reports the rank unreachable (so it is excluded
 again, not invited at every boundary). The live ranks write ``pulse/<job>/done`` after the last
@@ -108,7 +109,7 @@ from torch.distributed import DistError
 
 from clusterpulse import wire
 from clusterpulse.retry import Backoff, is_transient
-from trainer.collective import PlanError, ReroutedAllReduce, Route
+from trainer.collective import PlanError, ReroutedAllReduce, Route, state_source
 
 log = logging.getLogger("pulse.trainer.follow")
 
@@ -144,7 +145,7 @@ class PlanFollower:
         back (never one of them: a rejoined rank 0 is the root of a trivial plan, with nothing)."""
         self.joined: tuple[int, ...] = ()
         """Ranks the switch at the last :meth:`boundary` brought back (restarted ranks that
-        :meth:`join` ed): every live rank then shares the root's state with them."""
+        :meth:`join` ed): every live rank then takes :attr:`source`'s state."""
         self._stop = threading.Event()
         self._redis = redis.Redis.from_url(
             redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
@@ -204,8 +205,7 @@ class PlanFollower:
         reroute = self.reroute
         back = sorted(reroute.left - set(plan.excluded))
         if invite and back:
-            kept = [r for r in plan.participants if r not in back]
-            source = min(kept) if kept else min(plan.participants)  # what ReroutedAllReduce.source says
+            source = state_source(plan.participants, back)  # what every live rank takes after the switch
             record = msgspec.json.encode(_Invitation(plan=plan, salt=salt, source=source)).decode()
             for r in back:
                 reroute.store.set(self._join_key(r), record)
@@ -250,9 +250,9 @@ class PlanFollower:
     def join(self, *, timeout_s: float, poll_s: float = 0.05) -> wire.Plan:
         """A restarted rank: wait until the live ranks put in force a plan that counts on it again
         (the orchestrator publishes one once it has registered again), then make the plan's groups
-        with them. The caller then takes the root's state (``trainer.example``:
-        ``_sync_from_root``), as every live rank does after a switch that brought ranks back
-        (:attr:`~trainer.collective.ReroutedAllReduce.joined`). Raises :class:`RecoveryError`
+        with them. The caller then takes :attr:`source`'s state (``trainer.example``:
+        ``_take_state``), as every live rank does after a switch that brought ranks back
+        (:attr:`joined`). Raises :class:`RecoveryError`
         when no invitation came within ``timeout_s``, :class:`JobFinished` when the live ranks
         finished the job meanwhile (:meth:`finish`)."""
         reroute = self.reroute

@@ -89,7 +89,7 @@ def run_rank(rank: int, redis_url: str, *, rejoin: bool, dying: int) -> dict[str
     gens: list[int | None] = []
 
     def share_state(completed: int, src: int) -> int:
-        """``src``'s last completed step and weights, on every live rank (``_sync_from_root``)."""
+        """``src``'s last completed step and weights, on every live rank (``_take_state``)."""
         header[0] = float(completed)
         reroute.share_(header, src=src)
         reroute.share_(weights, src=src)

@@ -893,6 +893,13 @@ class Orchestrator:
                 except KeyError:
                     log.warning("event=job_status_unknown_job job=%s node=%s", st.job, st.node)
             for job in db.list_jobs(s, states=ACTIVE):
+                if job.id not in self._rejoins and job.state == "RUNNING" and excluded.get(job.id):
+                    # counted from the events, so a restarted orchestrator keeps the cap
+                    done = db.list_events(s, job=job.id, kinds=["rank_rejoin"], limit=100_000)
+                    self._rejoins[job.id] = {}
+                    for ev in done:
+                        node = ev.node or ""
+                        self._rejoins[job.id][node] = self._rejoins[job.id].get(node, 0) + 1
                 d = decide(
                     state=job.state,
                     nodes=job.assigned_nodes,

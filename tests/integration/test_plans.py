@@ -132,3 +132,73 @@ def test_a_rank_its_carrier_gave_up_on_stays_excluded_until_it_registers_again(r
         kinds = [e.kind for e in db.list_events(s, limit=1000)]
     engine.dispose()
     assert kinds.count("rank_unreachable") == 1
+
+
+def test_an_excluded_healthy_node_is_relaunched_to_rejoin_up_to_the_cap_across_a_restart(
+    redis_url: str, sqlite_url: str
+) -> None:
+    """services/jobs.py's relaunch through the orchestrator: the launch goes to the excluded node
+    alone with PULSE_REJOIN=1 and a rank_rejoin event; the cap counts the events already stored,
+    so a restarted orchestrator does not relaunch a node that has had its share."""
+    # no agents here: nodes restored HEALTHY stay so for the test's few seconds
+    settings = _settings(
+        redis_url, sqlite_url, job_resend_s=0.05, job_max_rejoins=3, suspect_after_s=20, degraded_after_s=25
+    )
+    spec = {"name": "j", "nodes": 2, "gpus_per_node": 1, "selector": {}, "entrypoint": ["-m", "x"]}
+    db.upgrade(sqlite_url)
+    engine = db.make_engine(sqlite_url)
+    with db.session_factory(engine).begin() as s:
+        db.create_job(
+            s, job_id="j", name="j", spec=spec, assigned_nodes=["n0", "n1"], master_addr="127.0.0.1",
+            master_port=29500, idempotency_key=None, at=1.0, actor="t",
+        )  # fmt: skip
+        db.set_job_state(s, job_id="j", state="RUNNING", reason="test", at=1.0)
+        db.set_job_node_status(s, job_id="j", node="n0", status={"state": "started"}, at=1.0)
+        for _ in range(2):  # relaunched twice already, by an earlier orchestrator
+            db.record_event(s, kind="rank_rejoin", reason="earlier", at=1.0, node="n1", job="j")
+    client = redis.Redis.from_url(redis_url)
+
+    def n1_status(status: dict[str, object]) -> None:
+        with db.session_factory(engine).begin() as s:
+            db.set_job_node_status(s, job_id="j", node="n1", status=status, at=2.0)
+
+    def launches() -> list[wire.JobCommand]:
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(wire.node_commands_key("n1"))  # type: ignore[assignment]
+        return [wire.decode_job_command(f[wire.COMMAND_FIELD]) for _, f in entries]
+
+    async def exclude_n1(orch: Orchestrator) -> None:
+        """Both nodes HEALTHY, both ranks registered and a plan in force, then n1's ranks die (what
+        its agent reports)."""
+        assert orch.cluster is not None
+        for rank, node in enumerate(("n0", "n1")):
+            orch.cluster.restore(
+                name=node, state="HEALTHY", since=0.0, reason="", last_seen=None, schedulable=True,
+                labels={}, telemetry={},
+            )  # fmt: skip
+            orch.plans.register(
+                wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=rank, node=node, world_size=2)
+            )
+        orch._ranks_changed = True  # as a registration read from Redis does: replan
+        await _until(lambda: "j" in orch.plans.plans)
+        orch.plans.node_exited("j", "n1")
+        n1_status({"state": "exited", "exit_code": -9})
+
+    async def first(orch: Orchestrator) -> None:
+        await exclude_n1(orch)
+        await _until(lambda: len(launches()) == 1)
+        await asyncio.sleep(0.5)  # many resend windows: that third relaunch was the last
+        [cmd] = launches()
+        assert (cmd.kind, cmd.node_rank, cmd.env.get("PULSE_REJOIN")) == ("launch", 1, "1")
+        assert client.xlen(wire.node_commands_key("n0")) == 0  # the live node gets nothing
+
+    async def restarted(orch: Orchestrator) -> None:
+        await exclude_n1(orch)
+        await asyncio.sleep(0.5)
+        assert len(launches()) == 1  # the cap held across the restart
+
+    n1_status({"state": "started"})
+    asyncio.run(_with_orchestrator(settings, first))
+    n1_status({"state": "started"})  # relaunched; it dies again while the orchestrator is restarted
+    asyncio.run(_with_orchestrator(settings, restarted))
+    client.close()
+    engine.dispose()

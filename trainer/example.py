@@ -31,7 +31,9 @@ survivors agree on a plan that excludes the failed rank (:meth:`trainer.follow.P
 through the job's TCPStore: the agent of the first node hosts it, so any rank may fail, rank 0
 included; started otherwise, rank 0 hosts it and must survive), switch to it,
 take the new root's parameters, optimizer state and step count, and go on. No restart. A rank
-that finds itself excluded (a hung one that wakes up) leaves with exit code 0.
+that finds itself excluded (a hung one that wakes up) leaves with exit code 0. Each rank beats
+in the job's store every ``--collective-timeout / 10`` seconds (0.05 to 1), so a hung rank, whose
+beat stands still, is reported without waiting out the survivors' survey.
 ``--recovery-timeout`` (``PULSE_RECOVERY_TIMEOUT_S``, default 120 s) bounds the wait for that
 plan; past it the rank fails.
 
@@ -479,7 +481,14 @@ def main(argv: list[str] | None = None) -> int:
             store=job_store,
         )
         deepspeed_reroute.attach(engine, reroute, rejoining=args.rejoin)
-        follower = PlanFollower(job=args.job, reroute=reroute, redis_url=url, poll_s=args.plan_poll)
+        follower = PlanFollower(
+            job=args.job,
+            reroute=reroute,
+            redis_url=url,
+            poll_s=args.plan_poll,
+            # the liveness beat that lets survivors report a hung rank early (trainer/follow.py)
+            beat_s=min(1.0, max(0.05, args.collective_timeout / 10)) if bounded else None,
+        )
     elif args.rejoin:
         raise SystemExit("--rejoin: PULSE_REDIS_URL is unset, so this rank cannot follow the live ranks' plans")
 

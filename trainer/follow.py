@@ -50,7 +50,12 @@ the step (that step's update is skipped) and calls ``recover``, which on every s
    through ``report(missing)`` (a ``TrainerReport.unreachable_ranks``: sticky exclusion in
    ``services/plans.py``), and so, at once, are ranks a failed switch had invited back (below).
    ``survey_s`` must cover the slowest survivor's detection: a degraded rank learns of the
-   failure only when its carrier's answer does not come (``peer_timeout_s``);
+   failure only when its carrier's answer does not come (``peer_timeout_s``). With ``beat_s``
+   set, each rank's own thread counts up ``pulse/<job>/beat/<rank>`` in the store every
+   ``beat_s``; that goes on while a live rank waits in a collective and stops when its whole
+   process does (SIGSTOP, a crash), so once every missing rank's beat has stood still for
+   ``4 * beat_s`` they are reported without waiting out ``survey_s`` (a hung participant then
+   costs the collective timeout plus about a second, not the whole survey);
 3. agrees on that plan and a fresh salt through the store: the first survivor's ``compare_set``
    of ``.../plan`` wins and every other survivor (and a hung rank that wakes up later) reads the
    winner's, so all live ranks switch to the same plan even when the orchestrator publishes two
@@ -124,9 +129,12 @@ class PlanFollower:
         poll_s: float = 1.0,
         every: int = 1,
         socket_timeout_s: float = 2.0,
+        beat_s: float | None = None,
     ) -> None:
         if poll_s <= 0:
             raise ValueError(f"poll_s={poll_s}: expected a positive number of seconds")
+        if beat_s is not None and beat_s <= 0:
+            raise ValueError(f"beat_s={beat_s}: expected a positive number of seconds (or None: no beat)")
         if every < 1:
             raise ValueError(f"every={every}: expected at least 1")
         self.job = job
@@ -152,6 +160,12 @@ class PlanFollower:
         )
         self._thread = threading.Thread(target=self._run, name=f"pulse-plan-{reroute.rank}", daemon=True)
         self._thread.start()
+        self.beat_s = beat_s
+        self._beat: threading.Thread | None = None
+        if beat_s is not None:
+            self._beat_store = reroute.store  # resolved here: the thread must not race its lazy lookup
+            self._beat = threading.Thread(target=self._beat_loop, name=f"pulse-beat-{reroute.rank}", daemon=True)
+            self._beat.start()
 
     @property
     def latest(self) -> wire.Plan | None:
@@ -326,6 +340,7 @@ class PlanFollower:
         if self._failed_invites:
             report(sorted(self._failed_invites))
             self._failed_invites.clear()
+        beats: dict[int, tuple[int, float]] = {}  # rank -> (its beat counter, when that last changed)
         reported = False
         agreed: _Invitation | None = None
         while agreed is None:
@@ -345,7 +360,8 @@ class PlanFollower:
                 won = store.compare_set(key, "", msgspec.json.encode(mine).decode())
                 agreed = msgspec.json.decode(won, type=_Invitation)
                 break
-            if missing and not reported and elapsed >= survey_s:
+            silent = self._silent(missing, beats) if self.beat_s is not None else []
+            if missing and not reported and (elapsed >= survey_s or silent == missing):
                 reported = True
                 log.warning(
                     "event=ranks_unreachable job=%s rank=%d generation=%d missing=%s",
@@ -376,10 +392,37 @@ class PlanFollower:
         )  # fmt: skip
         return agreed.plan
 
+    def _silent(self, missing: list[int], beats: dict[int, tuple[int, float]]) -> list[int]:
+        """The ``missing`` ranks whose beat has not moved for ``4 * beat_s``: their whole process
+        is stopped or gone (a live rank still waiting in its collective beats on)."""
+        assert self.beat_s is not None
+        now = time.monotonic()
+        for r in missing:
+            count = int(self.reroute.store.add(_beat_key(self.job, r), 0))  # adding 0 reads it
+            if r not in beats or beats[r][0] != count:
+                beats[r] = (count, now)
+        return [r for r in missing if now - beats[r][1] >= 4 * self.beat_s]
+
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        if self._beat is not None:
+            self._beat.join(timeout)
         self._redis.close()
+
+    # --- the liveness beat -----------------------------------------------------------------------
+
+    def _beat_loop(self) -> None:
+        """Count up ``pulse/<job>/beat/<rank>`` in the job's store every ``beat_s``: a thread of its
+        own, so it goes on while the training thread waits in a collective, and stops only when
+        the whole process does (SIGSTOP, a crash). :meth:`recover` reads it (module docstring)."""
+        assert self.beat_s is not None
+        key = _beat_key(self.job, self.reroute.rank)
+        while not self._stop.wait(self.beat_s):
+            try:
+                self._beat_store.add(key, 1)
+            except Exception as exc:  # the store's host gone or slow: recovery falls back on survey_s
+                log.debug("event=beat_failed job=%s rank=%d error=%r", self.job, self.reroute.rank, str(exc))
 
     # --- the reading thread ----------------------------------------------------------------------
 
@@ -442,6 +485,10 @@ class RecoveryError(RuntimeError):
 
 class JobFinished(RecoveryError):
     """A restarted rank waiting to rejoin found the job finished: nothing is left to do."""
+
+
+def _beat_key(job: str, rank: int) -> str:
+    return f"pulse/{job}/beat/{rank}"
 
 
 def _join_key(job: str, rank: int) -> str:

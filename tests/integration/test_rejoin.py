@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import redis
 import torch
@@ -48,6 +50,10 @@ STEPS_AFTER_JOIN = 6
 MAX_STEPS = 2000
 STEP_KEY = "test:rejoin:step"  # rank 0's last step, for the test's timing
 REGISTERED_KEY = "test:rejoin:registered"  # the restarted rank says it is ready (its "registration")
+REPORTED_KEY = "test:rejoin:reported"  # the ranks the survivors reported unreachable
+BEAT_S = 0.2
+COLLECTIVE_TIMEOUT_S = 2.0
+SURVEY_S = {"exit": 3.0, "stop": 60.0}
 
 
 def plan(generation: int, participants: list[int], excluded: list[int] | None = None) -> wire.Plan:
@@ -72,14 +78,16 @@ def mean_over(ranks: list[int], step: int) -> torch.Tensor:
 # --- one rank (this file as a script) ----------------------------------------------------------------
 
 
-def run_rank(rank: int, redis_url: str, *, rejoin: bool, dying: int) -> dict[str, Any]:
+def run_rank(rank: int, redis_url: str, *, rejoin: bool, dying: int, how: str) -> dict[str, Any]:
     store = TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
     )
     if rejoin:
         forget_invitation(store, job=JOB, rank=rank)
-    reroute = ReroutedAllReduce(world_size=WORLD, rank=rank, proxy_timeout_s=2.0, collective_timeout_s=2.0, store=store)
-    follower = PlanFollower(job=JOB, reroute=reroute, redis_url=redis_url, poll_s=0.05)
+    reroute = ReroutedAllReduce(
+        world_size=WORLD, rank=rank, proxy_timeout_s=2.0, collective_timeout_s=COLLECTIVE_TIMEOUT_S, store=store
+    )
+    follower = PlanFollower(job=JOB, reroute=reroute, redis_url=redis_url, poll_s=0.05, beat_s=BEAT_S)
     client = redis.Redis.from_url(redis_url)
     weights = torch.zeros(SHAPE)
     header = torch.zeros(2, dtype=torch.float64)
@@ -105,8 +113,10 @@ def run_rank(rank: int, redis_url: str, *, rejoin: bool, dying: int) -> dict[str
     while step < MAX_STEPS:
         step += 1
         time.sleep(STEP_S)
-        if rank == dying and not rejoin and step == DIES_AT:
-            os._exit(17)  # mid-run, before this step's collective: the survivors' collective fails
+        if rank == dying and not rejoin and step == DIES_AT:  # mid-run, before this step's collective
+            if how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # hung: the survivors' collective times out
+            os._exit(17)
         g = grad(rank, step)
         try:
             reroute.allreduce_([g])
@@ -121,7 +131,12 @@ def run_rank(rank: int, redis_url: str, *, rejoin: bool, dying: int) -> dict[str
         except RecoveryError:
             raise
         except RuntimeError as exc:  # a peer died: skip the step, agree on a plan without it
-            follower.recover(exc, report=lambda missing: None, survey_s=3.0, timeout_s=60)
+
+            def report(missing: list[int]) -> None:
+                client.set(REPORTED_KEY, json.dumps(missing))
+
+            # a survey far longer than the test waits: a hung rank is reported from its still beat
+            follower.recover(exc, report=report, survey_s=SURVEY_S[how], timeout_s=60)
             step = share_state(step - 1, follower.source)
             continue
         gens.append(reroute.generation)
@@ -161,12 +176,17 @@ def logs(out: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(out.glob("*.log")))
 
 
-@pytest.mark.parametrize("dying", [2, 0], ids=["rank2", "rank0"])
+@pytest.mark.parametrize(
+    ("dying", "how"), [(2, "exit"), (0, "exit"), (1, "stop")], ids=["rank2-exits", "rank0-exits", "rank1-hangs"]
+)
 def test_a_dead_rank_restarted_rejoins_the_running_world_with_the_live_state(
-    redis_url: str, tmp_path: Path, dying: int
+    redis_url: str, tmp_path: Path, dying: int, how: str
 ) -> None:
+    """A rank exits (or hangs: SIGSTOP, then it is SIGKILLed once reported) mid-run and is
+    restarted. A hung rank is reported unreachable from its still liveness beat, within about the
+    collective timeout, although the survivors' survey is a minute."""
     client = redis.Redis.from_url(redis_url)
-    client.delete(STEP_KEY, REGISTERED_KEY, wire.job_plan_key(JOB))
+    client.delete(STEP_KEY, REGISTERED_KEY, REPORTED_KEY, wire.job_plan_key(JOB))
     port = free_port()
     # the job's store, hosted outside every rank (as agent/jobstore.py does on the first node)
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -178,14 +198,25 @@ def test_a_dead_rank_restarted_rejoins_the_running_world_with_the_live_state(
         "PYTHONPATH": str(REPO),
         "PULSE_TEST_REJOIN_REDIS": redis_url,
         "PULSE_TEST_REJOIN_DYING": str(dying),
+        "PULSE_TEST_REJOIN_HOW": how,
     }
     others = [r for r in range(WORLD) if r != dying]
     procs = {r: start(r, tmp_path, env, rejoin=False) for r in range(WORLD)}
     new: subprocess.Popen[bytes] | None = None
     try:
         publish(client, plan(1, [0, 1, 2]))  # a trivial plan with bounded groups from the start
+        if how == "stop":
+            hung = psutil.Process(procs[dying].pid)
+            wait_for(lambda: hung.status() == psutil.STATUS_STOPPED, timeout=60, what=f"rank {dying} to hang")
+            stopped_at = time.monotonic()
+            wait_for(lambda: client.get(REPORTED_KEY) is not None, timeout=30, what="the survivors' report")
+            reported_s = time.monotonic() - stopped_at
+            assert json.loads(client.get(REPORTED_KEY) or b"[]") == [dying]
+            # the collective timeout, the beat standing still for 4 beats, a poll: far below the survey
+            assert reported_s < COLLECTIVE_TIMEOUT_S + 4 * BEAT_S + 3.0, reported_s
+            procs[dying].kill()
         wait_for(lambda: procs[dying].poll() is not None, timeout=60, what=f"rank {dying} to die\n" + logs(tmp_path))
-        assert procs[dying].returncode == 17, logs(tmp_path)
+        assert procs[dying].returncode == (17 if how == "exit" else -signal.SIGKILL), logs(tmp_path)
         publish(client, plan(2, others, excluded=[dying]))  # the agent reported the rank's exit
         step_then = int(client.get(STEP_KEY) or 0)
         wait_for(
@@ -227,6 +258,12 @@ if __name__ == "__main__":
         dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group("gloo", rank=rank_arg, world_size=WORLD, timeout=timedelta(seconds=30))
-    result = run_rank(rank_arg, url, rejoin=mode == "rejoin", dying=int(os.environ["PULSE_TEST_REJOIN_DYING"]))
+    result = run_rank(
+        rank_arg,
+        url,
+        rejoin=mode == "rejoin",
+        dying=int(os.environ["PULSE_TEST_REJOIN_DYING"]),
+        how=os.environ["PULSE_TEST_REJOIN_HOW"],
+    )
     (out_dir / f"rank{rank_arg}.json").write_text(json.dumps(result))
     os._exit(0)  # gloo threads of groups with a dead peer must not run interpreter finalization

@@ -736,6 +736,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bg.add_argument("--cycle", action="store_true", help="take --kinds in turn instead of drawing them")
     bg.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=5.0,
+        help="the job's PULSE_COLLECTIVE_TIMEOUT_S: how long survivors wait for a hung or dead peer (default 5)",
+    )
+    bg.add_argument(
         "--rank-victims",
         type=lambda v: [int(r) for r in v.split(",") if r],
         default=None,

@@ -350,7 +350,9 @@ def rank_pids(job: str) -> dict[int, int]:
     return out
 
 
-def job_body(*, steps: int, ranks: int, name: str) -> dict[str, Any]:
+def job_body(
+    *, steps: int, ranks: int, name: str, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+) -> dict[str, Any]:
     return {
         "name": name,
         "nodes": ranks,
@@ -373,7 +375,7 @@ def job_body(*, steps: int, ranks: int, name: str) -> dict[str, Any]:
         "env": {
             "PULSE_PEAK_FLOPS": "1e11",
             "PULSE_PROXY_TIMEOUT_S": str(PROXY_TIMEOUT_S),
-            "PULSE_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S),
+            "PULSE_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
             "OMP_NUM_THREADS": "1",
         },
     }  # fmt: skip
@@ -523,8 +525,9 @@ def _mean_loss_by_step(run: Run) -> dict[int, float]:
     return {s: statistics.fmean(v) for s, v in by.items()}
 
 
-def _submit(stack: Stack, monitor: Monitor, *, steps: int, name: str) -> Run:
-    r = stack.post("/v1/jobs", job_body(steps=steps, ranks=len(stack.nodes), name=name))
+def _submit(stack: Stack, monitor: Monitor, *, steps: int, name: str, collective_timeout_s: float) -> Run:
+    body = job_body(steps=steps, ranks=len(stack.nodes), name=name, collective_timeout_s=collective_timeout_s)
+    r = stack.post("/v1/jobs", body)
     if r.status_code != 201:
         raise CampaignError(f"POST /v1/jobs: {r.status_code} {r.text}")
     run = Run(job=r.json()["id"], submitted=time.time())
@@ -556,6 +559,8 @@ class Campaign:
         self.restarts = 0
         self.lost_ranks: set[int] = set()
         self.hold = 0.7 * args.fault_every
+        # how long a survivor's collective waits for a hung or dead peer: most of what a rank fault costs
+        self.collective_timeout_s = float(getattr(args, "collective_timeout", None) or COLLECTIVE_TIMEOUT_S)
         self.kinds = tuple(args.kinds) if args.kinds else FAULT_KINDS
         self._cycle = list(self.kinds)
         self.steps = 0
@@ -708,7 +713,9 @@ class Campaign:
             what=f"{len(s.nodes)} HEALTHY nodes",
         )
         # 1. fault-free
-        ff = _submit(s, mon, steps=10_000_000, name="goodput-fault-free")
+        ff = _submit(
+            s, mon, steps=10_000_000, name="goodput-fault-free", collective_timeout_s=self.collective_timeout_s
+        )
         _wait_first_step(s, ff, timeout=a.start_timeout)
         assert ff.first_step_at is not None
         ff_s = a.fault_free_duration or a.duration
@@ -729,7 +736,9 @@ class Campaign:
         # 2. faulted
         self.steps = steps_expected
         self.ff = ff
-        self.runs = runs = [_submit(s, mon, steps=steps_expected, name="goodput")]
+        self.runs = runs = [
+            _submit(s, mon, steps=steps_expected, name="goodput", collective_timeout_s=self.collective_timeout_s)
+        ]
         _wait_first_step(s, runs[0], timeout=a.start_timeout)
         first = runs[0].first_step_at
         assert first is not None
@@ -779,7 +788,16 @@ class Campaign:
         if states and states[-1] == "FAILED":
             self.restarts += 1
             self.lost_ranks.clear()
-            runs.append(_submit(self.stack, self.monitor, steps=self.steps, name=f"goodput-restart{self.restarts}"))
+            name = f"goodput-restart{self.restarts}"
+            runs.append(
+                _submit(
+                    self.stack,
+                    self.monitor,
+                    steps=self.steps,
+                    name=name,
+                    collective_timeout_s=self.collective_timeout_s,
+                )
+            )
 
     def _finish(self, runs: list[Run]) -> str:
         """After the window: let the job finish (resubmitting once more if it failed)."""
@@ -865,6 +883,7 @@ class Campaign:
             "ranks": self.args.ranks,
             "duration_s": self.args.duration,
             "fault_every_s": self.args.fault_every,
+            "collective_timeout_s": self.collective_timeout_s,
             "seed": self.args.seed,
             "steps_expected": steps_expected,
             "steps_done": steps_done,
@@ -1053,7 +1072,7 @@ def plot(camp: Campaign, ff: Run, runs: list[Run], result: dict[str, Any], path:
 
 def run_goodput(args: argparse.Namespace) -> int:
     logging.getLogger("pulse").setLevel(logging.WARNING)
-    for name in ("ranks", "duration", "fault_every"):
+    for name in ("ranks", "duration", "fault_every", "collective_timeout"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"pulse bench goodput: --{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
     unknown = sorted(set(args.kinds or ()) - set(FAULT_KINDS))

@@ -244,22 +244,31 @@ class Launcher:
         return [[self.python, *entry] for _ in range(local)]
 
     def _start_store(self, cmd: wire.JobCommand) -> None:
-        """The job's store on its first node (module docstring); one per job, kept across relaunches."""
+        """The job's store on its first node (module docstring); one per job, kept across relaunches.
+
+        Started through a shell that leaves at once, so the store is nobody's child here: it
+        outlives this agent, init reaps it, and nothing in the agent waits for it."""
         pid = self.stores.get(cmd.job)
         if pid is not None and alive(pid):
             return
         argv = [self.python, "-m", "agent.jobstore", f"--port={cmd.master_port}", f"--job={cmd.job}"]
-        with (self.state_dir / f"{cmd.job}.store.log").open("ab") as logf:
-            proc = subprocess.Popen(
-                [*argv, f"--linger={self.store_linger_s}"],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # not in the ranks' process group: it outlives them
-            )
-        self.stores[cmd.job] = proc.pid
-        self._spawn(asyncio.to_thread(proc.wait))  # reaped when it ends, never a zombie
-        log.info("event=job_store_started job=%s port=%d pid=%d", cmd.job, cmd.master_port, proc.pid)
+        logf = self.state_dir / f"{cmd.job}.store.log"
+        shell = subprocess.run(
+            [
+                "/bin/sh",
+                "-c",
+                '"$@" >>"$0" 2>&1 </dev/null & echo $!',
+                str(logf),
+                *argv,
+                f"--linger={self.store_linger_s}",
+            ],
+            capture_output=True,
+            check=True,
+            timeout=10,
+            start_new_session=True,  # a session of its own: not in the ranks' process group
+        )
+        self.stores[cmd.job] = int(shell.stdout.strip())
+        log.info("event=job_store_started job=%s port=%d pid=%d", cmd.job, cmd.master_port, self.stores[cmd.job])
 
     async def launch(self, cmd: wire.JobCommand) -> None:
         if cmd.job in self.jobs:
@@ -271,7 +280,7 @@ class Launcher:
         if cmd.node_rank == 0 and self.hosts_store:
             try:
                 self._start_store(cmd)
-            except OSError as exc:
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:
                 await self._status(cmd.job, 0, "exited", exit_code=127, detail=f"cannot start the job's store: {exc}")
                 return
         lines = self.argv(cmd)

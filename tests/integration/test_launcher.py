@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -135,3 +136,27 @@ def test_the_first_node_hosts_the_jobs_store_outside_its_ranks(redis_url: str, t
         await client.aclose()
 
     asyncio.run(body())
+
+
+def test_an_agent_leaves_at_once_while_the_jobs_store_it_started_lives_on(redis_url: str, tmp_path: Path) -> None:
+    """The store outlives the agent (a restarted agent finds it in stores.json); the agent's own
+    exit must not wait for it (it did, while a thread sat in the store's wait())."""
+    left: dict[str, Launcher] = {}
+
+    async def body() -> None:
+        client = aioredis.from_url(redis_url)
+        launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path)
+        await launcher.launch(_cmd("j4", seconds=0.2))
+        left["launcher"] = launcher
+        for t in list(launcher._tasks):  # the agent stops, as on SIGTERM
+            t.cancel()
+        await client.aclose()
+
+    started = time.monotonic()
+    asyncio.run(body())
+    assert time.monotonic() - started < 10
+    launcher = left["launcher"]
+    for p in launcher.jobs["j4"].procs:
+        p.wait(10)
+    assert alive(launcher.stores["j4"])
+    _end_stores(launcher)

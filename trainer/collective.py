@@ -32,8 +32,9 @@ pair closure"): a per-pair group confines that to the one failed rank, and the w
 participants' groups stay usable. A pair that failed once stays failed for the life of the
 object (until the rank is excluded and comes back as a new process, see :meth:`switch`): its
 degraded rank missed a reduced gradient, so its parameters have diverged. A degraded rank whose
-exchange fails raises :class:`RerouteError` instead of stepping with a wrong gradient. The carrier never waits on its result sends within a
-step: they are drained (again within the budget) at the next step or plan switch.
+exchange fails raises :class:`RerouteError` instead of stepping with a wrong gradient. The carrier
+never waits on its result sends within a step: they are drained (again within the budget) at the
+next step or plan switch.
 
 A dead or hung *participant* is another matter: it breaks the participants' group itself. With
 ``collective_timeout_s`` set, every group a plan uses (a trivial plan included: then a group of
@@ -485,7 +486,7 @@ class ReroutedAllReduce:
         same ``salt`` (default: the plan's generation), which names the groups made now (see the
         module docstring). A no-op when ``plan`` is the plan already in force. Afterwards
         :attr:`joined` holds the ranks the plan in force excluded and ``plan`` counts on again
-        (restarted ranks: the caller shares the root's state with them).
+        (restarted ranks: every live rank then takes :attr:`source`'s state).
         """
         if self._hook_step is not None:
             raise RuntimeError("switch() called in the middle of a DDP step; call it between optimizer steps")

@@ -66,20 +66,28 @@ class PlacementRefused(Exception):
 
 
 class RedisClock:
-    """The one clock: Redis server time, extrapolated with the monotonic clock between syncs."""
+    """The one clock: Redis server time, extrapolated with the monotonic clock between syncs.
+
+    It never goes backwards: a sync that lands behind the extrapolation (the reply's round trip,
+    a loaded machine) holds ``now`` until the clock catches up, so what happened later is never
+    stamped earlier (events, transitions)."""
 
     def __init__(self, client: aioredis.Redis) -> None:
         self._redis = client
         self._base = time.time()
         self._mono = time.monotonic()
+        self._last = 0.0
         self.synced = False
 
     async def sync(self) -> None:
+        sent = time.monotonic()
         secs, micros = await self._redis.time()
-        self._base, self._mono, self.synced = secs + micros / 1e6, time.monotonic(), True
+        # the server read its clock somewhere in the round trip: take the middle
+        self._base, self._mono, self.synced = secs + micros / 1e6, (sent + time.monotonic()) / 2, True
 
     def now(self) -> float:
-        return self._base + (time.monotonic() - self._mono)
+        self._last = max(self._last, self._base + (time.monotonic() - self._mono))
+        return self._last
 
 
 def entry_time(entry_id: bytes | str) -> float:

@@ -509,6 +509,18 @@ class Monitor:
         """The newest plan generation any rank reports training under."""
         return max((r.plan_generation or 0 for _, r in run.reports), default=0)
 
+    def trains_under(self, run: Run, generation: int, *, since: float, other_than: int | None) -> float | None:
+        """When a rank other than ``other_than`` first reported training under ``generation`` or a
+        newer one, at ``since`` or later; None if none did."""
+        return next(
+            (
+                t
+                for t, r in run.reports
+                if r.rank != other_than and (r.plan_generation or 0) >= generation and t >= since
+            ),
+            None,
+        )
+
 
 def _finite(r: wire.TrainerReport) -> bool:
     """The report's loss and gradient norm were finite (non-finite ones travel as null + an event)."""
@@ -681,9 +693,9 @@ class Campaign:
             back = next((p["generation"] for _, p in plans[out:] if f.rank not in (p.get("excluded") or [])), None)
             if back is None:
                 continue
-            seen = [t for t, r in run.reports if r.rank != f.rank and (r.plan_generation or 0) >= back and t >= f.at]
-            if seen:
-                f.rejoined_s = seen[0] - f.at
+            seen = mon.trains_under(run, back, since=f.at, other_than=f.rank)
+            if seen is not None:
+                f.rejoined_s = seen - f.at
                 self.lost_ranks.discard(f.rank)
                 log.info("event=rank_rejoined rank=%d after_s=%.1f", f.rank, f.rejoined_s)
 
@@ -959,11 +971,9 @@ class Campaign:
                 )  # fmt: skip
                 if gens:
                     g = gens[0]
-                    seen = [
-                        t for t, r in run.reports if r.rank != f.rank and (r.plan_generation or 0) >= g and t >= f.at
-                    ]
-                    if seen:
-                        f.rerouted_s = seen[0] - f.at
+                    seen = mon.trains_under(run, g, since=f.at, other_than=f.rank)
+                    if seen is not None:
+                        f.rerouted_s = seen - f.at
 
     def _false_degraded(self, since: float) -> int:
         assert self.monitor is not None

@@ -42,9 +42,9 @@ excluded node's share anew, ``services/jobs.py``): the rank cannot enter the liv
 (its size was fixed at ``init_process_group``), so it makes a world of one for itself, connects
 to the job's store (``MASTER_ADDR:MASTER_PORT``, as every rank does with a collective timeout),
 registers, and waits (:meth:`trainer.follow.PlanFollower.join`) until the live ranks put in
-force a plan that counts on it; at that boundary every live rank takes the root's parameters,
-optimizer state, step count and learning rate, and the restarted rank trains on from the
-root's step. A rank whose job finished while it waited leaves with 0.
+force a plan that counts on it; at that boundary every live rank takes the parameters, optimizer
+state, step count and learning rate of a rank that stayed (``PlanFollower.source``), and the
+restarted rank trains on from that rank's step. A rank whose job finished while it waited leaves with 0.
 
 Emergency checkpoint: ``SIGUSR2`` to any rank asks for ``engine.save_checkpoint`` into
 ``--checkpoint-dir`` (tag ``emergency-stepN``) at the next step boundary, then training goes
@@ -334,7 +334,7 @@ def _take_state(engine: Any, reroute: ReroutedAllReduce, completed: int, *, src:
     reroute.share_(header, src=src)
     if int(header[3].item()) != len(tensors):
         raise RuntimeError(
-            f"rank {reroute.rank}: {len(tensors)} state tensors here, {int(header[3].item())} on the root "
+            f"rank {reroute.rank}: {len(tensors)} state tensors here, {int(header[3].item())} on rank {src} "
             "(an optimizer that has not stepped yet has no state)"
         )
     if tensors:

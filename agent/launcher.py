@@ -6,13 +6,16 @@ commands are idempotent.
 
 - **launch**: a preflight of the node's GPUs (NVML: every GPU answers and none is lost; a quick
   matmul on each CUDA device when torch sees one; on a machine without GPUs it says it checked
-  nothing), then the ranks, all in one new process group, through DeepSpeed's per-node launcher
-  (``python -m deepspeed.launcher.launch --world_info=... --node_rank R --master_addr A
-  --master_port P``: what ``deepspeed --no_ssh`` runs on each node, with the world given directly
-  rather than through a hostfile the orchestrator would have to write on every node), on GPUs and
-  on the CPU alike. Without DeepSpeed installed, ``gpus_per_node`` (at least one) plain processes
-  with the torch.distributed environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-  ``MASTER_ADDR``, ``MASTER_PORT``) set. Output goes to ``state_dir/<job>.log``.
+  nothing), then ``gpus_per_node`` (at least one) rank processes, all in one new process group,
+  each ``python -u <entrypoint>`` with the environment DeepSpeed's per-node launcher
+  (``deepspeed.launcher.launch``, what ``deepspeed --no_ssh`` runs on each node) would give it:
+  ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``/``LOCAL_SIZE``, ``CROSS_RANK``
+  (the node's rank), ``CROSS_SIZE`` (nodes), ``MASTER_ADDR``, ``MASTER_PORT``. The agent is the
+  per-node launcher, as torchrun's elastic agent is, rather than starting DeepSpeed's: that one
+  would import torch and DeepSpeed (about 2.5 s of CPU) before the ranks import them again, on
+  every launch and every relaunch of a rank that rejoins. When one rank fails the node's others
+  are stopped (they would hang in a collective) and the first failure's exit code is reported.
+  Output goes to ``state_dir/<job>.log``.
 - **the job's store**: on the job's first node (``node_rank`` 0) the agent starts the job's
   rendezvous TCPStore (``agent/jobstore.py``) at ``master_port`` before the ranks, in a session
   of its own, and every node's ranks get ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch's
@@ -31,7 +34,6 @@ commands are idempotent.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import importlib.util
 import json
@@ -223,25 +225,25 @@ class Launcher:
         t.add_done_callback(self._tasks.discard)
 
     def argv(self, cmd: wire.JobCommand) -> list[list[str]]:
-        """The command line(s) of this node's ranks: DeepSpeed's per-node launcher (what
-        ``deepspeed --no_ssh --node_rank R`` runs on each node, given the world as ``--world_info``
-        instead of a hostfile) when DeepSpeed is installed; it sets RANK, LOCAL_RANK, WORLD_SIZE and
-        MASTER_* for each local rank. Else one plain process per local rank, that environment
-        set by us."""
-        entry = list(cmd.argv)
+        """The command line of each of this node's ranks (``-u``: unbuffered, as DeepSpeed's
+        launcher starts them, so a rank's last words reach the log)."""
+        return [[self.python, "-u", *cmd.argv] for _ in range(max(1, cmd.gpus_per_node))]
+
+    @staticmethod
+    def rank_env(cmd: wire.JobCommand, local_rank: int) -> dict[str, str]:
+        """The torch.distributed environment of one rank: what ``deepspeed.launcher.launch`` sets."""
         local = max(1, cmd.gpus_per_node)
-        if importlib.util.find_spec("deepspeed") is not None:
-            world = {f"node{i}": list(range(local)) for i in range(cmd.nodes)}
-            info = base64.urlsafe_b64encode(json.dumps(world).encode()).decode()
-            script = ["--module", *entry[1:]] if entry[:1] == ["-m"] else entry
-            return [
-                [
-                    self.python, "-m", "deepspeed.launcher.launch", f"--world_info={info}",
-                    f"--node_rank={cmd.node_rank}", f"--master_addr={cmd.master_addr}",
-                    f"--master_port={cmd.master_port}", "--no_local_rank", *script,
-                ]
-            ]  # fmt: skip
-        return [[self.python, *entry] for _ in range(local)]
+        return {
+            "RANK": str(cmd.node_rank * local + local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(cmd.nodes * local),
+            "LOCAL_WORLD_SIZE": str(local),
+            "LOCAL_SIZE": str(local),
+            "CROSS_RANK": str(cmd.node_rank),
+            "CROSS_SIZE": str(cmd.nodes),
+            "MASTER_ADDR": cmd.master_addr,
+            "MASTER_PORT": str(cmd.master_port),
+        }
 
     def _start_store(self, cmd: wire.JobCommand) -> None:
         """The job's store on its first node (module docstring); one per job, kept across relaunches.
@@ -284,7 +286,6 @@ class Launcher:
                 await self._status(cmd.job, 0, "exited", exit_code=127, detail=f"cannot start the job's store: {exc}")
                 return
         lines = self.argv(cmd)
-        local = max(1, cmd.gpus_per_node)
         logf = (self.state_dir / f"{cmd.job}.log").open("ab")
         procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -292,15 +293,7 @@ class Launcher:
                 env = {**os.environ, **cmd.env, "PULSE_JOB_ID": cmd.job, "PULSE_NODE": self.node}
                 if self.hosts_store:
                     env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the first node's agent hosts the store
-                if "deepspeed.launcher.launch" not in line:
-                    env.update(
-                        RANK=str(cmd.node_rank * local + i),
-                        LOCAL_RANK=str(i),
-                        WORLD_SIZE=str(cmd.nodes * local),
-                        LOCAL_WORLD_SIZE=str(local),
-                        MASTER_ADDR=cmd.master_addr,
-                        MASTER_PORT=str(cmd.master_port),
-                    )
+                env.update(self.rank_env(cmd, i))
                 # A shell records the exit code in a file, so a restarted agent that re-attaches
                 # (and so is no longer the parent) can still read how the ranks ended.
                 rc_file = self.state_dir / f"{cmd.job}.{i}.rc"
@@ -336,13 +329,15 @@ class Launcher:
         """Wait for every rank; then report the exit. For re-attached ranks the code comes from
         the file their shell wrote; none there means ``lost``."""
         code: int | None
+        failed: int | None = None  # the first failure's code: the ranks stopped after it exit 143
         while True:
             if rj.procs:
                 codes = [p.poll() for p in rj.procs]
+                failed = failed if failed is not None else next((c for c in codes if c), None)
                 if all(c is not None for c in codes):
-                    code = next((c for c in codes if c), 0) or 0
+                    code = failed or 0
                     break
-                if any(c not in (None, 0) for c in codes) and not rj.stopping:
+                if failed is not None and not rj.stopping:
                     # one rank failed: the others would hang in a collective; stop them
                     self._spawn(self.stop(rj.job, grace_s=5.0, store_too=False))
             elif not any(alive(p) for p in rj.pids):

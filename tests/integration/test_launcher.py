@@ -112,6 +112,33 @@ def test_stop_terminates_the_process_group(redis_url: str, tmp_path: Path) -> No
     assert _statuses(redis_url)[-1].exit_code != 0
 
 
+def test_a_node_starts_each_rank_with_the_distributed_environment(redis_url: str, tmp_path: Path) -> None:
+    """The agent is the per-node launcher: node 1 of 2 with two GPUs starts global ranks 2 and 3
+    with what DeepSpeed's launcher would set; when one fails, the other is stopped (it would hang
+    in a collective) and the failure's code, not the stopped rank's 143, is what the node reports."""
+
+    async def body() -> None:
+        client = aioredis.from_url(redis_url)
+        launcher = Launcher(node="n2", redis_client=client, state_dir=tmp_path, python=sys.executable)
+        argv = [RANK, "--seconds", "60", "--exit-code", "3", "--fail-rank", "3", "--fail-after", "1"]
+        cmd = msgspec.structs.replace(_cmd("j5", seconds=60), nodes=2, node_rank=1, gpus_per_node=2, argv=argv)
+        started = time.monotonic()
+        await launcher.launch(cmd)
+        assert len(launcher.jobs["j5"].pids) == 2
+        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"], limit_s=30)
+        assert time.monotonic() - started < 20  # rank 2 was stopped, not waited for (60 s)
+        last = _statuses(redis_url)[-1]
+        assert (last.node_rank, last.exit_code) == (1, 3)
+        log = (tmp_path / "j5.log").read_text()
+        for rank, local in ((2, 0), (3, 1)):
+            env = {"LOCAL_RANK": str(local), "LOCAL_SIZE": "2", "CROSS_RANK": "1", "CROSS_SIZE": "2"}
+            assert f"rank {rank} of 4 up agent_store=True env={env}" in log
+        assert "rank 3 done" in log and "rank 2 done" not in log
+        await client.aclose()
+
+    asyncio.run(body())
+
+
 def test_the_first_node_hosts_the_jobs_store_outside_its_ranks(redis_url: str, tmp_path: Path) -> None:
     """Rank 0 does not host the job's TCPStore (agent/jobstore.py): it answers at master_port,
     outlives the ranks' exit and a relaunch to rejoin (one store, its keys kept), and leaves

@@ -40,9 +40,17 @@ A dead or hung *participant* is another matter: it breaks the participants' grou
 ``collective_timeout_s`` set, every group a plan uses (a trivial plan included: then a group of
 every rank rather than DeepSpeed's world group, whose timeout is 30 minutes) is made with that
 timeout, so a survivor's collective fails within it instead of hanging; :meth:`ReroutedAllReduce.reset`
-drops the broken groups, and :meth:`trainer.follow.PlanFollower.recover` has the survivors agree
+destroys the broken groups, and :meth:`trainer.follow.PlanFollower.recover` has the survivors agree
 on a plan without the failed rank (through the job's TCPStore) and switch to it. Without
 ``collective_timeout_s`` nothing changes: a trivial plan reduces on the world group.
+
+A group this class drops is destroyed (unregistered from ``torch.distributed``, no reference
+kept): gloo then closes its connections, so a peer still blocked in one of its collectives fails
+at once ("connection closed") rather than after the timeout. That matters after a death: only
+the dead rank's neighbours in the algorithm see its sockets close; a survivor waiting on one of
+*them* would otherwise wait out the whole collective timeout before it joins the recovery (in a
+4-rank world, one survivor of every killed rank did). It also keeps a long job's switches from
+piling up groups and sockets.
 
 Plan switch protocol, at a step boundary (a plan arriving mid-step waits for the next boundary)::
 
@@ -101,7 +109,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket, PrefixStore, Store  # torch.distributed re-exports them untyped
-from torch.distributed.distributed_c10d import GroupName, _get_default_store, _register_pg_in_world
+from torch.distributed.distributed_c10d import GroupName, _get_default_store, _register_pg_in_world, _world
 
 from clusterpulse.wire import Plan
 
@@ -319,6 +327,14 @@ def _wait(work: dist.Work, timeout_s: float) -> None:
         raise RuntimeError(f"timed out after {timeout_s:.3f}s")
 
 
+def _destroy(group: dist.ProcessGroup | None) -> None:
+    """Unregister a group :func:`make_group` made, so that nothing holds it once its caller lets go:
+    gloo then closes its connections (module docstring). Works still referenced (a failed
+    collective's, in a traceback) keep them open until they go too."""
+    if group is not None and group in _world.pg_map:
+        dist.destroy_process_group(group)
+
+
 def make_group(store: Store, *, name: str, members: Sequence[int], rank: int, timeout: timedelta) -> dist.ProcessGroup:
     """A process group of ``members`` (global ranks, ascending) made through ``store`` under ``name``,
     with the default group's backend (gloo, or NCCL on GPUs), registered with ``torch.distributed``
@@ -498,7 +514,7 @@ class ReroutedAllReduce:
         gone = set() if route is None else set(route.excluded)
         joined = tuple(sorted(self.left - gone))
         for members in [m for m in self._groups if gone & set(m) or set(joined) & set(m)]:
-            del self._groups[members]  # a group holding a rank that left (or left and came back) is dead
+            _destroy(self._groups.pop(members))  # a group holding a rank that left (or came back) is dead
         self._dead_pairs = {pair: why for pair, why in self._dead_pairs.items() if not set(joined) & set(pair)}
         name = f"{plan.job}/{plan.generation if salt is None else salt}" if plan is not None else ""
         if route is not None and route.trivial and self.collective_timeout_s is not None:
@@ -575,15 +591,21 @@ class ReroutedAllReduce:
         return tuple(d for d in self.route.carried_by(self.rank) if d not in self.missing)
 
     def reset(self) -> None:
-        """Forget the plan in force and every group (after a collective failed: its groups are
-        broken). The next :meth:`switch` makes all of the plan's groups anew, on every live rank
-        alike; the world group stays as it is. Failed pairs stay failed."""
+        """Forget the plan in force and destroy every group (after a collective failed: its groups
+        are broken, and a peer still blocked in one fails at once; see the module docstring). The
+        next :meth:`switch` makes all of the plan's groups anew, on every live rank alike; the
+        world group stays as it is. Failed pairs stay failed."""
         if self._hook_step is not None:
             raise RuntimeError("reset() called in the middle of a DDP step; call it between optimizer steps")
         self.route = None
         self.missing = {}
-        self._groups = {}
         self._pending_sends = []
+        self._drop_groups()
+
+    def _drop_groups(self) -> None:
+        groups, self._groups = self._groups, {}
+        for group in groups.values():
+            _destroy(group)
 
     def adopt(self, plan: Plan, *, salt: str) -> None:
         """Take ``plan`` (agreed under ``salt``) as the plan in force without any of its groups (a
@@ -591,7 +613,7 @@ class ReroutedAllReduce:
         self.route = parse_plan(plan, self.world_size)
         self.salt = f"{plan.job}/{salt}"
         self.left = frozenset(self.route.excluded)
-        self._groups = {}
+        self._drop_groups()
 
     def share_(self, t: torch.Tensor, *, src: int | None = None) -> torch.Tensor:
         """Overwrite ``t`` with the root's ``t`` on every live rank (as :meth:`agree_plan` does:

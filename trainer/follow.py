@@ -104,6 +104,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import msgspec
@@ -329,6 +330,12 @@ class PlanFollower:
         store = reroute.store
         prefix = f"pulse/{self.job}/recover/{route.generation}/{reroute.salt}"
         key = f"{prefix}/plan"
+        # The broken groups go now, not after the agreement: a peer blocked in one of their
+        # collectives (on this rank, not on the dead one) fails at once and joins the recovery
+        # instead of waiting out the collective timeout. The error's traceback holds the failed
+        # work, and through it the group's connections: its frames' locals go first.
+        traceback.clear_frames(error.__traceback__)
+        reroute.reset()
         store.set(f"{prefix}/alive/{reroute.rank}", "1")
         expected = [r for r in range(route.world_size) if route.role(r) != "excluded"]
         excluded_before = set(route.excluded)
@@ -374,7 +381,6 @@ class PlanFollower:
                     f"(generation {route.generation} in force)"
                 ) from error
             time.sleep(poll_s)
-        reroute.reset()
         try:
             self._switch(agreed.plan, agreed.salt, invite=True)
         except RuntimeError:

@@ -78,6 +78,8 @@ Accounting (the JSON object; every figure has a definition a reader can check ag
   per-step mean loss over its last 20 % of steps (at least 20 steps), and
   ``final_loss_within_noise`` says whether the difference is within 3 of them.
 - ``params_finite``: every reported loss and gradient norm of the faulted run was finite.
+- ``step_rate``: steps per second of each run in 5 s bins from its first step (the picture's top
+  panel as numbers).
 
 The PNG (``goodput.png`` beside ``goodput.json`` in ``--out``): step rate of both runs, each
 node's state, the newest plan generation the ranks train under, and a line per fault.
@@ -936,8 +938,21 @@ class Campaign:
                 }
                 for f in self.faults
             ],
+            "step_rate": self._step_rate(ff, last),
             "workdir": str(self.workdir),
         }
+
+    def _step_rate(self, ff: Run, last: Run) -> dict[str, Any]:
+        """Steps per second in 5 s bins from each run's first step: the picture's top panel, as
+        numbers, so a reader can check each fault's dip (and the pace between faults)."""
+        assert self.monitor is not None
+        bin_s = 5.0
+        out: dict[str, Any] = {"bin_s": bin_s}
+        for name, run in (("fault_free", ff), ("faulted", last)):
+            t0 = run.first_step_at or run.submitted
+            line = [(t, s) for t, s in self.monitor.timeline(run) if t <= t0 + self.args.duration]
+            out[name] = [round(y, 2) for y in _rate(line, t0, bin_s)[1]]
+        return out
 
     def _match(self, runs: list[Run], events: list[dict[str, Any]]) -> None:
         """Per fault: its event, detection and reroute times (see the module docstring)."""

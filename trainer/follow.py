@@ -51,11 +51,15 @@ the step (that step's update is skipped) and calls ``recover``, which on every s
    ``services/plans.py``), and so, at once, are ranks a failed switch had invited back (below).
    ``survey_s`` must cover the slowest survivor's detection: a degraded rank learns of the
    failure only when its carrier's answer does not come (``peer_timeout_s``). With ``beat_s``
-   set, each rank's own thread counts up ``pulse/<job>/beat/<rank>`` in the store every
-   ``beat_s``; that goes on while a live rank waits in a collective and stops when its whole
-   process does (SIGSTOP, a crash), so once every missing rank's beat has stood still for
-   ``4 * beat_s`` they are reported without waiting out ``survey_s`` (a hung participant then
-   costs the collective timeout plus about a second, not the whole survey);
+   set, each rank's own thread writes its wall-clock time into ``pulse/<job>/beat/<rank>`` in the
+   store every ``beat_s``; that goes on while a live rank waits in a collective and stops when
+   its whole process does (SIGSTOP, a crash), so once every missing rank's beat has stood still
+   for ``4 * beat_s`` they are reported without waiting out ``survey_s``; sooner, after
+   ``1.5 * beat_s`` of standing still, when the beat itself is already ``4 * beat_s`` old by this
+   rank's clock (a hung rank behind a collective that timed out has been silent that long). The
+   standing still is always required, so a live peer whose clock runs behind is never called
+   silent: its beat moves. A hung participant then costs the collective timeout plus about half
+   a second, not the whole survey (:func:`silent_ranks`);
 3. agrees on that plan and a fresh salt through the store: the first survivor's ``compare_set``
    of ``.../plan`` wins and every other survivor (and a hung rank that wakes up later) reads the
    winner's, so all live ranks switch to the same plan even when the orchestrator publishes two
@@ -347,7 +351,7 @@ class PlanFollower:
         if self._failed_invites:
             report(sorted(self._failed_invites))
             self._failed_invites.clear()
-        beats: dict[int, tuple[int, float]] = {}  # rank -> (its beat counter, when that last changed)
+        beats: dict[int, tuple[float | None, float]] = {}  # rank -> (its last beat, when that was first seen)
         reported = False
         agreed: _Invitation | None = None
         while agreed is None:
@@ -398,16 +402,17 @@ class PlanFollower:
         )  # fmt: skip
         return agreed.plan
 
-    def _silent(self, missing: list[int], beats: dict[int, tuple[int, float]]) -> list[int]:
-        """The ``missing`` ranks whose beat has not moved for ``4 * beat_s``: their whole process
-        is stopped or gone (a live rank still waiting in its collective beats on)."""
+    def _silent(self, missing: list[int], beats: dict[int, tuple[float | None, float]]) -> list[int]:
+        """The ``missing`` ranks whose beat stands still (:func:`silent_ranks`): their whole
+        process is stopped or gone (a live rank still waiting in its collective beats on)."""
         assert self.beat_s is not None
-        now = time.monotonic()
-        for r in missing:
-            count = int(self.reroute.store.add(_beat_key(self.job, r), 0))  # adding 0 reads it
-            if r not in beats or beats[r][0] != count:
-                beats[r] = (count, now)
-        return [r for r in missing if now - beats[r][1] >= 4 * self.beat_s]
+        store = self.reroute.store
+
+        def read(rank: int) -> float | None:
+            key = _beat_key(self.job, rank)
+            return float(store.get(key)) if store.check([key]) else None
+
+        return silent_ranks(missing, beats, read, beat_s=self.beat_s, now=time.monotonic(), wall=time.time())
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -419,14 +424,15 @@ class PlanFollower:
     # --- the liveness beat -----------------------------------------------------------------------
 
     def _beat_loop(self) -> None:
-        """Count up ``pulse/<job>/beat/<rank>`` in the job's store every ``beat_s``: a thread of its
-        own, so it goes on while the training thread waits in a collective, and stops only when
-        the whole process does (SIGSTOP, a crash). :meth:`recover` reads it (module docstring)."""
+        """Write this rank's wall-clock time into ``pulse/<job>/beat/<rank>`` in the job's store
+        every ``beat_s``: a thread of its own, so it goes on while the training thread waits in a
+        collective, and stops only when the whole process does (SIGSTOP, a crash). :meth:`recover`
+        reads it (module docstring)."""
         assert self.beat_s is not None
         key = _beat_key(self.job, self.reroute.rank)
         while not self._stop.wait(self.beat_s):
             try:
-                self._beat_store.add(key, 1)
+                self._beat_store.set(key, f"{time.time():.3f}")
             except Exception as exc:  # the store's host gone or slow: recovery falls back on survey_s
                 log.debug("event=beat_failed job=%s rank=%d error=%r", self.job, self.reroute.rank, str(exc))
 
@@ -491,6 +497,37 @@ class RecoveryError(RuntimeError):
 
 class JobFinished(RecoveryError):
     """A restarted rank waiting to rejoin found the job finished: nothing is left to do."""
+
+
+def silent_ranks(
+    missing: list[int],
+    beats: dict[int, tuple[float | None, float]],
+    read: Callable[[int], float | None],
+    *,
+    beat_s: float,
+    now: float,
+    wall: float,
+) -> list[int]:
+    """The ``missing`` ranks whose liveness beat stands still, updating ``beats`` (rank -> (the
+    beat last read, the monotonic ``now`` it was first read at)) with ``read(rank)`` (the wall
+    time the rank last beat, None if it never did).
+
+    Silent: the beat has not moved here for ``4 * beat_s``; or for ``1.5 * beat_s`` when it is
+    also ``4 * beat_s`` old by ``wall`` (this rank's clock). The second only shortens the wait for
+    a beat that has long stood still; a live peer's beat moves every ``beat_s``, so a clock that
+    runs behind never makes it silent."""
+    for r in missing:
+        last = read(r)
+        if r not in beats or beats[r][0] != last:
+            beats[r] = (last, now)
+    out = []
+    for r in missing:
+        last, since = beats[r]
+        still = now - since
+        old = last is not None and wall - last >= 4 * beat_s
+        if still >= 4 * beat_s or (old and still >= 1.5 * beat_s):
+            out.append(r)
+    return out
 
 
 def _beat_key(job: str, rank: int) -> str:

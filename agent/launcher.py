@@ -226,8 +226,10 @@ class Launcher:
 
     def argv(self, cmd: wire.JobCommand) -> list[list[str]]:
         """The command line of each of this node's ranks (``-u``: unbuffered, as DeepSpeed's
-        launcher starts them, so a rank's last words reach the log)."""
-        return [[self.python, "-u", *cmd.argv] for _ in range(max(1, cmd.gpus_per_node))]
+        launcher starts them, so a rank's last words reach the log). The entrypoint runs under
+        ``python -m trainer.run``, which gives an unmodified DeepSpeed script the resilience
+        protocol (``trainer/run.py`` says why a runner and not an import hook)."""
+        return [[self.python, "-u", "-m", "trainer.run", *cmd.argv] for _ in range(max(1, cmd.gpus_per_node))]
 
     @staticmethod
     def rank_env(cmd: wire.JobCommand, local_rank: int) -> dict[str, str]:

@@ -361,7 +361,7 @@ def job_body(
         "nodes": ranks,
         "gpus_per_node": 1,
         "entrypoint": [
-            "-m", "trainer.example", "--steps", str(steps), "--step-delay", str(STEP_DELAY_S), "--plan-poll", "0.2",
+            "-m", "trainer.example", "--steps", str(steps), "--step-delay", str(STEP_DELAY_S),
         ],
         "deepspeed_config": {
             "train_micro_batch_size_per_gpu": 4,
@@ -379,6 +379,7 @@ def job_body(
             "PULSE_PEAK_FLOPS": "1e11",
             "PULSE_PROXY_TIMEOUT_S": str(PROXY_TIMEOUT_S),
             "PULSE_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
+            "PULSE_PLAN_POLL_S": "0.2",
             "OMP_NUM_THREADS": "1",
         },
     }  # fmt: skip

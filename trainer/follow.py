@@ -135,6 +135,7 @@ class PlanFollower:
         every: int = 1,
         socket_timeout_s: float = 2.0,
         beat_s: float | None = None,
+        silent_beats: float = 4.0,
     ) -> None:
         if poll_s <= 0:
             raise ValueError(f"poll_s={poll_s}: expected a positive number of seconds")
@@ -166,6 +167,7 @@ class PlanFollower:
         self._thread = threading.Thread(target=self._run, name=f"pulse-plan-{reroute.rank}", daemon=True)
         self._thread.start()
         self.beat_s = beat_s
+        self.silent_beats = silent_beats
         self._beat: threading.Thread | None = None
         if beat_s is not None:
             self._beat_store = reroute.store  # resolved here: the thread must not race its lazy lookup
@@ -412,7 +414,15 @@ class PlanFollower:
             key = _beat_key(self.job, rank)
             return float(store.get(key)) if store.check([key]) else None
 
-        return silent_ranks(missing, beats, read, beat_s=self.beat_s, now=time.monotonic(), wall=time.time())
+        return silent_ranks(
+            missing,
+            beats,
+            read,
+            beat_s=self.beat_s,
+            now=time.monotonic(),
+            wall=time.time(),
+            silent_beats=self.silent_beats,
+        )
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -507,13 +517,15 @@ def silent_ranks(
     beat_s: float,
     now: float,
     wall: float,
+    silent_beats: float = 4.0,
 ) -> list[int]:
     """The ``missing`` ranks whose liveness beat stands still, updating ``beats`` (rank -> (the
     beat last read, the monotonic ``now`` it was first read at)) with ``read(rank)`` (the wall
     time the rank last beat, None if it never did).
 
-    Silent: the beat has not moved here for ``4 * beat_s``; or for ``1.5 * beat_s`` when it is
-    also ``4 * beat_s`` old by ``wall`` (this rank's clock). The second only shortens the wait for
+    Silent: the beat has not moved here for ``silent_beats * beat_s`` (4 by default,
+    ``PULSE_SILENT_BEATS``); or for ``1.5 * beat_s`` when it is also ``silent_beats * beat_s`` old
+    by ``wall`` (this rank's clock). The second only shortens the wait for
     a beat that has long stood still; a live peer's beat moves every ``beat_s``, so a clock that
     runs behind never makes it silent."""
     for r in missing:
@@ -524,8 +536,8 @@ def silent_ranks(
     for r in missing:
         last, since = beats[r]
         still = now - since
-        old = last is not None and wall - last >= 4 * beat_s
-        if still >= 4 * beat_s or (old and still >= 1.5 * beat_s):
+        old = last is not None and wall - last >= silent_beats * beat_s
+        if still >= silent_beats * beat_s or (old and still >= 1.5 * beat_s):
             out.append(r)
     return out
 

@@ -279,10 +279,6 @@ class TrainerReporter:
         ):
             if value < 1:
                 raise ValueError(f"{name}={value}: expected >= 1")
-        if tokens_per_step is not None and tokens_per_step < 0:
-            raise ValueError(f"tokens_per_step={tokens_per_step}: expected >= 0")
-        if flops_per_token is not None and not flops_per_token >= 0:
-            raise ValueError(f"flops_per_token={flops_per_token}: expected >= 0")
         if peak_flops_per_device is not None and not peak_flops_per_device > 0:
             raise ValueError(f"peak_flops_per_device={peak_flops_per_device}: expected > 0 FLOP/s")
         if not flush_interval_s > 0:
@@ -296,20 +292,11 @@ class TrainerReporter:
         self.registration = wire.RankRegistration(
             v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=node, local_rank=local_rank, world_size=world_size
         )
-        self.flops_per_token = flops_per_token
+        self.flops_per_token: float | None = None
         self.peak_flops_per_device = peak_flops_per_device if peak_flops_per_device is not None else env_peak_flops()
-        self.tokens_per_step = tokens_per_step
-        # MFU is linear in tokens/s: the ratio of one token a second, worked out once.
-        self._mfu_per_token_s = (
-            mfu_lib.mfu(
-                tokens_per_s=1.0,
-                flops_per_token=flops_per_token,
-                ranks=1,
-                peak_flops_per_device=self.peak_flops_per_device,
-            )
-            if flops_per_token is not None and self.peak_flops_per_device is not None
-            else None
-        )
+        self.tokens_per_step: int | None = None
+        self._mfu_per_token_s: float | None = None
+        self.declare(tokens_per_step=tokens_per_step, flops_per_token=flops_per_token)
         self.every = every
         self.maxlen = maxlen
         self.batch_size = batch_size
@@ -353,6 +340,27 @@ class TrainerReporter:
 
     # --- the training thread ---------------------------------------------------------------
 
+    def declare(self, *, tokens_per_step: int | None, flops_per_token: float | None) -> None:
+        """Set what MFU needs once it is known (a library that counts tokens learns them at the
+        first step). ``None`` leaves tokens/s or MFU absent: never invented."""
+        if tokens_per_step is not None and tokens_per_step < 0:
+            raise ValueError(f"tokens_per_step={tokens_per_step}: expected >= 0")
+        if flops_per_token is not None and not flops_per_token >= 0:
+            raise ValueError(f"flops_per_token={flops_per_token}: expected >= 0")
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        # MFU is linear in tokens/s: the ratio of one token a second, worked out once.
+        self._mfu_per_token_s = (
+            mfu_lib.mfu(
+                tokens_per_s=1.0,
+                flops_per_token=flops_per_token,
+                ranks=1,
+                peak_flops_per_device=self.peak_flops_per_device,
+            )
+            if flops_per_token is not None and self.peak_flops_per_device is not None
+            else None
+        )
+
     def report(
         self,
         *,
@@ -363,6 +371,7 @@ class TrainerReporter:
         step_time_s: float | None = None,
         plan_generation: int | None = None,
         unreachable_ranks: list[int] | None = None,
+        note: str | None = None,
     ) -> wire.TrainerReport | None:
         """Queue this step's report (when due, when a safety event fires, or when
         ``unreachable_ranks`` names degraded ranks this rank as their carrier gave up on: those
@@ -373,6 +382,8 @@ class TrainerReporter:
         if event is not None:
             self.events += 1
             log.warning("event=training_anomaly job=%s rank=%d step=%d reason=%r", self.job, self.rank, step, event)
+        elif note is not None:
+            event = note  # an event of the protocol's own (``checkpoint_written <dir>``): always sent
         elif step % self.every != 0 and not unreachable_ranks:
             return None
         tokens_per_s = None

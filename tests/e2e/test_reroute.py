@@ -61,9 +61,9 @@ def test_killed_agent_reroutes_its_rank_and_training_goes_on(redis_url: str, tmp
             "nodes": 4,
             "gpus_per_node": 1,
             "entrypoint": [
-                "-m", "trainer.example", "--steps", "100000", "--step-delay", str(STEP_DELAY_S), "--plan-poll", "0.2",
+                "-m", "trainer.example", "--steps", "100000", "--step-delay", str(STEP_DELAY_S),
             ],
-            "env": {"PULSE_PEAK_FLOPS": "1e11", "PULSE_PROXY_TIMEOUT_S": "5"},
+            "env": {"PULSE_PEAK_FLOPS": "1e11", "PULSE_PROXY_TIMEOUT_S": "5", "PULSE_PLAN_POLL_S": "0.2"},
         }  # fmt: skip
         r = s.post("/v1/jobs", body)
         assert r.status_code == 201, r.text

@@ -1,4 +1,4 @@
-"""``python -m trainer.example`` end to end: two real DeepSpeed ranks on gloo reporting to Redis,
+"""``python -m trainer.run -m trainer.example`` end to end: two real DeepSpeed ranks on gloo reporting to Redis,
 an emergency checkpoint on SIGUSR2, and the same script launched as a job through the real stack
 (orchestrator + ``pulse agent`` processes) with its progress on the orchestrator's /metrics."""
 
@@ -37,12 +37,17 @@ def test_two_ranks_train_report_and_checkpoint_on_sigusr2(redis_url: str, tmp_pa
             PULSE_PEAK_FLOPS="1e11",
             PULSE_JOB_ID="t1",
             PULSE_NODE=f"node{rank}",
+            PULSE_CHECKPOINT_DIR=str(ckpt),
         )
-        args = ["--steps", "10", "--checkpoint-dir", str(ckpt), "--step-delay", "0.3"]
+        args = ["--steps", "10", "--step-delay", "0.3"]
         with logs[rank].open("wb") as fh:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "trainer.example", *args], env=env, cwd=REPO, stdout=fh, stderr=fh
+                    [sys.executable, "-m", "trainer.run", "-m", "trainer.example", *args],
+                    env=env,
+                    cwd=REPO,
+                    stdout=fh,
+                    stderr=fh,
                 )
             )
     try:

@@ -1,0 +1,183 @@
+"""Any DeepSpeed script gets reporting, rerouting and survival with no line changed.
+
+``tests/fixtures/scripts/user_train.py`` is written as a user writes one (its own MLP and dataset,
+a DataLoader with a DistributedSampler, ``deepspeed.add_config_arguments``, gradient accumulation
+2, a WarmupLR scheduler and the optimizer from the config) and never imports ClusterPulse. It is
+copied outside the repository and launched through ``POST /v1/jobs`` on four ``pulse agent``
+processes (simulated telemetry, the real launcher, which runs it under ``python -m trainer.run``).
+
+- ZeRO 1 with ``loss.backward()`` and ZeRO 2 with ``engine.backward(loss)``: its step, loss and
+  step time reach /metrics; SIGKILL one node's agent, and a plan in which a neighbour carries that
+  node's rank is in force on every rank from the same step; training goes on; the job SUCCEEDS.
+- ZeRO 0 with ``engine.backward(loss)``: SIGKILL one rank; the survivors skip the failed step, go
+  on without a restart (each registered once), and the job SUCCEEDS (the killed rank is
+  relaunched and rejoins, or the job ends first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.stack import Stack, registrations, reports
+from tests.support import REDIS_URL, REPO, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+NODES = ["us-0", "us-1", "us-2", "us-3"]
+DOMAIN = {"us-0": "d0", "us-1": "d0", "us-2": "d1", "us-3": "d1"}
+SCRIPT = REPO / "tests" / "fixtures" / "scripts" / "user_train.py"
+
+
+def _config(stage: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        # torch's AdamW: no DeepSpeed op to compile
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 5}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1_000_000_000,
+    }
+
+
+def _first_step_with(job: str, generation: int) -> dict[int, int]:
+    """rank -> the first step each rank reported with ``generation`` in force."""
+    first: dict[int, int] = {}
+    for r in reports(REDIS_URL):
+        if r.job == job and r.plan_generation == generation:
+            first[r.rank] = min(r.step, first.get(r.rank, r.step))
+    return first
+
+
+def _latest_step(job: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for r in reports(REDIS_URL):
+        if r.job == job:
+            out[r.rank] = max(r.step, out.get(r.rank, 0))
+    return out
+
+
+def _rank_pid(job: str, rank: int) -> int:
+    """The training process of ``rank`` (not the shell the agent wraps it in)."""
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if "trainer.run" not in cmd or cmd[0] == "/bin/sh":
+            continue
+        with contextlib.suppress(psutil.Error):
+            env = p.environ()
+            if env.get("PULSE_JOB_ID") == job and env.get("RANK") == str(rank):
+                return int(p.info["pid"])
+    raise AssertionError(f"no process of rank {rank} of job {job}")
+
+
+def _start(s: Stack, tmp_path: Path, *, stage: int, backward: str, max_steps: int) -> tuple[str, Path]:
+    script = tmp_path / "user" / "train.py"  # outside the repository: nothing of ours next to it
+    script.parent.mkdir()
+    shutil.copy(SCRIPT, script)
+    out = tmp_path / "out"
+    out.mkdir()
+    s.orchestrator()
+    for node in NODES:
+        s.agent(node, "--label", f"nvlink_domain={DOMAIN[node]}", "--label", "rack=r0")
+    s.wait_healthy(NODES)
+    body = {
+        "name": f"user-z{stage}",
+        "nodes": 4,
+        "gpus_per_node": 1,
+        "entrypoint": [str(script), "--backward", backward, "--max-steps", str(max_steps), "--sleep", "0.1",
+                       "--out", str(out)],
+        "deepspeed_config": _config(stage),
+        "env": {"PULSE_PLAN_POLL_S": "0.2", "PULSE_COLLECTIVE_TIMEOUT_S": "3", "PULSE_PROXY_TIMEOUT_S": "5",
+                "OMP_NUM_THREADS": "1"},
+    }  # fmt: skip
+    r = s.post("/v1/jobs", body)
+    assert r.status_code == 201, r.text
+    return r.json()["id"], out
+
+
+def _metrics_seen(s: Stack, job: str) -> None:
+    wanted = [f'pulse_job_{m}{{job="{job}"}}' for m in ("step", "loss", "step_time_seconds")]
+    wait_for(
+        lambda: all(w in httpx.get(f"{s.api}/metrics", timeout=5).text for w in wanted),
+        timeout=120,
+        what=f"{wanted} on /metrics",
+        every=0.3,
+    )
+
+
+def _outcome(out: Path, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in ranks}
+
+
+@pytest.mark.parametrize(("stage", "backward"), [(1, "torch"), (2, "engine")])
+def test_a_users_script_is_rerouted_around_a_silent_node(
+    redis_url: str, tmp_path: Path, stage: int, backward: str
+) -> None:
+    s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="180")
+    try:
+        job, out = _start(s, tmp_path, stage=stage, backward=backward, max_steps=70)
+        _metrics_seen(s, job)
+        wait_for(lambda: len(_first_step_with(job, 1)) == 4, timeout=120, what="plan generation 1 on 4 ranks")
+        node_of = {g.rank: g.node for g in registrations(redis_url) if g.job == job}
+        victim = node_of[2]
+        s.procs[victim].kill()  # the agent only: its rank keeps computing, its node goes silent
+        s.procs[victim].wait(10)
+        wait_for(lambda: s.get(f"/v1/jobs/{job}/plan")["generation"] == 2, timeout=20, what="plan generation 2")
+        plan = s.get(f"/v1/jobs/{job}/plan")
+        neighbour = next(r for r, n in node_of.items() if n != victim and DOMAIN[n] == DOMAIN[victim])
+        assert plan["proxies"] == {"2": neighbour} and plan["excluded"] == [], plan
+        wait_for(lambda: len(_first_step_with(job, 2)) == 4, timeout=30, what="generation 2 in force on all 4 ranks")
+        switched = _first_step_with(job, 2)
+        assert len(set(switched.values())) == 1, switched  # the same step boundary on every rank
+        wait_for(
+            lambda: all(step >= switched[r] + 5 for r, step in _latest_step(job).items()),
+            timeout=60,
+            what="5 more steps on every rank, the carried rank included",
+        )
+        s.agent(victim, "--label", f"nvlink_domain={DOMAIN[victim]}", "--label", "rack=r0")  # re-attaches
+        s.wait_state(job, "SUCCEEDED", timeout=180)
+        done = _outcome(out, [0, 1, 2, 3])
+        assert {d["steps"] for d in done.values()} == {70}, done
+        assert len({d["digest"] for d in done.values()}) == 1, done  # one model on every rank
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{s.logs()}") from None
+    finally:
+        s.close()
+
+
+def test_a_users_script_survives_a_killed_rank_without_a_restart(redis_url: str, tmp_path: Path) -> None:
+    s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="180")
+    try:
+        job, out = _start(s, tmp_path, stage=0, backward="engine", max_steps=60)
+        _metrics_seen(s, job)
+        wait_for(lambda: _latest_step(job).get(1, 0) >= 5, timeout=120, what="rank 1 past step 5")
+        psutil.Process(_rank_pid(job, 1)).kill()
+        killed_at = time.monotonic()
+        wait_for(lambda: 1 in s.get(f"/v1/jobs/{job}/plan")["excluded"], timeout=30, what="rank 1 excluded")
+        excluded_s = time.monotonic() - killed_at
+        before = _latest_step(job)
+        wait_for(
+            lambda: all(_latest_step(job)[r] >= before[r] + 5 for r in (0, 2, 3)),
+            timeout=60,
+            what="5 more steps on every survivor",
+        )
+        s.wait_state(job, "SUCCEEDED", timeout=180)
+        regs = [g.rank for g in registrations(redis_url) if g.job == job]
+        assert sorted(r for r in regs if r != 1) == [0, 2, 3], regs  # no survivor restarted
+        done = _outcome(out, [0, 2, 3])
+        assert {d["steps"] for d in done.values()} == {60}, done
+        assert len({d["digest"] for d in done.values()}) == 1, done
+        assert excluded_s < 20, excluded_s
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{s.logs()}") from None
+    finally:
+        s.close()

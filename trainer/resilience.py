@@ -1,0 +1,586 @@
+"""The resilience protocol, owned by the library: what a DeepSpeed script gets without changing a line.
+
+:func:`attach` puts a :class:`Resilience` on a ``deepspeed.initialize`` engine. Scripts launched by
+the agents (``POST /v1/jobs``) get it without calling anything: the rank runs under
+``python -m trainer.run`` (:mod:`trainer.run`), whose hook attaches it inside
+``deepspeed.initialize``. It changes nothing in how the script drives the engine
+(``engine(batch)``, ``engine.backward(loss)`` or ``loss.backward()``, ``engine.step()``, gradient
+accumulation, the config's scheduler); it wraps the engine's own ``forward``, ``backward`` and
+``step`` on that one instance, and does its work at each optimizer-step boundary (the
+``engine.step()`` that ends an accumulation window):
+
+Reporting
+    One :class:`clusterpulse.wire.TrainerReport` per optimizer step (:class:`trainer.report.TrainerReporter`,
+    non-blocking): the step (``engine.global_steps``), the mean loss of the window (the scalar the
+    script passed to ``engine.backward``, else the scalar ``engine(...)`` returned), the gradient
+    norm (DeepSpeed's, else the norm of the reduced gradients before the update), the fp16 loss
+    scale, the step time (boundary to boundary), tokens/s and MFU when their inputs are known
+    (:mod:`trainer.settings`: declared, counted from integer inputs, or absent).
+Rerouting
+    The engine's gradient reduction goes through :class:`trainer.collective.ReroutedAllReduce`
+    (:func:`trainer.deepspeed_reroute.attach`: ZeRO 0-2; stage 3, pipeline parallelism, MoE and
+    the others refused there with the setting to change, and the rank then only reports). A
+    :class:`trainer.follow.PlanFollower` puts the orchestrator's plans in force at the boundaries.
+Survival of a dead or hung participant (``PULSE_COLLECTIVE_TIMEOUT_S`` > 0)
+    A collective that fails (a peer died, or hangs past the timeout) is caught where the engine
+    runs it, never raised into the script: the rest of that accumulation window does no
+    collective, and at its ``engine.step()`` the update is skipped on every survivor (gradients
+    zeroed), the survivors agree on a plan without the failed rank
+    (:meth:`~trainer.follow.PlanFollower.recover`), every live rank takes the state of the same
+    rank (parameters, optimizer state, step count, learning rate: a survivor may have completed
+    the failed update when another did not) and training goes on. No restart. After
+    ``PULSE_MAX_RECOVERIES`` recoveries without a completed step in between, the error is raised.
+Exclusion
+    A rank the plan in force excludes (its node was LOST; or it hung and woke up after the others
+    went on) leaves the process with exit code 0 at that boundary: the others finish without it
+    and it must not enter their collectives.
+Rejoin (``PULSE_REJOIN=1``, set by the orchestrator when it relaunches an excluded node's share)
+    :func:`trainer.run` gives the rank a world of one before DeepSpeed starts; :func:`attach`
+    waits until the live ranks take it back at a boundary, then it holds their state, including
+    ``engine.global_steps``. A script whose loop counts optimizer steps from
+    ``engine.global_steps`` continues from the live ranks' step (the README shows that diff);
+    one that counts from 0 runs on until the live ranks finish, then leaves with 0.
+Emergency checkpoint
+    SIGUSR2 (the agents deliver it for ``POST /v1/jobs/{id}/checkpoint``) asks for one; every live
+    rank agrees at the next boundary (a one-element rerouted all-reduce of the request, every
+    step) and calls ``engine.save_checkpoint(PULSE_CHECKPOINT_DIR, tag="emergency-stepN")``
+    together; each rank reports ``checkpoint_written <dir>`` at that step, then training goes on.
+The end
+    :meth:`Resilience.close` (at interpreter exit, or by the runner after the script returned)
+    tells a restarted rank still waiting to rejoin that there is nothing left (it leaves with 0)
+    and flushes the reports.
+
+What the library cannot reach: collectives the script runs itself on the world group
+(``dist.all_reduce`` of a metric, ``dist.barrier``, DeepSpeed's own checkpoint barrier) wait for a
+lost rank as stock torch.distributed does. :meth:`Resilience.average_` averages a tensor over the
+live ranks instead. Under ZeRO 1-2 each rank owns a partition of the optimizer state that exists
+nowhere else and DeepSpeed all-gathers the updated partitions on the world group every step: a
+degraded rank is rerouted exactly, but a dead one stops the job (restart from a checkpoint).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
+
+from trainer import deepspeed_reroute
+from trainer.collective import ReroutedAllReduce
+from trainer.follow import JobFinished, PlanFollower, RecoveryError, forget_invitation
+from trainer.mfu import peak_flops
+from trainer.report import StepTimer, TrainerReporter
+from trainer.settings import TrainerSettings, load_trainer_settings
+
+log = logging.getLogger("pulse.trainer")
+
+_ATTR = "_pulse_resilience"
+
+
+def current() -> Resilience | None:
+    """The :class:`Resilience` of this process (the last one attached), or None."""
+    return _current
+
+
+_current: Resilience | None = None
+
+
+def attach(
+    engine: Any,
+    *,
+    settings: TrainerSettings | None = None,
+    tokens_per_step: int | None = None,
+    flops_per_token: float | None = None,
+) -> Resilience:
+    """Put the protocol on ``engine`` (right after ``deepspeed.initialize``, on every rank); returns
+    its :class:`Resilience`. Idempotent: on an engine that already has one (the runner's hook
+    attached it), only the declared ``tokens_per_step`` / ``flops_per_token`` are taken."""
+    existing: Resilience | None = getattr(engine, _ATTR, None)
+    if existing is not None:
+        existing.declare(tokens_per_step=tokens_per_step, flops_per_token=flops_per_token)
+        return existing
+    r = Resilience(engine, settings if settings is not None else load_trainer_settings())
+    r.declare(tokens_per_step=tokens_per_step, flops_per_token=flops_per_token)
+    r.start()
+    return r
+
+
+class Resilience:
+    """The protocol on one engine (module docstring). Public: :attr:`rank`, :attr:`world_size`,
+    :attr:`reroute` (None when reporting only), :meth:`average_`, :attr:`leader`,
+    :meth:`declare`, :meth:`close`."""
+
+    def __init__(self, engine: Any, settings: TrainerSettings) -> None:
+        import deepspeed.comm as dist
+
+        self.engine = engine
+        self.settings = s = settings
+        self.rejoining = s.rejoin
+        if s.rejoin:
+            self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        else:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.reporter: TrainerReporter | None = None
+        self.reroute: ReroutedAllReduce | None = None
+        self.follower: PlanFollower | None = None
+        self.recoveries = 0
+        self.checkpoints: list[str] = []
+        self._declared_tokens: int | None = s.tokens_per_step
+        self._declared_flops: float | None = s.model_flops_per_token
+        self._tokens = 0  # counted this window from integer inputs
+        self._losses: list[torch.Tensor] = []
+        self._forward_loss: torch.Tensor | None = None
+        self._failure: RuntimeError | None = None
+        self._failures_in_row = 0
+        self._checkpoint_requested = False
+        self._engine_norm = False  # DeepSpeed computed the last step's gradient norm itself
+        self._in_engine_backward = False
+        self._closed = False
+        self._timer = StepTimer()
+        self._orig_forward = engine.forward
+        self._orig_backward = engine.backward
+        self._orig_step = engine.step
+
+    # --- setup -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        global _current
+        s, engine = self.settings, self.engine
+        if s.active:
+            self.reporter = self._make_reporter()
+            if s.reroute:
+                self._make_reroute()
+        elif s.rejoin:
+            raise SystemExit("PULSE_REJOIN=1: PULSE_REDIS_URL and PULSE_JOB_ID are needed to follow the live ranks")
+        engine.forward = self._forward
+        engine.backward = self._backward
+        engine.step = self._step
+        _watch_tensor_backward(self)
+        setattr(engine, _ATTR, self)
+        _current = self
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR2, self._on_sigusr2)
+        atexit.register(self.close)
+        if self.rejoining:
+            self._rejoin()
+        self._timer.lap()
+
+    def _make_reporter(self) -> TrainerReporter:
+        s, engine = self.settings, self.engine
+        dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else None
+        peak = s.peak_flops
+        if peak is None and torch.cuda.is_available() and dtype is not None:
+            peak = peak_flops(torch.cuda.get_device_name(self.local_rank), dtype=dtype)
+        return TrainerReporter(
+            job=s.job_id,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            node=s.node or None,
+            redis_url=s.redis_url,
+            peak_flops_per_device=peak,
+        )
+
+    def _make_reroute(self) -> None:
+        s, engine = self.settings, self.engine
+        store = None
+        if s.survives:
+            # Every rank, first or restarted, agrees and makes groups through the job's store.
+            store = TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(seconds=s.recovery_timeout_s),
+                wait_for_workers=False,
+            )
+            if s.rejoin:
+                forget_invitation(store, job=s.job_id, rank=self.rank)  # before registering: see trainer.follow
+        T = s.collective_timeout_s
+        reroute = ReroutedAllReduce(
+            world_size=self.world_size,
+            rank=self.rank,
+            proxy_timeout_s=s.proxy_timeout_s,
+            # a degraded rank learns that its carrier's group broke only when the answer does not come
+            peer_timeout_s=s.proxy_timeout_s + 2 * T + 1.0 if s.survives else max(300.0, s.proxy_timeout_s),
+            collective_timeout_s=T if s.survives else None,
+            store=store,
+        )
+        try:
+            deepspeed_reroute.attach(engine, reroute, rejoining=s.rejoin)
+        except deepspeed_reroute.RerouteConfigError as exc:
+            if s.rejoin:
+                raise
+            log.warning("event=reroute_off job=%s rank=%d reason=%r note=reporting_only", s.job_id, self.rank, str(exc))
+            return
+        self._guard_reduction()
+        self.reroute = reroute
+        self.follower = PlanFollower(
+            job=s.job_id,
+            reroute=reroute,
+            redis_url=s.redis_url,
+            poll_s=s.plan_poll_s,
+            beat_s=s.beat_period_s,
+            silent_beats=s.silent_beats,
+        )
+
+    def _guard_reduction(self) -> None:
+        """A failed rerouted reduction is recorded, never raised into the script (``loss.backward()``
+        runs it inside autograd); the rest of the window reduces nothing."""
+        engine = self.engine
+        owner, name = (
+            (engine.optimizer, "gradient_reduction_w_predivide")
+            if "gradient_reduction_w_predivide" in vars(engine.optimizer)
+            else (engine, "buffered_allreduce_fallback")
+        )
+        reduce: Callable[..., Any] = getattr(owner, name)
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            passthrough = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if self._failure is not None:
+                return passthrough
+            try:
+                return reduce(*args, **kwargs)
+            except RuntimeError as exc:
+                if not self.settings.survives:
+                    raise
+                self._failure = exc
+                log.warning(
+                    "event=collective_failed job=%s rank=%d error=%r", self.settings.job_id, self.rank, str(exc)[:300]
+                )
+                return passthrough
+
+        setattr(owner, name, guarded)
+
+    def declare(self, *, tokens_per_step: int | None = None, flops_per_token: float | None = None) -> None:
+        """What MFU needs that the library cannot see (``None`` keeps the setting or the count)."""
+        if tokens_per_step is not None:
+            self._declared_tokens = tokens_per_step
+        if flops_per_token is not None:
+            self._declared_flops = flops_per_token
+
+    # --- the engine's methods, wrapped ---------------------------------------------------------------
+
+    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._declared_tokens is None:
+            ids = inputs[0] if inputs else kwargs.get("input_ids")
+            if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex():
+                self._tokens += ids.numel()
+        out = self._orig_forward(*inputs, **kwargs)
+        self._forward_loss = out.detach() if isinstance(out, torch.Tensor) and out.numel() == 1 else None
+        return out
+
+    def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self._losses.append(loss.detach())
+        self._forward_loss = None
+        if self._failure is not None:
+            return None  # the window is lost already: no backward, no collective
+        self._in_engine_backward = True
+        try:
+            return self._orig_backward(loss, *args, **kwargs)
+        except RuntimeError as exc:
+            if not self.settings.survives or self.follower is None:
+                raise
+            self._failure = exc
+            return None
+        finally:
+            self._in_engine_backward = False
+
+    def _saw_backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` called by the script (not through ``engine.backward``): that scalar
+        is the window's loss."""
+        if not self._in_engine_backward and loss.numel() == 1:
+            self._losses.append(loss.detach())
+            self._forward_loss = None
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        if self._forward_loss is not None:  # loss.backward(): the loss came from forward
+            self._losses.append(self._forward_loss)
+            self._forward_loss = None
+        boundary = engine.is_gradient_accumulation_boundary()
+        if self._failure is not None:
+            engine.zero_grad()  # this window's gradients are partial: no update from them
+            engine.micro_steps += 1  # keep DeepSpeed's accumulation window aligned
+            if boundary:
+                self._recover(self._failure)
+            return None
+        if not boundary:
+            return self._orig_step(*args, **kwargs)
+        # the reduced gradients' norm, before the update clears them, unless DeepSpeed computes one
+        grad_norm = _grad_norm(engine.module) if self.reporter is not None and not self._engine_norm else None
+        try:
+            out = self._orig_step(*args, **kwargs)
+            self._boundary(grad_norm)
+        except RuntimeError as exc:  # gloo reports a dead or timed-out peer as a RuntimeError
+            if not self.settings.survives or self.follower is None:
+                raise
+            engine.zero_grad()
+            self._recover(exc)
+            return None
+        return out
+
+    # --- the boundary --------------------------------------------------------------------------------
+
+    def _boundary(self, grad_norm: float | None) -> None:
+        engine, follower, reroute = self.engine, self.follower, self.reroute
+        unreachable: list[int] = []
+        if follower is not None and reroute is not None:
+            follower.boundary()
+            if follower.joined:  # restarted ranks came back: every live rank takes the same state
+                self._take_state(src=follower.source)
+            unreachable = sorted(follower.newly_missing())
+            if reroute.role == "excluded":
+                self._leave("excluded")
+        self._failures_in_row = 0
+        written = self._checkpoint_boundary()
+        step_time = self._timer.lap()
+        losses, self._losses = self._losses, []
+        tokens, self._tokens = self._tokens, 0
+        if self.reporter is None:
+            return
+        self._declare_to_reporter(tokens)
+        norm = engine.get_global_grad_norm()
+        self._engine_norm = norm is not None
+        scale = getattr(engine.optimizer, "cur_scale", None) if engine.fp16_enabled() else None
+        self.reporter.report(
+            step=int(engine.global_steps),
+            loss=float(torch.stack(losses).float().mean()) if losses else None,
+            grad_norm=float(norm) if norm is not None else grad_norm,
+            loss_scale=float(scale) if scale is not None else None,
+            step_time_s=step_time,
+            plan_generation=None if reroute is None else reroute.generation,
+            unreachable_ranks=unreachable or None,
+            note=None if written is None else f"checkpoint_written {written}",
+        )
+
+    def _declare_to_reporter(self, counted: int) -> None:
+        assert self.reporter is not None
+        tokens = self._declared_tokens if self._declared_tokens is not None else (counted or None)
+        flops = self._declared_flops
+        if flops is None and self._declared_tokens is None and counted:
+            # tokens counted from integer inputs: a token model; 6 x parameters is the dense estimate
+            flops = 6.0 * sum(p.numel() for p in self.engine.module.parameters())
+        if tokens != self.reporter.tokens_per_step or flops != self.reporter.flops_per_token:
+            self.reporter.declare(tokens_per_step=tokens, flops_per_token=flops)
+
+    def _checkpoint_boundary(self) -> str | None:
+        """Every live rank saves together when any rank was asked to; returns the directory written."""
+        flag = torch.tensor([1.0 if self._checkpoint_requested else 0.0], device=self.engine.device)
+        if self.reroute is not None:
+            self.reroute.allreduce_([flag])  # a mean > 0 when any rank asked; never waits on a lost rank
+        else:
+            import deepspeed.comm as dist
+
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item() > 0:
+            return None
+        self._checkpoint_requested = False
+        step = int(self.engine.global_steps)
+        tag = f"emergency-step{step}"
+        directory = self.settings.checkpoint_dir.resolve()
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step})
+        written = str(directory / tag)
+        self.checkpoints.append(written)
+        log.warning(
+            "event=checkpoint_written job=%s rank=%d step=%d dir=%s", self.settings.job_id, self.rank, step, written
+        )
+        return written
+
+    def _on_sigusr2(self, signum: int, frame: FrameType | None) -> None:
+        self._checkpoint_requested = True
+
+    # --- survival ------------------------------------------------------------------------------------
+
+    def _recover(self, error: RuntimeError) -> None:
+        """Survivors of a failed collective agree on a plan without the failed rank and take one
+        rank's state (module docstring); raises when that is not possible."""
+        follower, reroute, reporter = self.follower, self.reroute, self.reporter
+        assert follower is not None and reroute is not None and reporter is not None
+        self._failure = None
+        self._losses, self._tokens = [], 0
+        self._failures_in_row += 1
+        if self._failures_in_row > self.settings.max_recoveries:
+            raise error
+        s = self.settings
+        completed = int(self.engine.global_steps)
+
+        def report_missing(missing: list[int]) -> None:
+            reporter.report(step=completed, loss=None, plan_generation=reroute.generation, unreachable_ranks=missing)
+
+        for _ in range(5):  # another rank may die while the survivors recover
+            # Every participant notices within about one collective timeout; a degraded rank
+            # only when its carrier's answer does not come (peer_timeout_s).
+            survey_s = 2 * s.collective_timeout_s
+            if reroute.route is not None and reroute.route.proxies:
+                survey_s = reroute.peer_timeout_s + s.collective_timeout_s
+            try:
+                follower.recover(error, report=report_missing, survey_s=survey_s, timeout_s=s.recovery_timeout_s)
+                if reroute.role == "excluded":
+                    self._leave("excluded")
+                self._take_state(src=follower.source)
+                break
+            except RecoveryError:
+                raise
+            except RuntimeError as again:
+                error = again
+        else:
+            raise error
+        self.recoveries += 1
+        self._timer.lap()
+
+    def _take_state(self, *, src: int) -> None:
+        """Every live rank takes ``src``'s parameters, optimizer state, step count and learning rate."""
+        assert self.reroute is not None
+        engine, reroute = self.engine, self.reroute
+        opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed may wrap the torch optimizer
+        tensors = [p.data for p in engine.module.parameters()]
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state.get(p, {})
+                tensors.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
+        sched = engine.lr_scheduler
+        header = torch.tensor(
+            [
+                float(engine.global_steps),
+                float(getattr(sched, "last_epoch", -1)),
+                float(len(tensors)),
+                *[float(g.get("step", 0) or 0) for g in opt.param_groups],
+                *[float(g["lr"]) for g in opt.param_groups],
+            ],
+            dtype=torch.float64,
+        )
+        reroute.share_(header, src=src)
+        if int(header[2].item()) != len(tensors):
+            raise RuntimeError(
+                f"rank {reroute.rank}: {len(tensors)} state tensors here, {int(header[2].item())} on rank {src} "
+                "(an optimizer that has not stepped yet has no state)"
+            )
+        if tensors:
+            flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+            reroute.share_(flat, src=src)
+            for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
+                t.copy_(piece.view_as(t))
+        engine.global_steps = int(header[0].item())
+        if sched is not None and hasattr(sched, "last_epoch"):
+            sched.last_epoch = int(header[1].item())
+        n = len(opt.param_groups)
+        for g, v, lr in zip(opt.param_groups, header[3 : 3 + n].tolist(), header[3 + n :].tolist(), strict=True):
+            if "step" in g:
+                g["step"] = int(v)
+            g["lr"] = lr
+
+    def _rejoin(self) -> None:
+        follower = self.follower
+        assert follower is not None and self.reroute is not None
+        try:
+            follower.join(timeout_s=self.settings.recovery_timeout_s)
+        except JobFinished as exc:
+            log.warning("event=rejoin_abandoned job=%s rank=%d reason=%r", self.settings.job_id, self.rank, str(exc))
+            self._leave("job_finished")
+        _materialize_optimizer_state(self.engine)
+        self._take_state(src=follower.source)
+        log.warning("event=rejoined job=%s rank=%d step=%d", self.settings.job_id, self.rank, self.engine.global_steps)
+        self._checkpoint_boundary()  # the rest of the boundary the live ranks are at
+
+    # --- the live ranks' view, and the end --------------------------------------------------------
+
+    @property
+    def leader(self) -> bool:
+        """This rank is the lowest live participant (rank 0 unless a plan took it out)."""
+        route = None if self.reroute is None else self.reroute.route
+        return self.rank == (0 if route is None else route.root)
+
+    def average_(self, tensor: torch.Tensor) -> int:
+        """Average ``tensor`` in place over the ranks still contributing (never waits on a lost
+        rank); returns how many contributed."""
+        if self.reroute is not None:
+            self.reroute.allreduce_([tensor])
+            return self.reroute.last_contributors[0] if self.reroute.last_contributors else self.world_size
+        import deepspeed.comm as dist
+
+        dist.all_reduce(tensor)
+        tensor /= self.world_size
+        return self.world_size
+
+    def close(self, *, success: bool = True) -> None:
+        """After the script's last step: with ``success``, a restarted rank still waiting to
+        rejoin learns there is nothing left and leaves with 0; the reports are flushed.
+        Idempotent (the runner and atexit both call it)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.follower is not None:
+            if success and self.reroute is not None and self.reroute.role != "excluded":
+                with contextlib.suppress(RuntimeError):
+                    self.follower.finish()
+            self.follower.close()
+        if self.reporter is not None:
+            self.reporter.close(timeout=5.0)
+
+    def _leave(self, why: str) -> None:
+        """This rank is out of the job (excluded, or nothing left to rejoin): exit 0 at once. It
+        must not enter the others' collectives, and the script's loop cannot be told to stop."""
+        log.warning(
+            "event=leaving job=%s rank=%d step=%d reason=%s",
+            self.settings.job_id,
+            self.rank,
+            self.engine.global_steps,
+            why,
+        )
+        self.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
+
+
+def _watch_tensor_backward(r: Resilience) -> None:
+    """A script that calls ``loss.backward()`` computes its loss outside the engine, where nothing
+    else sees it: ``torch.Tensor.backward`` tells the rank's :class:`Resilience` which scalar it
+    ran on (this process only: the runner's ranks, or a script that attached)."""
+    original: Callable[..., None] = torch.Tensor.backward
+    if getattr(original, "_pulse", False):
+        return
+
+    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        watcher = _current
+        if watcher is not None:
+            watcher._saw_backward(self)
+        original(self, *args, **kwargs)
+
+    backward._pulse = True  # type: ignore[attr-defined]
+    torch.Tensor.backward = backward  # type: ignore[method-assign]
+
+
+def _materialize_optimizer_state(engine: Any) -> None:
+    """A restarted rank: give its optimizer the state tensors the live ranks' optimizers have (torch
+    optimizers make them at the first step), by one step on zero gradients, so that
+    :meth:`Resilience._take_state` can overwrite them. Parameters change at most by weight decay;
+    the sync overwrites them too."""
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if all(opt.state.get(p) for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in params:
+        p.grad = None
+
+
+def _grad_norm(model: torch.nn.Module) -> float | None:
+    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in model.parameters() if p.grad is not None]
+    if not norms:
+        return None
+    return float(torch.linalg.vector_norm(torch.stack(norms)))

@@ -24,6 +24,11 @@ commands are idempotent.
   key its ranks write, or the stop the orchestrator sends when the job is over);
   ``state_dir/stores.json`` lets a restarted agent find it. Without torch on the node neither.
 - **stop**: SIGTERM to the whole process group, SIGKILL after ``grace_s``; the job's store too.
+- **checkpoint**: SIGUSR2 to each rank process itself, the wrapper shell's child (``agent/ranks.py``
+  finds it), never to the process group: SIGUSR2's default action would kill the ranks' own
+  children (DataLoader workers). A rank that does not catch SIGUSR2 yet is left alone for the
+  same reason. Once per request id (kept in ``jobs.json``, so across a restart too); the id is
+  recorded after the signals, so an agent killed in between signals again rather than never.
 - **exit**: when every rank has exited, a ``JobStatus(exited)`` with the first non-zero exit code
   (or 0) and the tail of the log.
 - **restart**: the running jobs are recorded in ``state_dir/jobs.json``; a restarted agent
@@ -48,6 +53,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from agent.ranks import rank_targets, read_process_table
 from clusterpulse import wire
 from clusterpulse.proc import alive
 from clusterpulse.retry import Backoff
@@ -73,6 +79,11 @@ class RunningJob:
     pgid: int
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)  # empty when re-attached
     stopping: bool = False
+    checkpoints: list[str] = field(default_factory=list)  # checkpoint request ids already signalled
+
+
+CHECKPOINTS_KEPT = 64
+"""Checkpoint request ids remembered per job: a redelivered command is one of the last few."""
 
 
 def preflight() -> tuple[bool, str]:
@@ -143,7 +154,10 @@ class Launcher:
         return self.state_dir / "stores.json"
 
     def _save(self) -> None:
-        data = {j.job: {"node_rank": j.node_rank, "pids": j.pids, "pgid": j.pgid} for j in self.jobs.values()}
+        data = {
+            j.job: {"node_rank": j.node_rank, "pids": j.pids, "pgid": j.pgid, "checkpoints": j.checkpoints}
+            for j in self.jobs.values()
+        }
         self.stores = {job: pid for job, pid in self.stores.items() if alive(pid)}
         for path, content in ((self._jobs_file, data), (self._stores_file, self.stores)):
             tmp = path.with_suffix(".tmp")
@@ -173,7 +187,7 @@ class Launcher:
         for job, rec in json.loads(self._jobs_file.read_text()).items():
             pids = [p for p in rec["pids"] if alive(p)]
             if pids:
-                rj = RunningJob(job, rec["node_rank"], rec["pids"], rec["pgid"])
+                rj = RunningJob(job, rec["node_rank"], rec["pids"], rec["pgid"], checkpoints=rec.get("checkpoints", []))
                 self.jobs[job] = rj
                 self._spawn(self._watch(rj))
                 log.info("event=job_reattached job=%s pids=%s", job, pids)
@@ -216,6 +230,8 @@ class Launcher:
             return
         if cmd.kind == "launch":
             await self.launch(cmd)
+        elif cmd.kind == "checkpoint":
+            await self.checkpoint(cmd.job, request=cmd.request)
         else:
             await self.stop(cmd.job, grace_s=cmd.grace_s)
 
@@ -384,6 +400,38 @@ class Launcher:
             log.warning("event=job_kill job=%s after_grace_s=%g", job, grace_s)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(rj.pgid, signal.SIGKILL)
+
+    async def checkpoint(self, job: str, *, request: str) -> list[int]:
+        """SIGUSR2 to each of the job's rank processes here (module docstring); the pids signalled.
+        Nothing when the job does not run here, is stopping, or this request was signalled."""
+        rj = self.jobs.get(job)
+        if rj is None or rj.stopping:
+            log.info("event=checkpoint_skipped job=%s request=%s reason=not_running_here", job, request)
+            return []
+        if request and request in rj.checkpoints:
+            log.info("event=checkpoint_skipped job=%s request=%s reason=already_signalled", job, request)
+            return []
+        for p in rj.procs:
+            p.poll()  # reap an exited rank, so its wrapper is not taken for a live one
+        table = await asyncio.to_thread(read_process_table, rj.pids)
+        suffixes = [f"{job}.{i}.rc" for i in range(len(rj.pids))]
+        targets = rank_targets(rj.pids, table, wrapper_argv=["/bin/sh", "-c", _RC_SHELL], rc_suffixes=suffixes)
+        sent = []
+        for pid in targets.signal:
+            try:
+                os.kill(pid, signal.SIGUSR2)
+                sent.append(pid)
+            except ProcessLookupError:
+                log.warning("event=checkpoint_rank_gone job=%s request=%s pid=%d", job, request, pid)
+        for wrapper, why in targets.refused.items():
+            log.warning(
+                "event=checkpoint_not_signalled job=%s request=%s wrapper=%d reason=%r", job, request, wrapper, why
+            )
+        if request:
+            rj.checkpoints = [*rj.checkpoints, request][-CHECKPOINTS_KEPT:]
+            self._save()
+        log.info("event=checkpoint_signalled job=%s request=%s signal=SIGUSR2 pids=%s", job, request, sent)
+        return sent
 
     def _rc(self, job: str, index: int) -> int | None:
         path = self.state_dir / f"{job}.{index}.rc"

@@ -282,6 +282,8 @@ def cmd_events(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"limit": args.limit}
     if args.node:
         params["node"] = args.node
+    if args.job:
+        params["job"] = args.job
     if args.since is not None:
         params["since"] = time.time() - args.since
     data = _call("GET", "/v1/events", params=params)
@@ -368,6 +370,15 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if not args.rest:
         raise SystemExit(f"pulse jobs {args.action}: JOB is required")
     job_id = args.rest[0]
+    if args.action == "checkpoint":
+        asked = _call("POST", f"/v1/jobs/{job_id}/checkpoint", json={"reason": args.reason})
+        print(
+            json.dumps(asked, indent=2)
+            if args.json
+            else f"checkpoint of job {job_id} asked (request {asked['request']}): SIGUSR2 to every rank on "
+            f"{', '.join(asked['nodes'])}; `pulse events --job {job_id}` shows checkpoint_written"
+        )
+        return 0
     job = _call("POST", f"/v1/jobs/{job_id}/stop") if args.action == "stop" else _call("GET", f"/v1/jobs/{job_id}")
     if args.follow:
         return _follow(job_id)
@@ -603,14 +614,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("events", help="health transitions and operator actions")
     e.add_argument("--node")
+    e.add_argument("--job", help="only this job's events (its states, checkpoints)")
     e.add_argument("--since", type=float, help="only the last S seconds")
     e.add_argument("--limit", type=int, default=100)
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=cmd_events)
 
-    j = sub.add_parser("jobs", help="start, list, show, stop training jobs")
-    j.add_argument("action", choices=("start", "list", "show", "stop"))
-    j.add_argument("rest", nargs="*", help="JOB (show/stop); for start, the entrypoint goes after --")
+    j = sub.add_parser("jobs", help="start, list, show, stop, checkpoint training jobs")
+    j.add_argument("action", choices=("start", "list", "show", "stop", "checkpoint"))
+    j.add_argument("rest", nargs="*", help="JOB (show/stop/checkpoint); for start, the entrypoint goes after --")
+    j.add_argument("--reason", default="", help="checkpoint: why (recorded in the job's events)")
     j.add_argument("--name")
     j.add_argument("--nodes", type=int, default=1)
     j.add_argument("--gpus-per-node", type=int, default=1)

@@ -203,7 +203,7 @@ def node_heartbeat_stream_key(node: str, shards: int) -> str:
 
 
 def node_commands_key(node: str) -> str:
-    """Stream of commands (job launch / stop) for one node's agent."""
+    """Stream of commands (job launch, stop, checkpoint) for one node's agent."""
     return f"pulse:{{node:{node}}}:commands"
 
 
@@ -285,11 +285,18 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     rendezvous at ``master_addr:master_port``, and ``env`` added. ``stop``: SIGTERM to the job's
     process group, SIGKILL after ``grace_s``. Both are idempotent: the agent acts on the job's
     current state, not on the command count.
+
+    ``checkpoint``: an emergency checkpoint (``POST /v1/jobs/{id}/checkpoint``): SIGUSR2 to each
+    of the job's rank processes on the node (never to their children, never to the process group:
+    SIGUSR2's default action would kill a data loader worker), which asks the rank to save at the
+    next step boundary. ``request`` names the request: the agent signals once per request id, so a
+    command delivered again (an agent restarted before it moved its cursor) signals nobody twice.
     """
 
     v: int
-    kind: Literal["launch", "stop"]
+    kind: Literal["launch", "stop", "checkpoint"]
     job: str
+    request: Annotated[str, msgspec.Meta(max_length=64)] = ""
     node_rank: NonNegInt = 0
     nodes: Annotated[int, msgspec.Meta(ge=1)] = 1
     gpus_per_node: NonNegInt = 1
@@ -359,7 +366,14 @@ class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
     unreachable_ranks: Annotated[list[NonNegInt], msgspec.Meta(max_length=4096)] | None = None
     # A training-safety event seen at this step, or None. The first word is the kind
     # (``loss_spike``, ``nonfinite_loss``, ``nonfinite_grad_norm``), the rest a readable reason.
+    # ``checkpoint_written DIR``: this rank saved its part of a checkpoint at this step into DIR
+    # (CHECKPOINT_WRITTEN; every rank that saved reports it, the orchestrator records it once).
     event: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+
+
+CHECKPOINT_WRITTEN = "checkpoint_written"
+"""The kind (first word) of a :attr:`TrainerReport.event` saying the rank saved a checkpoint; the
+rest of the event is the directory it wrote."""
 
 
 _T = TypeVar("_T", TrainerReport, JobCommand, JobStatus, RankRegistration, Plan)

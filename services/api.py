@@ -25,6 +25,7 @@ from fastapi.routing import APIRoute
 
 from clusterpulse.settings import Settings
 from services import db
+from services.checkpoints import CheckpointRefused
 from services.cluster import NodeView
 from services.deps import Admin, HealthReader, MetricsReader, Operator, OrchestratorDep, TokensDep, Viewer
 from services.health import State
@@ -35,6 +36,8 @@ from services.models import TokenRow
 from services.orchestrator import Orchestrator, PlacementRefused
 from services.ratelimit import SAFE_METHODS, RateLimiter
 from services.schemas import (
+    CheckpointPublic,
+    CheckpointRequest,
     CordonPublic,
     CordonRequest,
     ErrorPublic,
@@ -122,7 +125,7 @@ ERRORS: dict[int, str] = {
     401: "no bearer token, or an unknown or revoked one",
     403: "the token's role is too low for this call",
     404: "the named node, job or token is not known",
-    409: "refused: placement impossible, or the name is taken",
+    409: "refused: placement impossible, the name is taken, or the job is not in a state that allows it",
     413: "request body over PULSE_MAX_BODY_BYTES",
     429: "rate limit of mutating calls (PULSE_RATE_LIMIT_*); Retry-After says when to retry",
     503: "this replica does not lead (mutations go to the leader); Retry-After says when to retry",
@@ -410,6 +413,33 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         except KeyError:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} is not known") from None
         return await _get_job(orch, job_id)
+
+    @app.post(
+        "/v1/jobs/{job_id}/checkpoint",
+        response_model=CheckpointPublic,
+        status_code=202,
+        responses={409: {"model": ErrorPublic}},
+    )
+    async def checkpoint_job(
+        job_id: str,
+        orch: OrchestratorDep,
+        caller: Operator,
+        body: Annotated[CheckpointRequest | None, Body()] = None,
+    ) -> CheckpointPublic:
+        """An emergency checkpoint of every rank at the next step boundary (what SIGUSR2 asks of a
+        rank), through the agents of the job's nodes. 202: asked; the job's events say when it
+        was asked for (``checkpoint_requested``) and written (``checkpoint_written``)."""
+        try:
+            request, nodes = await orch.request_checkpoint(
+                job_id, actor=caller.name, reason=body.reason if body else ""
+            )
+        except KeyError:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} is not known") from None
+        except CheckpointRefused as exc:
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from None
+        return CheckpointPublic(
+            job=await _get_job(orch, job_id), request=request, requested_by=caller.name, nodes=nodes
+        )
 
     @app.get("/v1/events", response_model=EventsPublic)
     async def events(

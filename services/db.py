@@ -255,6 +255,21 @@ def record_event(
     return ev
 
 
+def record_event_once(
+    session: Session, *, kind: str, job: str, key: str, reason: str, at: float, node: str | None = None
+) -> bool:
+    """Record a job event unless one of ``kind`` for ``job`` whose reason starts with ``key``
+    exists (a report folded again after a restart or a take-over). True when it was recorded."""
+    pattern = key.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    q = select(EventRow.id).where(
+        EventRow.kind == kind, EventRow.job == job, EventRow.reason.like(pattern, escape="\\")
+    )
+    if session.scalars(q.limit(1)).first() is not None:
+        return False
+    record_event(session, kind=kind, reason=reason, at=at, node=node, job=job)
+    return True
+
+
 def set_schedulable(session: Session, *, name: str, schedulable: bool, reason: str, at: float, actor: str) -> bool:
     """Cordon or uncordon. Returns False (and writes nothing) when it was already so; raises
     KeyError for an unknown node."""

@@ -50,7 +50,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from clusterpulse import acl, wire
 from clusterpulse.retry import Backoff, is_transient
 from clusterpulse.settings import Settings
-from services import db
+from services import checkpoints, db
 from services.cluster import Cluster, ClusterEvent
 from services.health import Policy, State, Transition
 from services.leader import FENCED_COMMANDS, FENCED_PLANS, LeaderLease, NotLeader, commands_args, plans_args
@@ -110,7 +110,7 @@ class StoredPlan:
     at: float
 
 
-Outboxed = Transition | ClusterEvent | Registered | StoredPlan
+Outboxed = Transition | ClusterEvent | Registered | StoredPlan | checkpoints.Written
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
@@ -147,6 +147,7 @@ class Orchestrator:
         self.job_states: dict[str, tuple[str, float]] = {}  # job -> (state, updated_at), for /metrics
         self.progress = Progress(straggler_factor=settings.straggler_factor, stale_after=settings.job_stale_after_s)
         self._stragglers: set[tuple[str, int]] = set()
+        self._checkpoints = checkpoints.WrittenLedger()  # (job, step) checkpoints already recorded
         self.cluster: Cluster | None = None
         self._outbox: list[Outboxed] = []
         self._unacked: dict[str, list[bytes]] = {s: [] for s in self.streams}
@@ -570,7 +571,10 @@ class Orchestrator:
                 )
                 node = self.plans.ranks[report.job][rank].node
                 self._outbox.append(ClusterEvent("rank_unreachable", reason, at, node))
-        if report.event:
+        if report.event and checkpoints.written_path(report.event) is not None:
+            if (written := self._checkpoints.observe(report, at=at)) is not None:  # one per (job, step)
+                self._outbox.append(written)
+        elif report.event:
             kind = report.event.split(" ", 1)[0]
             reason = f"job {report.job} rank {report.rank} step {report.step}: {report.event}"
             self._outbox.append(ClusterEvent(kind, reason, at, report.node))
@@ -639,6 +643,7 @@ class Orchestrator:
                     await self._replan(now)
             for job in self.progress.expire(now=now):
                 self._stragglers = {k for k in self._stragglers if k[0] != job}
+                self._checkpoints.forget(job)  # the database still refuses a second event of a step
             self._outbox.extend(events)
             self._outbox.extend(transitions)
             if self._outbox:
@@ -764,6 +769,11 @@ class Orchestrator:
                         )  # fmt: skip
                     else:
                         db.record_event(s, kind="plan_refused", reason=c.reason, at=item.at, job=c.job)
+                elif isinstance(item, checkpoints.Written):
+                    db.record_event_once(
+                        s, kind=checkpoints.WRITTEN, job=item.job, key=checkpoints.written_key(item.step),
+                        reason=item.reason, at=item.at, node=item.node,
+                    )  # fmt: skip
                 else:
                     db.record_event(s, kind=item.kind, node=item.node, reason=item.reason, at=item.at)
 
@@ -870,8 +880,9 @@ class Orchestrator:
                 continue
             cmd = wire.JobCommand(
                 v=wire.PROTOCOL_VERSION,
-                kind=cast(Literal["launch", "stop"], kind),
+                kind=cast(Literal["launch", "stop", "checkpoint"], kind),
                 job=job_id,
+                request=send.request,
                 node_rank=rank,
                 nodes=len(nodes),
                 gpus_per_node=spec["gpus_per_node"],
@@ -1110,6 +1121,33 @@ class Orchestrator:
             await self._send(_Send("stop", job_id, nodes, spec, addr, port))
         return changed
 
+    async def request_checkpoint(self, job_id: str, *, actor: str, reason: str) -> tuple[str, list[str]]:
+        """An emergency checkpoint of every rank of a RUNNING job (services/checkpoints.py): a
+        ``checkpoint_requested`` event, then a checkpoint command to every assigned node. Returns
+        (request id, nodes). Raises KeyError for an unknown job, CheckpointRefused when it is not
+        RUNNING (nothing written or sent then)."""
+        request = uuid.uuid4().hex[:16]
+
+        def write() -> tuple[list[str], dict[str, Any], str, int]:
+            with self._leader_tx("job checkpoint") as s:
+                job = db.get_job(s, job_id=job_id)
+                if job is None:
+                    raise KeyError(job_id)
+                if (why := checkpoints.refusal(job_id, job.state)) is not None:
+                    raise checkpoints.CheckpointRefused(why)
+                nodes = list(job.assigned_nodes)
+                text = checkpoints.requested_reason(actor=actor, reason=reason, nodes=nodes)
+                db.record_event(
+                    s, kind=checkpoints.REQUESTED, job=job_id, reason=f"{text} [request {request}]",
+                    at=self.clock.now(), actor=actor,
+                )  # fmt: skip
+                return nodes, dict(job.spec), job.master_addr, job.master_port
+
+        async with self._db_lock:
+            nodes, spec, addr, port = await asyncio.to_thread(write)
+        await self._send(_Send("checkpoint", job_id, nodes, spec, addr, port, request=request))
+        return request, nodes
+
     async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:
         """Cordon/uncordon: written to the database first, then applied in memory."""
 
@@ -1141,6 +1179,7 @@ class _Send:
     port: int
     only: tuple[str, ...] = ()
     rejoin: bool = False
+    request: str = ""  # a checkpoint's request id
 
 
 def _ds_env(spec: dict[str, Any]) -> dict[str, str]:

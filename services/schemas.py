@@ -105,6 +105,24 @@ class JobsPublic(BaseModel):
     count: int
 
 
+class CheckpointRequest(BaseModel):
+    """``POST /v1/jobs/{id}/checkpoint`` (the body is optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field("", max_length=500, description="why, for the job's checkpoint_requested event")
+
+
+class CheckpointPublic(BaseModel):
+    """A checkpoint asked for: the ranks save at their next step boundary; the job's events say
+    ``checkpoint_requested`` now and ``checkpoint_written`` (step, directory) once a rank saved."""
+
+    job: JobPublic
+    request: str
+    requested_by: str
+    nodes: list[str]
+
+
 class PlanPublic(BaseModel):
     job: str
     generation: int

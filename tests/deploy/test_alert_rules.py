@@ -226,6 +226,10 @@ def test_runbook(name: str) -> None:
         assert 'ipmitool sdr type "Power Supply"' in text, f"{path.name}: ipmitool command missing"
     if scope == "job":
         assert "pulse jobs show JOB" in text or "pulse plan JOB" in text, f"{path.name}: job commands"
+    if name in ("LossSpike", "GradNormExplosion"):  # keep the state before it diverges further
+        first = text.split("## First commands", 1)[1].split("```sh\n", 1)[1].splitlines()[0]
+        assert first.startswith("pulse jobs checkpoint JOB"), f"{path.name}: the first command is {first!r}"
+        assert "POST /v1/jobs/{id}/checkpoint" in text, f"{path.name}: the REST form of the checkpoint"
 
 
 def test_no_runbook_without_alert() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from clusterpulse import wire
 from tests.stack import Stack as BaseStack
 from tests.support import REDIS_URL, REPO, wait_for
 
@@ -158,3 +159,115 @@ def test_cli_starts_and_follows_a_job_to_success(stack: Stack) -> None:
         [*PULSE, "jobs", "list"], env=env, capture_output=True, text=True, timeout=30, cwd=REPO, check=True
     )
     assert "cli" in listed.stdout and "SUCCEEDED" in listed.stdout
+
+
+SIG_RANK = str(REPO / "tests" / "fixtures" / "jobs" / "sigusr2_rank.py")
+
+
+def _signals(out: Path, job: str, rank: int) -> int:
+    path = out / f"{job}-{rank}.sigusr2"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+
+
+def test_checkpoint_over_rest_and_cli_reaches_every_rank_and_the_jobs_events(stack: Stack) -> None:
+    """POST /v1/jobs/{id}/checkpoint (operator) and `pulse jobs checkpoint JOB`: SIGUSR2 to each
+    rank through the agents of both nodes, once per request, their children spared; the job's
+    events say who asked and why, and one checkpoint_written per step however many ranks report
+    it (trainer reports published here with the wire module, as the trainer library does)."""
+    import subprocess
+
+    import redis
+
+    from tests.support import PULSE
+
+    out = stack.tmp / "ckpt"
+    out.mkdir()
+    missing = stack.post("/v1/jobs/nope/checkpoint")
+    assert missing.status_code == 404 and "'nope' is not known" in missing.json()["detail"]
+    tokens = {
+        role: stack.post("/v1/tokens", {"name": f"ckpt-{role}", "role": role}).json()["secret"]
+        for role in ("viewer", "operator")
+    }
+    body = {"name": "ckpt", "nodes": 2, "gpus_per_node": 1, "entrypoint": [SIG_RANK, "--out", str(out)]}
+    job = stack.post("/v1/jobs", body).json()
+    job_id, nodes = job["id"], job["assigned_nodes"]
+    stack.wait_state(job_id, "RUNNING")
+    wait_for(lambda: len(list(out.glob(f"{job_id}-*.ready"))) == 2, timeout=60, what="both ranks up")
+    ranks = [int((out / f"{job_id}-{r}.ready").read_text()) for r in range(2)]
+    children = [int((out / f"{job_id}-{r}.child").read_text()) for r in range(2)]
+
+    def ask(token: str, reason: str) -> httpx.Response:
+        return stack.post(
+            f"/v1/jobs/{job_id}/checkpoint", {"reason": reason}, headers={"Authorization": f"Bearer {token}"}
+        )
+
+    assert ask(tokens["viewer"], "no").status_code == 403
+    assert httpx.post(f"{stack.api}/v1/jobs/{job_id}/checkpoint", timeout=5).status_code == 401
+    r = ask(tokens["operator"], "LossSpike at step ~1200")
+    assert r.status_code == 202, r.text
+    asked = r.json()
+    assert (asked["job"]["id"], asked["requested_by"], sorted(asked["nodes"])) == (
+        job_id,
+        "ckpt-operator",
+        sorted(nodes),
+    )
+    wait_for(lambda: [_signals(out, job_id, r) for r in range(2)] == [1, 1], timeout=30, what="SIGUSR2 on both")
+    [requested] = [e for e in stack.events(job=job_id) if e["kind"] == "checkpoint_requested"]
+    assert requested["actor"] == "ckpt-operator" and requested["node"] is None
+    assert requested["reason"].startswith("asked by ckpt-operator: LossSpike at step ~1200; SIGUSR2 to every rank on ")
+    assert asked["request"] in requested["reason"]
+
+    client = redis.Redis.from_url(REDIS_URL)
+
+    def report(rank: int, step: int, event: str | None) -> None:
+        rep = wire.TrainerReport(
+            v=wire.PROTOCOL_VERSION, job=job_id, rank=rank, node=nodes[rank], step=step, loss=1.0, event=event
+        )
+        client.xadd(wire.TRAINER_STREAM, {wire.TRAINER_FIELD: wire.encode(rep)})
+
+    path = str(out / "emergency-step12")
+    report(1, 12, f"checkpoint_written {path}")
+    report(0, 12, f"checkpoint_written {path}")
+    report(1, 12, f"checkpoint_written {path}")  # a report delivered twice
+    report(0, 13, None)
+    report(0, 20, f"checkpoint_written {out / 'emergency-step20'}")  # events are written in order:
+    report(1, 20, f"checkpoint_written {out / 'emergency-step20'}")
+
+    def written() -> list[str]:
+        return [e["reason"] for e in stack.events(job=job_id) if e["kind"] == "checkpoint_written"]
+
+    wait_for(lambda: any(w.startswith("step 20:") for w in written()), timeout=30, what="step 20 written")
+    assert len(written()) == 2, written()  # once the step-20 event is stored, every step-12 report was folded
+    assert written()[0].startswith(f"step 12: {path} written by rank 1 on {nodes[1]} (first report")
+    client.close()
+
+    env = {**stack.env, "PULSE_API_URL": stack.api, "PULSE_API_TOKEN": tokens["operator"]}
+    cli = subprocess.run(
+        [*PULSE, "jobs", "checkpoint", job_id, "--reason", "from the runbook"],
+        env=env, capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert f"checkpoint of job {job_id} asked" in cli.stdout
+    wait_for(lambda: [_signals(out, job_id, r) for r in range(2)] == [2, 2], timeout=30, what="a second SIGUSR2")
+    assert all(_alive(p) for p in [*ranks, *children])  # a SIGUSR2 to the process group would kill the children
+    listed = subprocess.run(
+        [*PULSE, "events", "--job", job_id], env=env, capture_output=True, text=True, timeout=60, cwd=REPO, check=True
+    )
+    assert listed.stdout.count("checkpoint_requested") == 2 and listed.stdout.count("checkpoint_written") == 2
+
+    assert stack.post(f"/v1/jobs/{job_id}/stop").status_code == 200
+    stack.wait_state(job_id, "STOPPED", timeout=30)
+    refused = stack.post(f"/v1/jobs/{job_id}/checkpoint")
+    assert refused.status_code == 409
+    assert refused.json()["detail"] == (
+        f"job {job_id!r} is STOPPED, not RUNNING: only a running job's ranks can save a checkpoint"
+    )
+    assert [_signals(out, job_id, r) for r in range(2)] == [2, 2]

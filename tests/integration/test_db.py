@@ -64,6 +64,27 @@ def test_cordon_is_idempotent_and_unknown_node_raises(session: Session) -> None:
         db.set_schedulable(session, name="nope", schedulable=False, reason="", at=1.0, actor="x")
 
 
+def test_record_event_once_is_one_per_job_kind_and_key(session: Session) -> None:
+    """A checkpoint_written event folded again (a restart, a take-over) is not recorded twice;
+    the key is a literal prefix (``_`` and ``%`` are not wildcards)."""
+
+    def once(key: str, reason: str, job: str = "j1") -> bool:
+        return db.record_event_once(session, kind="checkpoint_written", job=job, key=key, reason=reason, at=1.0)
+
+    assert once("step 12:", "step 12: /c written by rank 0")
+    assert not once("step 12:", "step 12: /c written by rank 3")
+    assert once("step 1:", "step 1: /c written by rank 1")
+    assert once("step 1_:", "step 1_: literal")
+    assert once("step 12:", "step 12: /c", job="j2")
+    events = db.list_events(session, kinds=["checkpoint_written"])
+    assert [(e.job, e.reason) for e in events] == [
+        ("j1", "step 12: /c written by rank 0"),
+        ("j1", "step 1: /c written by rank 1"),
+        ("j1", "step 1_: literal"),
+        ("j2", "step 12: /c"),
+    ]
+
+
 def test_rolled_back_between_tests(session: Session) -> None:
     assert db.load_nodes(session) == []  # the previous tests' rows are gone
 

@@ -187,3 +187,75 @@ def test_an_agent_leaves_at_once_while_the_jobs_store_it_started_lives_on(redis_
         p.wait(10)
     assert alive(launcher.stores["j4"])
     _end_stores(launcher)
+
+
+SIG_RANK = str(REPO / "tests" / "fixtures" / "jobs" / "sigusr2_rank.py")
+
+
+def _signals(out: Path, job: str, rank: int) -> int:
+    path = out / f"{job}-{rank}.sigusr2"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_checkpoint_signals_each_rank_once_and_spares_their_children(redis_url: str, tmp_path: Path) -> None:
+    """A checkpoint command is SIGUSR2 to each rank process (the wrapper shell's child), once per
+    request id, across an agent restart too; the ranks' own children (a DataLoader worker would
+    die of SIGUSR2) and a rank that does not catch SIGUSR2 are left alone."""
+    out = tmp_path / "out"
+    out.mkdir()
+    state = tmp_path / "state"
+
+    def checkpoint(request: str) -> bytes:
+        return wire.encode(wire.JobCommand(v=wire.PROTOCOL_VERSION, kind="checkpoint", job="ck", request=request))
+
+    launchers: list[Launcher] = []
+    groups: list[int] = []
+
+    async def body() -> None:
+        client = aioredis.from_url(redis_url)
+        first = Launcher(node="n1", redis_client=client, state_dir=state)
+        launchers.append(first)
+        argv = [SIG_RANK, "--out", str(out), "--seconds", "120", "--no-trap-rank", "2"]
+        await first.launch(msgspec.structs.replace(_cmd("ck", seconds=120), gpus_per_node=3, argv=argv))
+        groups.append(first.jobs["ck"].pgid)
+        await _until(lambda: len(list(out.glob("ck-*.ready"))) == 3, limit_s=30)
+        ranks = {r: int((out / f"ck-{r}.ready").read_text()) for r in range(3)}
+        children = [int((out / f"ck-{r}.child").read_text()) for r in range(3)]
+        wrappers = first.jobs["ck"].pids
+        assert not set(ranks.values()) & set(wrappers)  # the recorded pids are the shells
+
+        assert sorted(await first.checkpoint("ck", request="r1")) == sorted([ranks[0], ranks[1]])
+        await first.handle(checkpoint("r1"))  # the same request again: nobody is signalled twice
+        await _until(lambda: _signals(out, "ck", 0) == 1 and _signals(out, "ck", 1) == 1, limit_s=10)
+        await asyncio.sleep(0.5)
+        assert [_signals(out, "ck", r) for r in range(3)] == [1, 1, 0]
+        assert all(alive(p) for p in [*ranks.values(), *children, *wrappers])
+
+        orphans = first.jobs["ck"].procs
+        for t in list(first._tasks):  # the agent dies; the ranks live on
+            t.cancel()
+        second = Launcher(node="n1", redis_client=client, state_dir=state)
+        await second.reattach()
+        await second.handle(checkpoint("r1"))  # redelivered after the restart: still once
+        await second.handle(checkpoint("r2"))  # a new request: once more, through the re-attached pids
+        await _until(lambda: _signals(out, "ck", 0) == 2 and _signals(out, "ck", 1) == 2, limit_s=10)
+        await asyncio.sleep(0.5)
+        assert [_signals(out, "ck", r) for r in range(3)] == [2, 2, 0]
+        assert all(alive(p) for p in [*ranks.values(), *children])
+        assert await second.checkpoint("gone", request="r3") == []  # not running here: nothing
+
+        await second.stop("ck", grace_s=5)
+        for p in orphans:
+            p.wait(10)
+        await _until(lambda: not any(alive(p) for p in children), limit_s=10)
+        _end_stores(second)
+        await client.aclose()
+
+    try:
+        asyncio.run(body())
+    finally:  # a failed assertion must not leave ranks, their children or the store behind
+        for launcher in launchers:
+            _end_stores(launcher)
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)

@@ -211,7 +211,7 @@ def test_every_operation_conforms_and_never_fails(api: Api, mode: str, caller: s
 
 
 def test_named_things_that_exist(api: Api) -> None:
-    """Cordon/uncordon, job read/plan/stop and token revoke on names that exist, as admin."""
+    """Cordon/uncordon, job read/plan/stop/checkpoint and token revoke on names that exist, as admin."""
     ran = {}
     for result in api.schema.get_all_operations():
         op = result.ok()
@@ -224,4 +224,4 @@ def test_named_things_that_exist(api: Api) -> None:
         ran[f"{op.method.upper()} {op.path}"] = _fuzz(
             op, mode="positive", headers=AUTH, examples=EXAMPLES // 2, path_parameters=existing
         )
-    assert len(ran) == 7 and all(ran.values()), ran
+    assert len(ran) == 8 and all(ran.values()), ran

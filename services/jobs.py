@@ -106,6 +106,13 @@ def decide(
     return Decision(state, "", relaunch=relaunch)
 
 
+def master_addr(first_node: str, label: str | None, published: str) -> str:
+    """The rendezvous address of a job whose first node is ``first_node``: the node's address
+    label when it has one (an operator's word wins), else the address its agent published
+    (``agent/address.py``), else, from an agent that publishes none, the node's name."""
+    return label or published or first_node
+
+
 def master_port(job_id: str, *, base: int = 29500, span: int = 500) -> int:
     """A rendezvous port for the job, stable across orchestrator restarts."""
     return base + zlib.crc32(job_id.encode()) % span

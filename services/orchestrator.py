@@ -1028,7 +1028,7 @@ class Orchestrator:
         """Place and store a job. Returns (job id, created); a repeated idempotency key returns
         the first job. Raises :class:`PlacementRefused` with the failed constraint; nothing is
         written then."""
-        from services.jobs import ACTIVE, master_port
+        from services.jobs import ACTIVE, master_addr, master_port
         from services.placement import NodeCapacity, Placement, PlacementRequest, place
 
         assert self.cluster is not None
@@ -1063,7 +1063,8 @@ class Orchestrator:
                     raise PlacementRefused(result.reason)
                 job_id = uuid.uuid4().hex[:12]
                 first = cluster.nodes[result.nodes[0]]
-                addr = first.labels.get(self.settings.job_master_addr_label, result.nodes[0])
+                published = first.latest.addr if first.latest is not None else ""
+                addr = master_addr(result.nodes[0], first.labels.get(self.settings.job_master_addr_label), published)
                 db.create_job(
                     s,
                     job_id=job_id,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.jobs import decide, master_port
+from services.jobs import decide, master_addr, master_port
 
 NODES = ["a", "b"]
 
@@ -94,3 +94,9 @@ def test_an_excluded_node_whose_ranks_are_gone_is_relaunched_to_rejoin_once_heal
     assert x({"a": started(), "b": exited(-9)}, excluded=set()).state == "FAILED"  # not excluded: a failure
     done = x({"a": exited(0), "b": exited(-9)})
     assert done.state == "SUCCEEDED" and done.relaunch == ()  # nothing to rejoin once the others are done
+
+
+def test_master_addr_label_then_published_then_name() -> None:
+    assert master_addr("bar-j1", "10.0.0.9", "10.1.1.1") == "10.0.0.9"  # the operator's label wins
+    assert master_addr("bar-j1", None, "10.1.1.1") == "10.1.1.1"  # what the agent found
+    assert master_addr("bar-j1", "", "") == "bar-j1"  # an agent that publishes no address

@@ -73,7 +73,9 @@ class Settings(BaseSettings):
     job_stale_after_s: float = Field(300.0, gt=0)
 
     # Jobs (services/jobs.py, agent/launcher.py)
-    job_start_timeout_s: float = Field(120.0, gt=0)
+    # Launch sent -> every rank rendezvoused (registered or reported a step, services/jobs.py);
+    # a job still short of that after this long FAILS and its ranks are stopped.
+    job_start_timeout_s: float = Field(300.0, gt=0)
     job_stop_grace_s: float = Field(10.0, ge=0)
     job_resend_s: float = Field(5.0, gt=0)
     job_max_rejoins: int = Field(10, ge=0)  # relaunches per node and job of excluded ranks (0: never)

@@ -65,6 +65,7 @@ class NodeAgent:
     gpu_source: Literal["nvml", "simulated", "none"]
     interval_s: float
     labels: dict[str, str] = field(default_factory=dict)
+    addr: str = ""  # where peers reach this node (agent/address.py); empty: not known
     sim: SimulatedNode | None = None
     power: PowerState = field(default_factory=PowerState)
     ipmi_stale_after_s: float = 90.0
@@ -100,6 +101,7 @@ class NodeAgent:
             gpu_source=self.gpu_source,
             ipmi=ipmi,
             labels=self.labels,
+            addr=self.addr,
             gpus=gpus,
             psus=psus,
             fans=fans,
@@ -281,15 +283,23 @@ async def run_node_agent(
     jobs: bool = True,
 ) -> None:
     """``pulse agent``: one node. IPMI runs in its own task when the source is real; the job
-    launcher (``agent/launcher.py``) in another, unless ``jobs`` is off."""
+    launcher (``agent/launcher.py``) in another, unless ``jobs`` is off. The node's address is
+    ``PULSE_AGENT_ADDR`` (``--addr``) or found once here (``agent/address.py``)."""
     stop = stop or asyncio.Event()
     parts, desc = open_gpu_source(source, node=node, gpus=gpus, settings=settings)
+    addr, how = settings.agent_addr, "set (PULSE_AGENT_ADDR / --addr)"
+    if not addr:
+        from agent.address import discover
+
+        addr, how = await asyncio.to_thread(discover, settings.redis_url)
+    log.info("event=agent_addr node=%s addr=%s how=%r", node, addr, how)
     agent = NodeAgent(
         node=node,
         gpu=parts.gpu,
         gpu_source=parts.gpu_source,
         interval_s=interval_s,
         labels=labels,
+        addr=addr,
         sim=parts.sim,
         ipmi_stale_after_s=3 * settings.ipmi_interval_s + settings.ipmi_timeout_s,
         clock_offset_s=settings.agent_clock_offset_s,
@@ -312,7 +322,12 @@ async def run_node_agent(
     if jobs:
         from agent.launcher import Launcher
 
-        launcher = Launcher(node=node, redis_client=client, state_dir=agent_state_dir(settings, node))
+        launcher = Launcher(
+            node=node,
+            redis_client=client,
+            state_dir=agent_state_dir(settings, node),
+            env={"PULSE_REDIS_URL": settings.redis_url},  # every rank reports (and so says it rendezvoused)
+        )
         tasks.append(asyncio.create_task(launcher.run(stop)))
     log.info("event=agent_started node=%s source=%s interval_s=%g labels=%s", node, desc, interval_s, labels)
     try:

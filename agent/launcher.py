@@ -127,8 +127,10 @@ class Launcher:
         poll_s: float = 0.2,
         python: str = sys.executable,
         store_linger_s: float = 30.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.node = node
+        self.env = env or {}  # added to every rank's environment, under the job's own
         self.redis = redis_client
         self.state_dir = state_dir
         self.poll_s = poll_s
@@ -308,7 +310,7 @@ class Launcher:
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for i, line in enumerate(lines):
-                env = {**os.environ, **cmd.env, "PULSE_JOB_ID": cmd.job, "PULSE_NODE": self.node}
+                env = {**os.environ, **self.env, **cmd.env, "PULSE_JOB_ID": cmd.job, "PULSE_NODE": self.node}
                 if self.hosts_store:
                     env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the first node's agent hosts the store
                 env.update(self.rank_env(cmd, i))

@@ -46,8 +46,11 @@ async def _until_signal(main: Callable[[asyncio.Event], Any]) -> None:
 def cmd_agent(args: argparse.Namespace) -> int:
     from agent.daemon import parse_labels, run_node_agent
     from agent.simulated import parse_fault
+    from clusterpulse import wire
 
-    settings = _settings(heartbeat_interval_s=args.interval)
+    if args.addr is not None and not wire.valid_addr(args.addr):
+        raise SystemExit(f"pulse agent: --addr {args.addr!r}: expected a host name or an IP address, no port")
+    settings = _settings(heartbeat_interval_s=args.interval, agent_addr=args.addr)
     faults = [parse_fault(f) for f in args.fault]
     if faults and args.source != "simulated":
         raise SystemExit("pulse agent: --fault needs --source simulated")
@@ -581,6 +584,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--gpus", type=int, default=8, help="GPUs to simulate (--source simulated)")
     a.add_argument("--interval", type=float, help="heartbeat interval, seconds (PULSE_HEARTBEAT_INTERVAL_S)")
     a.add_argument("--label", action="append", default=[], help="topology label KEY=VALUE (repeatable)")
+    a.add_argument(
+        "--addr",
+        help="the address other nodes reach this one at, the rendezvous of jobs it leads "
+        "(PULSE_AGENT_ADDR; default: found by the agent, see agent/address.py)",
+    )
     a.add_argument("--fault", action="append", default=[], help="KIND@SECONDS[+DURATION] (simulated only)")
     a.add_argument("--no-jobs", action="store_true", help="do not run the job launcher")
     a.set_defaults(fn=cmd_agent)

@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from clusterpulse.wire import ADDR_PATTERN
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PULSE_", extra="forbid")
@@ -71,12 +73,17 @@ class Settings(BaseSettings):
     job_stale_after_s: float = Field(300.0, gt=0)
 
     # Jobs (services/jobs.py, agent/launcher.py)
-    job_start_timeout_s: float = Field(120.0, gt=0)
+    # Launch sent -> every rank rendezvoused (registered or reported a step, services/jobs.py);
+    # a job still short of that after this long FAILS and its ranks are stopped.
+    job_start_timeout_s: float = Field(300.0, gt=0)
     job_stop_grace_s: float = Field(10.0, ge=0)
     job_resend_s: float = Field(5.0, gt=0)
     job_max_rejoins: int = Field(10, ge=0)  # relaunches per node and job of excluded ranks (0: never)
     agent_state_dir: str = ""  # <dir>/<node>; default $XDG_STATE_HOME or ~/.local/state, /clusterpulse/<node>
-    job_master_addr_label: str = "addr"  # the node label holding the rendezvous address
+    job_master_addr_label: str = "addr"  # a node label that, when set, overrides the address its agent publishes
+    # The address this node's peers reach it at (the rendezvous of a job whose first node it is),
+    # published in the heartbeat; empty: the agent finds it itself (agent/address.py)
+    agent_addr: str = Field("", pattern=ADDR_PATTERN)
 
     # Orchestrator loops
     evaluate_interval_s: float = Field(0.5, gt=0)

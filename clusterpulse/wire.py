@@ -34,6 +34,9 @@ NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
 Label = Annotated[str, msgspec.Meta(max_length=128)]
+ADDR_PATTERN = r"^[A-Za-z0-9._:%-]{0,253}$"
+"""A host name, an IPv4 or an IPv6 address (no brackets, no port); empty: not known."""
+Addr = Annotated[str, msgspec.Meta(pattern=ADDR_PATTERN)]
 
 THROTTLE_REASONS = (
     "thermal",  # HW or SW thermal slowdown
@@ -109,6 +112,9 @@ class Heartbeat(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     ``seq`` increases by one per heartbeat of one agent process; ``boot_id`` changes when the agent
     restarts, so a seq reset is recognised. ``ipmi`` says whether the power/fan readings are
     current (``ok``), stale, or unavailable on this node (then ``psus``/``fans`` are empty).
+    ``addr`` is where the node's peers reach it (the rendezvous address of a job whose first node
+    it is, ``agent/address.py``); empty from an agent that predates it. Added without a version
+    bump: decoders on both sides ignore fields they do not know and default those they miss.
     """
 
     v: int
@@ -120,6 +126,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     gpu_source: Literal["nvml", "simulated", "none"]
     ipmi: Literal["ok", "stale", "unavailable", "simulated"] = "unavailable"
     labels: dict[Label, Label] = {}
+    addr: Addr = ""
     gpus: Annotated[list[GpuSample], msgspec.Meta(max_length=64)] = []
     psus: Annotated[list[PsuSample], msgspec.Meta(max_length=32)] = []
     fans: Annotated[list[FanSample], msgspec.Meta(max_length=64)] = []
@@ -168,6 +175,10 @@ def decode_heartbeat(payload: bytes | str) -> Heartbeat:
 
 def valid_node_name(name: str) -> bool:
     return bool(_NODE_RE.match(name))
+
+
+def valid_addr(addr: str) -> bool:
+    return bool(re.match(ADDR_PATTERN, addr))
 
 
 # --- Redis keys -------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ def node_public(view: NodeView, *, now: float) -> NodePublic:
                 "gpu_source": hb.gpu_source,
                 "ipmi": hb.ipmi,
                 "interval_s": hb.interval_s,
+                "addr": hb.addr,
             }
             if hb
             else {}

@@ -1,10 +1,23 @@
 """A job's life as a pure function of what its nodes' agents reported.
 
 States: ``PENDING`` (placed, nothing sent) -> ``STARTING`` (launch sent to every assigned node)
--> ``RUNNING`` (every node's ranks started) -> ``SUCCEEDED`` (every node exited 0; a stop then
-ends what outlives the ranks: the job's store on its first node, ``agent/jobstore.py``) or
+-> ``RUNNING`` (every rank rendezvoused, see below) -> ``SUCCEEDED`` (every node exited 0; a stop
+then ends what outlives the ranks: the job's store on its first node, ``agent/jobstore.py``) or
 ``FAILED`` (a preflight failed, a node's ranks exited non-zero or were lost, or the start
 timed out); ``STOPPING`` (a stop was asked) -> ``STOPPED`` (every node's ranks are gone).
+
+**RUNNING means rendezvoused.** An agent's "started" says only that its processes exist; ranks
+that cannot reach the rendezvous (``master_addr:master_port``) live on, retrying. So STARTING
+becomes RUNNING only when every rank of the job (``len(nodes) x max(1, gpus_per_node)``, as the
+agents launch them) has *joined*: registered (a ``RankRegistration``, which the trainer library
+sends at its first flush, after ``deepspeed.initialize``, i.e. after the rendezvous) or reported
+a step (a ``TrainerReport``). Every rank the agents launch gets ``PULSE_REDIS_URL`` (the agent's
+own), so a rank that is past its rendezvous says so. A job still short of that
+``start_timeout`` after the launch was sent FAILS with the rendezvous address and who is missing
+in its reason, and its ranks are stopped. Ranks that never publish (a script that does not use
+the trainer library, reporting switched off, a Redis the ranks cannot reach) are therefore taken
+for ranks that never rendezvoused: a job that cannot show it started is not called RUNNING. A job
+whose ranks all exit 0 before they join is SUCCEEDED (a short job; nothing was left hanging).
 
 Excluded nodes (``excluded``: nodes all of whose ranks the job's plan excluded or its survivors
 reported unreachable, see ``services/plans.py``) no longer count once
@@ -18,8 +31,8 @@ its ranks join the live ones at a step boundary and take their state (``trainer/
 (``services/plans.py``), so the node counts again. At most ``max_rejoins`` relaunches per node
 and job (``rejoins``), so a node whose ranks die at every start is not relaunched for ever.
 
-:func:`decide` looks at the current state, the latest status per node and the time, and says
-what the job's state should be and which commands to send; the orchestrator persists the state
+:func:`decide` looks at the current state, the latest status per node, the ranks that joined and
+the time, and says what the job's state should be and which commands to send; the orchestrator persists the state
 change (with its event) and sends the commands. Running it twice changes nothing
 (level-triggered): launch and stop are idempotent at the agent too.
 """
@@ -48,6 +61,11 @@ def _last_line(status: Mapping[str, object]) -> str:
     return f"; last log line: {tail[-1][:200]}" if tail else ""
 
 
+def _names(items: Sequence[object], most: int = 8) -> str:
+    shown = ", ".join(str(i) for i in items[:most])
+    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
 def decide(
     *,
     state: str,
@@ -56,14 +74,19 @@ def decide(
     since: float,
     now: float,
     start_timeout: float,
+    joined: Collection[int],
+    gpus_per_node: int,
+    rendezvous: str,
     excluded: Collection[str] = (),
     healthy: Collection[str] = (),
     rejoins: Mapping[str, int] | None = None,
     max_rejoins: int = 0,
 ) -> Decision:
     """What to do with a job in ``state`` since ``since``, given ``status[node]`` (the latest
-    JobStatus of each node as a dict). A command in ``send`` with an unchanged state is a resend:
-    the caller sends it at most every few seconds, so a command lost in a crash is sent again."""
+    JobStatus of each node as a dict) and ``joined``, the ranks that registered or reported a step
+    (ranks outside the job's world are ignored). ``rendezvous`` (``addr:port``) is only named in
+    reasons. A command in ``send`` with an unchanged state is a resend: the caller sends it at
+    most every few seconds, so a command lost in a crash is sent again."""
     if state in TERMINAL:
         return Decision(state, "")
     states = {n: str(status[n]["state"]) for n in nodes if n in status}
@@ -97,13 +120,34 @@ def decide(
         # the stop ends what outlives the ranks: the job's store (agent/jobstore.py), an excluded rank still hung
         return Decision("SUCCEEDED", f"every node's ranks exited 0 ({len(nodes)} nodes)", send="stop")
     if state == "STARTING":
-        if all(states.get(n) in ("started", "exited") for n in nodes):
-            return Decision("RUNNING", f"ranks started on {', '.join(nodes)}")
-        missing = [n for n in nodes if n not in states]
+        per_node = max(1, gpus_per_node)
+        world = len(nodes) * per_node
+        seen = {r for r in joined if 0 <= r < world}
+        answered = all(states.get(n) in ("started", "exited") for n in nodes)
+        if answered and len(seen) == world:
+            return Decision("RUNNING", f"every rank rendezvoused at {rendezvous}: {world} ranks on {_names(nodes)}")
         if now - since > start_timeout:
-            return Decision("FAILED", f"no start from {', '.join(missing)} within {start_timeout:g}s", send="stop")
+            missing = [n for n in nodes if n not in states]
+            if missing:
+                return Decision("FAILED", f"no start from {_names(missing)} within {start_timeout:g}s", send="stop")
+            waiting = [n for i, n in enumerate(nodes) if any(i * per_node + j not in seen for j in range(per_node))]
+            return Decision(
+                "FAILED",
+                f"ranks did not rendezvous within {start_timeout:g} s at {rendezvous}: {len(seen)} of {world} "
+                f"ranks registered or reported a step; waiting on {_names(waiting)}",
+                send="stop",
+            )
+        if answered:
+            return Decision(state, "")  # launched everywhere: the ranks are rendezvousing
         return Decision(state, "", send="launch")  # re-sent (rate-limited) until every node answers
     return Decision(state, "", relaunch=relaunch)
+
+
+def master_addr(first_node: str, label: str | None, published: str) -> str:
+    """The rendezvous address of a job whose first node is ``first_node``: the node's address
+    label when it has one (an operator's word wins), else the address its agent published
+    (``agent/address.py``), else, from an agent that publishes none, the node's name."""
+    return label or published or first_node
 
 
 def master_port(job_id: str, *, base: int = 29500, span: int = 500) -> int:

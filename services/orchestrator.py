@@ -140,6 +140,7 @@ class Orchestrator:
         self._job_statuses: list[wire.JobStatus] = []
         self.plans = PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=settings.max_proxied_per_rank))
         self._ranks_changed = False
+        self._joined: dict[str, set[int]] = {}  # job -> ranks registered or stepping (services/jobs.py)
         self._excluded_nodes: dict[str, set[str]] = {}  # job -> nodes that no longer count (services/jobs.py)
         self._healthy_excluded: set[str] = set()  # excluded nodes that are HEALTHY: may rejoin
         self._rejoins: dict[str, dict[str, int]] = {}  # job -> node -> relaunches sent
@@ -852,6 +853,11 @@ class Orchestrator:
     async def reconcile_jobs(self) -> None:
         statuses, self._job_statuses = self._job_statuses, []
         self._excluded_nodes = {job: self.plans.excluded_nodes(job) for job in self.plans.plans}
+        self._joined = {  # ranks that registered or stepped, of the jobs waiting for them (services/jobs.py)
+            job: {*self.plans.ranks.get(job, ()), *(p.ranks if (p := self.progress.jobs.get(job)) else ())}
+            for job, (state, _) in self.job_states.items()
+            if state in ("PENDING", "STARTING")
+        }
         nodes = self.cluster.nodes if self.cluster is not None else {}
         self._healthy_excluded = {
             n
@@ -903,7 +909,7 @@ class Orchestrator:
         from services.jobs import ACTIVE, decide
 
         sends: list[_Send] = []
-        excluded = self._excluded_nodes  # snapshots taken on the event loop
+        excluded, joined = self._excluded_nodes, self._joined  # snapshots taken on the event loop
         healthy = self._healthy_excluded
         with self._leader_tx("jobs") as s:
             for st in statuses:
@@ -926,6 +932,9 @@ class Orchestrator:
                     since=job.updated_at,
                     now=now,
                     start_timeout=self.settings.job_start_timeout_s,
+                    joined=joined.get(job.id, ()),
+                    gpus_per_node=int(job.spec.get("gpus_per_node", 1)),
+                    rendezvous=_hostport(job.master_addr, job.master_port),
                     excluded=excluded.get(job.id, ()),
                     healthy=healthy,
                     rejoins=self._rejoins.get(job.id, {}),
@@ -1039,7 +1048,7 @@ class Orchestrator:
         """Place and store a job. Returns (job id, created); a repeated idempotency key returns
         the first job. Raises :class:`PlacementRefused` with the failed constraint; nothing is
         written then."""
-        from services.jobs import ACTIVE, master_port
+        from services.jobs import ACTIVE, master_addr, master_port
         from services.placement import NodeCapacity, Placement, PlacementRequest, place
 
         assert self.cluster is not None
@@ -1074,7 +1083,8 @@ class Orchestrator:
                     raise PlacementRefused(result.reason)
                 job_id = uuid.uuid4().hex[:12]
                 first = cluster.nodes[result.nodes[0]]
-                addr = first.labels.get(self.settings.job_master_addr_label, result.nodes[0])
+                published = first.latest.addr if first.latest is not None else ""
+                addr = master_addr(result.nodes[0], first.labels.get(self.settings.job_master_addr_label), published)
                 db.create_job(
                     s,
                     job_id=job_id,
@@ -1180,6 +1190,10 @@ class _Send:
     only: tuple[str, ...] = ()
     rejoin: bool = False
     request: str = ""  # a checkpoint's request id
+
+
+def _hostport(addr: str, port: int) -> str:
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
 def _ds_env(spec: dict[str, Any]) -> dict[str, str]:

@@ -47,9 +47,13 @@ class Stack:
         self.procs["orch"] = spawn(["orchestrator", "--port", str(self.port)], env=self.env, log=self.tmp / "orch.log")
         wait_for(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
 
-    def agent(self, node: str, *extra: str, env: dict[str, str] | None = None) -> None:
-        """Start ``pulse agent`` for ``node``; ``env`` adds settings for this agent only."""
-        args = ["agent", "--node", node, "--source", "simulated", "--interval", "0.3", "--label", "addr=127.0.0.1"]
+    def agent(
+        self, node: str, *extra: str, env: dict[str, str] | None = None, addr_label: str | None = "127.0.0.1"
+    ) -> None:
+        """Start ``pulse agent`` for ``node``; ``env`` adds settings for this agent only;
+        ``addr_label=None``: no ``addr`` label, the agent's own address is the rendezvous."""
+        args = ["agent", "--node", node, "--source", "simulated", "--interval", "0.3"]
+        args += ["--label", f"addr={addr_label}"] if addr_label is not None else []
         self.procs[node] = spawn([*args, *extra], env={**self.env, **(env or {})}, log=self.tmp / f"{node}.log")
 
     def nodes(self) -> dict[str, dict[str, Any]]:

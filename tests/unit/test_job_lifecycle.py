@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from services.jobs import decide, master_port
+import itertools
+from collections.abc import Collection, Mapping
+
+from services.jobs import TERMINAL, Decision, decide, master_addr, master_port
 
 NODES = ["a", "b"]
+BOTH = (0, 1)  # every rank of a 2-node job, 1 rank a node
+RDV = "a:29512"
 
 
-def d(state: str, status: dict[str, dict[str, object]], *, since: float = 0.0, now: float = 1.0):  # type: ignore[no-untyped-def]
-    return decide(state=state, nodes=NODES, status=status, since=since, now=now, start_timeout=60.0)
+def d(  # type: ignore[no-untyped-def]
+    state: str, status: dict[str, dict[str, object]], *, since: float = 0.0, now: float = 1.0, joined=BOTH
+):
+    return decide(
+        state=state, nodes=NODES, status=status, since=since, now=now, start_timeout=60.0,
+        joined=joined, gpus_per_node=1, rendezvous=RDV,
+    )  # fmt: skip
 
 
 def started() -> dict[str, object]:
@@ -24,7 +34,57 @@ def test_pending_launches_and_starting_resends_until_every_node_answers() -> Non
     r = d("STARTING", {"a": started()})
     assert (r.state, r.send) == ("STARTING", "launch")
     r = d("STARTING", {"a": started(), "b": started()})
-    assert (r.state, r.send, r.reason) == ("RUNNING", None, "ranks started on a, b")
+    assert (r.state, r.send, r.reason) == ("RUNNING", None, "every rank rendezvoused at a:29512: 2 ranks on a, b")
+
+
+def test_running_means_every_rank_rendezvoused_not_that_the_agents_started_them() -> None:
+    both = {"a": started(), "b": started()}
+    for joined in ((), (0,), (1,), (1, 5), (-1, 0)):  # ranks outside the world are no one's
+        r = d("STARTING", both, joined=joined)
+        assert (r.state, r.send, r.reason) == ("STARTING", None, ""), joined  # launched everywhere: no resend
+    assert d("STARTING", {"a": started()}, joined=BOTH).state == "STARTING"  # b's agent has not answered
+    assert d("STARTING", {"a": exited(0), "b": started()}, joined=BOTH).state == "RUNNING"  # a finished early
+    assert d("STARTING", both, joined=(1, 0, 0)).state == "RUNNING"
+
+
+def test_ranks_that_never_rendezvous_fail_the_job_at_the_start_timeout_naming_the_address() -> None:
+    both = {"a": started(), "b": started()}
+    assert d("STARTING", both, joined=(0,), since=0.0, now=60.0).state == "STARTING"  # not yet
+    r = d("STARTING", both, joined=(0,), since=0.0, now=60.5)
+    assert (r.state, r.send) == ("FAILED", "stop")  # the ranks still retrying are stopped
+    assert r.reason == (
+        "ranks did not rendezvous within 60 s at a:29512: 1 of 2 ranks registered or reported a step; waiting on b"
+    )
+    r = d("STARTING", both, joined=(), since=0.0, now=61.0)
+    assert r.reason.endswith("0 of 2 ranks registered or reported a step; waiting on a, b")
+    assert d("RUNNING", both, joined=(), since=0.0, now=1e6).state == "RUNNING"  # only a start is timed
+
+
+def test_several_ranks_a_node_each_count() -> None:
+    def g(joined: Collection[int], now: float = 1.0) -> Decision:
+        return decide(
+            state="STARTING", nodes=["x", "y", "z"], status=dict.fromkeys("xyz", started()), since=0.0, now=now,
+            start_timeout=10.0, joined=joined, gpus_per_node=4, rendezvous="[fd00::1]:29600",
+        )  # fmt: skip
+
+    assert g(range(12)).state == "RUNNING"
+    assert g(range(11)).state == "STARTING"
+    r = g([0, 1, 2, 3, 8, 9, 10, 11], now=11.0)
+    assert r.reason == (
+        "ranks did not rendezvous within 10 s at [fd00::1]:29600: 8 of 12 ranks registered or reported a step; "
+        "waiting on y"
+    )
+    zero = decide(
+        state="STARTING", nodes=NODES, status={"a": started(), "b": started()}, since=0.0, now=1.0,
+        start_timeout=10.0, joined=BOTH, gpus_per_node=0, rendezvous=RDV,
+    )  # fmt: skip
+    assert zero.state == "RUNNING"  # no GPUs: one rank a node, as the agents launch it
+
+
+def test_master_addr_label_then_published_then_name() -> None:
+    assert master_addr("bar-j1", "10.0.0.9", "10.1.1.1") == "10.0.0.9"  # the operator's label wins
+    assert master_addr("bar-j1", None, "10.1.1.1") == "10.1.1.1"  # what the agent found
+    assert master_addr("bar-j1", "", "") == "bar-j1"  # an agent that publishes no address
 
 
 def test_success_needs_every_node_to_exit_zero() -> None:
@@ -67,7 +127,10 @@ def test_master_port_is_stable_and_in_range() -> None:
 
 def test_a_node_whose_ranks_the_plan_excluded_no_longer_counts_once_running() -> None:
     def x(state: str, status: dict[str, dict[str, object]]):  # type: ignore[no-untyped-def]
-        return decide(state=state, nodes=NODES, status=status, since=0.0, now=1.0, start_timeout=60.0, excluded={"b"})
+        return decide(
+            state=state, nodes=NODES, status=status, since=0.0, now=1.0, start_timeout=60.0,
+            joined=BOTH, gpus_per_node=1, rendezvous=RDV, excluded={"b"},
+        )  # fmt: skip
 
     assert x("RUNNING", {"a": started(), "b": exited(-9)}).state == "RUNNING"  # the survivors train on
     assert x("RUNNING", {"a": started(), "b": {"state": "lost"}}).state == "RUNNING"
@@ -82,7 +145,10 @@ def test_a_node_whose_ranks_the_plan_excluded_no_longer_counts_once_running() ->
 def test_an_excluded_node_whose_ranks_are_gone_is_relaunched_to_rejoin_once_healthy() -> None:
     def x(status: dict[str, dict[str, object]], **kw: object):  # type: ignore[no-untyped-def]
         args: dict[str, object] = {"excluded": {"b"}, "healthy": {"b"}, "max_rejoins": 3, **kw}
-        return decide(state="RUNNING", nodes=NODES, status=status, since=0.0, now=1.0, start_timeout=60.0, **args)  # type: ignore[arg-type]
+        return decide(
+            state="RUNNING", nodes=NODES, status=status, since=0.0, now=1.0, start_timeout=60.0,
+            joined=BOTH, gpus_per_node=1, rendezvous=RDV, **args,  # type: ignore[arg-type]
+        )  # fmt: skip
 
     assert x({"a": started(), "b": exited(-9)}).relaunch == ("b",)  # killed
     assert x({"a": started(), "b": exited(0)}).relaunch == ("b",)  # woke up excluded and left
@@ -94,3 +160,55 @@ def test_an_excluded_node_whose_ranks_are_gone_is_relaunched_to_rejoin_once_heal
     assert x({"a": started(), "b": exited(-9)}, excluded=set()).state == "FAILED"  # not excluded: a failure
     done = x({"a": exited(0), "b": exited(-9)})
     assert done.state == "SUCCEEDED" and done.relaunch == ()  # nothing to rejoin once the others are done
+
+
+NODE_STATUSES: list[Mapping[str, object] | None] = [
+    None, started(), exited(0), exited(1), exited(143), {"state": "lost"}, {"state": "preflight_failed"},
+]  # fmt: skip
+
+
+def test_starting_over_every_mix_of_answers_joins_and_times() -> None:
+    """Every mix of node answers (1-3 nodes), ranks a node, joined ranks and elapsed time: RUNNING
+    only with every rank joined and every node answered; a timeout only past the start timeout,
+    naming the rendezvous; FAILED always stops the ranks; a decision taken again on its own result
+    stays where it is (level-triggered)."""
+    cases = 0
+    for nodes, gpus in itertools.product((1, 2, 3), (0, 1, 2)):
+        names = [f"n{i}" for i in range(nodes)]
+        world = nodes * max(1, gpus)
+        everyone = set(range(world))
+        joins = [set(), everyone, everyone - {world - 1}, {0}, everyone | {world, -1}]
+        for statuses, joined, elapsed in itertools.product(
+            itertools.product(NODE_STATUSES, repeat=nodes), joins, (0.0, 60.0, 60.001)
+        ):
+            cases += 1
+            status = {n: s for n, s in zip(names, statuses, strict=True) if s is not None}
+
+            def run(state: str) -> Decision:
+                return decide(
+                    state=state, nodes=names, status=status, since=100.0, now=100.0 + elapsed,  # noqa: B023
+                    start_timeout=60.0, joined=joined, gpus_per_node=gpus, rendezvous="h:1",  # noqa: B023
+                )  # fmt: skip
+
+            r = run("STARTING")
+            answered = all(status.get(n, {}).get("state") in ("started", "exited") for n in names)
+            assert r.state in ("STARTING", "RUNNING", "FAILED", "SUCCEEDED")
+            if r.state == "RUNNING":
+                assert answered and everyone <= joined and r.send is None
+            elif r.state == "STARTING":
+                assert elapsed <= 60.0 and not (answered and everyone <= joined)
+                assert r.send == (None if answered else "launch")
+            elif r.state == "FAILED":
+                assert r.send == "stop" and r.reason
+                if "rendezvous" in r.reason or "no start" in r.reason:
+                    assert elapsed > 60.0 and "within 60" in r.reason
+                if "rendezvous" in r.reason:
+                    assert answered and "at h:1" in r.reason and not everyone <= joined
+            else:
+                assert all(status[n]["state"] == "exited" for n in names)
+            again = run(r.state)
+            if r.state in TERMINAL:
+                assert (again.state, again.send) == (r.state, None)
+            else:
+                assert again.state == r.state
+    assert cases > 5000

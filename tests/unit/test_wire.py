@@ -157,3 +157,23 @@ def test_plans_decode_and_malformed_ones_name_what_is_wrong() -> None:
         with pytest.raises(wire.WireError) as exc:
             wire.decode_plan(payload)
         assert exc.value.reason == reason and needle in str(exc.value), payload[:40]
+
+
+def test_heartbeat_addr_is_optional_both_ways_and_validated() -> None:
+    hb = NodeAgent(node="n1", gpu=None, gpu_source="none", interval_s=1.0, addr="10.0.0.7").heartbeat([])
+    assert wire.decode_heartbeat(wire.encode(hb)).addr == "10.0.0.7"
+    old = json.loads(wire.encode(hb))
+    del old["addr"]  # an agent from before the field
+    assert wire.decode_heartbeat(json.dumps(old)).addr == ""
+
+    class OldHeartbeat(msgspec.Struct, kw_only=True):  # an orchestrator from before the field ignores it
+        v: int
+        node: str
+
+    assert msgspec.json.decode(wire.encode(hb), type=OldHeartbeat).node == "n1"
+    for bad in ("10.0.0.7:29500 ", "a b", "host/x", "x" * 254):
+        with pytest.raises(wire.WireError, match=r"\$\.addr") as exc:
+            wire.decode_heartbeat(json.dumps({**old, "addr": bad}))
+        assert exc.value.reason == "schema"
+        assert not wire.valid_addr(bad)
+    assert all(wire.valid_addr(a) for a in ("", "10.0.0.7", "fd00::1", "fe80::1%eth0", "bar-j1.example.com"))

@@ -67,7 +67,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import FrameType
 from typing import Any
@@ -75,6 +75,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
+from clusterpulse import wire
 from trainer import deepspeed_reroute
 from trainer.collective import ReroutedAllReduce
 from trainer.follow import JobFinished, PlanFollower, RecoveryError, forget_invitation
@@ -361,7 +362,7 @@ class Resilience:
             step_time_s=step_time,
             plan_generation=None if reroute is None else reroute.generation,
             unreachable_ranks=unreachable or None,
-            note=None if written is None else f"checkpoint_written {written}",
+            note=None if written is None else f"{wire.CHECKPOINT_WRITTEN} {written}",
         )
 
     def _declare_to_reporter(self, counted: int) -> None:
@@ -389,13 +390,44 @@ class Resilience:
         step = int(self.engine.global_steps)
         tag = f"emergency-step{step}"
         directory = self.settings.checkpoint_dir.resolve()
-        self.engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step})
+        with self._live_world():
+            self.engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step})
         written = str(directory / tag)
         self.checkpoints.append(written)
         log.warning(
             "event=checkpoint_written job=%s rank=%d step=%d dir=%s", self.settings.job_id, self.rank, step, written
         )
         return written
+
+    @contextlib.contextmanager
+    def _live_world(self) -> Iterator[None]:
+        """``engine.save_checkpoint`` among the live ranks: DeepSpeed's barriers there run on the
+        world group (which waits for a lost rank as long as the world's timeout) and rank 0 alone
+        writes the model states; under a plan the barrier is a rerouted all-reduce of one element,
+        the lead rank writes them and the tag check (world all-reduces) is left out."""
+        reroute, engine = self.reroute, self.engine
+        if reroute is None or reroute.route is None:
+            yield
+            return
+        import deepspeed.comm as dist
+
+        self.settings.checkpoint_dir.resolve().mkdir(parents=True, exist_ok=True)  # rank 0 may be gone
+        barrier, writer = dist.barrier, engine.save_non_zero_checkpoint
+
+        def live_barrier(*args: Any, **kwargs: Any) -> None:
+            reroute.allreduce_([torch.zeros(1, device=engine.device)])
+
+        dist.barrier = live_barrier
+        engine.save_non_zero_checkpoint = self.leader
+        # DeepSpeed checks that every rank saves under the same tag with two all-reduces on the
+        # world group; the tag here is the agreed step's, the same on every live rank by construction.
+        engine._checkpoint_tag_validation = lambda tag: None
+        try:
+            yield
+        finally:
+            dist.barrier = barrier
+            engine.save_non_zero_checkpoint = writer
+            del engine._checkpoint_tag_validation
 
     def _on_sigusr2(self, signum: int, frame: FrameType | None) -> None:
         self._checkpoint_requested = True

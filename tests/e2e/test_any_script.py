@@ -10,8 +10,9 @@ processes (simulated telemetry, the real launcher, which runs it under ``python 
   step time reach /metrics; SIGKILL one node's agent, and a plan in which a neighbour carries that
   node's rank is in force on every rank from the same step; training goes on; the job SUCCEEDS.
 - ZeRO 0 with ``engine.backward(loss)``: SIGKILL one rank; the survivors skip the failed step, go
-  on without a restart (each registered once), and the job SUCCEEDS (the killed rank is
-  relaunched and rejoins, or the job ends first).
+  on without a restart (each registered once); an emergency checkpoint asked for over REST is then
+  written by every survivor at the same step, and the job SUCCEEDS (the killed rank is relaunched
+  and rejoins, or the job ends first).
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def _rank_pid(job: str, rank: int) -> int:
     raise AssertionError(f"no process of rank {rank} of job {job}")
 
 
-def _start(s: Stack, tmp_path: Path, *, stage: int, backward: str, max_steps: int) -> tuple[str, Path]:
+def _start(
+    s: Stack, tmp_path: Path, *, stage: int, backward: str, max_steps: int, env: dict[str, str] | None = None
+) -> tuple[str, Path]:
     script = tmp_path / "user" / "train.py"  # outside the repository: nothing of ours next to it
     script.parent.mkdir()
     shutil.copy(SCRIPT, script)
@@ -97,7 +100,7 @@ def _start(s: Stack, tmp_path: Path, *, stage: int, backward: str, max_steps: in
                        "--out", str(out)],
         "deepspeed_config": _config(stage),
         "env": {"PULSE_PLAN_POLL_S": "0.2", "PULSE_COLLECTIVE_TIMEOUT_S": "3", "PULSE_PROXY_TIMEOUT_S": "5",
-                "OMP_NUM_THREADS": "1"},
+                "OMP_NUM_THREADS": "1", **(env or {})},
     }  # fmt: skip
     r = s.post("/v1/jobs", body)
     assert r.status_code == 201, r.text
@@ -157,7 +160,9 @@ def test_a_users_script_is_rerouted_around_a_silent_node(
 def test_a_users_script_survives_a_killed_rank_without_a_restart(redis_url: str, tmp_path: Path) -> None:
     s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="180")
     try:
-        job, out = _start(s, tmp_path, stage=0, backward="engine", max_steps=60)
+        job, out = _start(
+            s, tmp_path, stage=0, backward="engine", max_steps=90, env={"PULSE_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+        )
         _metrics_seen(s, job)
         wait_for(lambda: _latest_step(job).get(1, 0) >= 5, timeout=120, what="rank 1 past step 5")
         psutil.Process(_rank_pid(job, 1)).kill()
@@ -170,11 +175,27 @@ def test_a_users_script_survives_a_killed_rank_without_a_restart(redis_url: str,
             timeout=60,
             what="5 more steps on every survivor",
         )
+        # An emergency checkpoint over REST after the loss: the survivors save together (DeepSpeed's
+        # barriers would wait for the lost rank) at one step, and the run goes on.
+        ckpt = tmp_path / "ckpt"
+        r = s.post(f"/v1/jobs/{job}/checkpoint", {"reason": "test"})
+        assert r.status_code == 202, r.text
+        wait_for(lambda: any(e["kind"] == "checkpoint_written" for e in s.events(job=job)), timeout=60, what="written")
+        saved = {
+            rep.rank: rep.step
+            for rep in reports(redis_url)
+            if rep.job == job and (rep.event or "").startswith("checkpoint_written")
+        }
+        assert set(saved) >= {0, 2, 3} and len(set(saved.values())) == 1, saved
+        step = next(iter(saved.values()))
+        assert (ckpt / f"emergency-step{step}" / "mp_rank_00_model_states.pt").is_file(), list(ckpt.rglob("*"))
+        kinds = [e["kind"] for e in s.events(job=job)]
+        assert kinds.index("checkpoint_requested") < kinds.index("checkpoint_written"), kinds
         s.wait_state(job, "SUCCEEDED", timeout=180)
         regs = [g.rank for g in registrations(redis_url) if g.job == job]
         assert sorted(r for r in regs if r != 1) == [0, 2, 3], regs  # no survivor restarted
         done = _outcome(out, [0, 2, 3])
-        assert {d["steps"] for d in done.values()} == {60}, done
+        assert {d["steps"] for d in done.values()} == {90}, done
         assert len({d["digest"] for d in done.values()}) == 1, done
         assert excluded_s < 20, excluded_s
     except AssertionError as exc:

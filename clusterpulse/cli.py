@@ -775,6 +775,18 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for a job's first step")
     bg.add_argument("--finish-timeout", type=float, default=300.0, help="seconds the faulted job may take to finish")
     bg.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
+    bg.add_argument(
+        "--deepspeed-config",
+        default=None,
+        help="with --entrypoint: the job's DeepSpeed config (JSON file; default the script's own)",
+    )
+    bg.add_argument(
+        "--entrypoint",
+        nargs=argparse.REMAINDER,
+        default=None,
+        help="SCRIPT|-m MODULE [ARGS...] (last): the script to train instead of trainer.example, run unchanged; "
+        "the campaign stops it after the expected steps with PULSE_MAX_STEPS",
+    )
     bg.set_defaults(fn=cmd_goodput)
     return p
 

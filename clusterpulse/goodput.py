@@ -344,7 +344,7 @@ def rank_pids(job: str) -> dict[int, int]:
     out: dict[int, int] = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if "trainer.example" not in cmd or any("deepspeed.launcher" in c or c == "/bin/sh" for c in cmd):
+        if "trainer.run" not in cmd or cmd[0] == "/bin/sh":  # the agents run every rank under the runner
             continue
         with contextlib.suppress(psutil.Error):
             env = p.environ()
@@ -353,36 +353,48 @@ def rank_pids(job: str) -> dict[int, int]:
     return out
 
 
+EXAMPLE_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    # torch's AdamW: no DeepSpeed op to compile, and state any rank can hand to another
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-3, "warmup_num_steps": 1}},
+    "zero_optimization": {"stage": 0},
+    "steps_per_print": 1_000_000_000,
+}
+"""The campaign's DeepSpeed config for ``trainer.example`` (a constant learning rate)."""
+
+
 def job_body(
-    *, steps: int, ranks: int, name: str, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    *,
+    steps: int,
+    ranks: int,
+    name: str,
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    entrypoint: list[str] | None = None,
+    deepspeed_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The campaign's job: ``trainer.example`` with its config, or ``entrypoint`` (any script, run
+    unchanged) with ``deepspeed_config`` (None: the script's own). Either stops after ``steps``
+    optimizer steps: the example by its ``--steps``, any script by ``PULSE_MAX_STEPS``."""
+    if entrypoint is None:
+        entrypoint = ["-m", "trainer.example", "--steps", str(steps), "--step-delay", str(STEP_DELAY_S)]
+        deepspeed_config = EXAMPLE_CONFIG
     return {
         "name": name,
         "nodes": ranks,
         "gpus_per_node": 1,
-        "entrypoint": [
-            "-m", "trainer.example", "--steps", str(steps), "--step-delay", str(STEP_DELAY_S),
-        ],
-        "deepspeed_config": {
-            "train_micro_batch_size_per_gpu": 4,
-            "gradient_accumulation_steps": 1,
-            # torch's AdamW: no DeepSpeed op to compile, and state any rank can hand to another
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
-            "scheduler": {
-                "type": "WarmupLR",
-                "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-3, "warmup_num_steps": 1},
-            },
-            "zero_optimization": {"stage": 0},
-            "steps_per_print": 1_000_000_000,
-        },
+        "entrypoint": entrypoint,
+        **({"deepspeed_config": deepspeed_config} if deepspeed_config else {}),
         "env": {
             "PULSE_PEAK_FLOPS": "1e11",
             "PULSE_PROXY_TIMEOUT_S": str(PROXY_TIMEOUT_S),
             "PULSE_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
             "PULSE_PLAN_POLL_S": "0.2",
+            "PULSE_MAX_STEPS": str(steps),
             "OMP_NUM_THREADS": "1",
         },
-    }  # fmt: skip
+    }
 
 
 class Monitor:
@@ -542,8 +554,24 @@ def _mean_loss_by_step(run: Run) -> dict[int, float]:
     return {s: statistics.fmean(v) for s, v in by.items()}
 
 
-def _submit(stack: Stack, monitor: Monitor, *, steps: int, name: str, collective_timeout_s: float) -> Run:
-    body = job_body(steps=steps, ranks=len(stack.nodes), name=name, collective_timeout_s=collective_timeout_s)
+def _submit(
+    stack: Stack,
+    monitor: Monitor,
+    *,
+    steps: int,
+    name: str,
+    collective_timeout_s: float,
+    entrypoint: list[str] | None = None,
+    deepspeed_config: dict[str, Any] | None = None,
+) -> Run:
+    body = job_body(
+        steps=steps,
+        ranks=len(stack.nodes),
+        name=name,
+        collective_timeout_s=collective_timeout_s,
+        entrypoint=entrypoint,
+        deepspeed_config=deepspeed_config,
+    )
     r = stack.post("/v1/jobs", body)
     if r.status_code != 201:
         raise CampaignError(f"POST /v1/jobs: {r.status_code} {r.text}")
@@ -578,6 +606,13 @@ class Campaign:
         self.hold = 0.7 * args.fault_every
         # how long a survivor's collective waits for a hung or dead peer: most of what a rank fault costs
         self.collective_timeout_s = float(getattr(args, "collective_timeout", None) or COLLECTIVE_TIMEOUT_S)
+        entry = getattr(args, "entrypoint", None) or None
+        config = getattr(args, "deepspeed_config", None)
+        self.job_args: dict[str, Any] = {
+            "collective_timeout_s": self.collective_timeout_s,
+            "entrypoint": entry,
+            "deepspeed_config": json.loads(Path(config).read_text()) if config else None,
+        }
         self.kinds = tuple(args.kinds) if args.kinds else FAULT_KINDS
         self._cycle = list(self.kinds)
         self.steps = 0
@@ -730,9 +765,7 @@ class Campaign:
             what=f"{len(s.nodes)} HEALTHY nodes",
         )
         # 1. fault-free
-        ff = _submit(
-            s, mon, steps=10_000_000, name="goodput-fault-free", collective_timeout_s=self.collective_timeout_s
-        )
+        ff = _submit(s, mon, steps=10_000_000, name="goodput-fault-free", **self.job_args)
         _wait_first_step(s, ff, timeout=a.start_timeout)
         assert ff.first_step_at is not None
         ff_s = a.fault_free_duration or a.duration
@@ -753,9 +786,7 @@ class Campaign:
         # 2. faulted
         self.steps = steps_expected
         self.ff = ff
-        self.runs = runs = [
-            _submit(s, mon, steps=steps_expected, name="goodput", collective_timeout_s=self.collective_timeout_s)
-        ]
+        self.runs = runs = [_submit(s, mon, steps=steps_expected, name="goodput", **self.job_args)]
         _wait_first_step(s, runs[0], timeout=a.start_timeout)
         first = runs[0].first_step_at
         assert first is not None
@@ -1141,6 +1172,6 @@ def _leftover_ranks(workdir: Path) -> list[int]:
     for p in psutil.process_iter(["pid", "cmdline"]):
         with contextlib.suppress(psutil.Error):
             cmd = " ".join(p.info.get("cmdline") or [])
-            if "trainer.example" in cmd and p.environ().get("PULSE_AGENT_STATE_DIR", "").startswith(str(workdir)):
+            if "trainer.run" in cmd and p.environ().get("PULSE_AGENT_STATE_DIR", "").startswith(str(workdir)):
                 out.append(p.info["pid"])
     return out

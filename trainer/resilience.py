@@ -348,8 +348,27 @@ class Resilience:
         step_time = self._timer.lap()
         losses, self._losses = self._losses, []
         tokens, self._tokens = self._tokens, 0
-        if self.reporter is None:
-            return
+        if self.reporter is not None:
+            self._report(
+                grad_norm=grad_norm, step_time=step_time, losses=losses, tokens=tokens, unreachable=unreachable,
+                written=written,
+            )  # fmt: skip
+        limit = self.settings.max_steps
+        if limit is not None and engine.global_steps >= limit:
+            self._leave(f"PULSE_MAX_STEPS={limit}")
+
+    def _report(
+        self,
+        *,
+        grad_norm: float | None,
+        step_time: float,
+        losses: list[torch.Tensor],
+        tokens: int,
+        unreachable: list[int],
+        written: str | None,
+    ) -> None:
+        engine, reroute = self.engine, self.reroute
+        assert self.reporter is not None
         self._declare_to_reporter(tokens)
         norm = engine.get_global_grad_norm()
         self._engine_norm = norm is not None
@@ -460,6 +479,7 @@ class Resilience:
                 follower.recover(error, report=report_missing, survey_s=survey_s, timeout_s=s.recovery_timeout_s)
                 if reroute.role == "excluded":
                     self._leave("excluded")
+                self._check_partitions()
                 self._take_state(src=follower.source)
                 break
             except RecoveryError:
@@ -470,6 +490,19 @@ class Resilience:
             raise error
         self.recoveries += 1
         self._timer.lap()
+
+    def _check_partitions(self) -> None:
+        """Under ZeRO 1-2 each rank owns a partition of the optimizer state that exists nowhere
+        else, and DeepSpeed all-gathers the updated partitions on the world group every step: a
+        plan that leaves a rank out cannot go on. Fail now, saying so, rather than on the next
+        all-gather (at once for a dead rank, after the world's timeout for a hung one)."""
+        stage = int(self.engine.zero_optimization_stage())
+        left = self.reroute.left if self.reroute is not None else frozenset()
+        if stage in (1, 2) and left:
+            raise RecoveryError(
+                f"zero_optimization.stage={stage}: ranks {sorted(left)} are out of the job and their optimizer "
+                "partitions with them; restart the job from its last checkpoint (survival needs stage 0)"
+            )
 
     def _take_state(self, *, src: int) -> None:
         """Every live rank takes ``src``'s parameters, optimizer state, step count and learning rate."""

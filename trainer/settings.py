@@ -29,6 +29,10 @@ What each one does (the README's integration section has the same table):
     Seconds between reads of the job's plan besides the notifications.
 ``PULSE_MAX_RECOVERIES`` (3)
     Recoveries in a row without a completed step before the rank gives up and fails.
+``PULSE_MAX_STEPS`` (unset)
+    Every live rank leaves with exit code 0 at the boundary of this optimizer step, together (the
+    step count is agreed); the script's own code after its loop does not run. For benchmarks and
+    smoke runs of a script whose length is its own (``pulse bench goodput --entrypoint``).
 ``PULSE_REROUTE`` (true)
     Follow the orchestrator's gradient-aggregation plans (false: reporting only).
 ``PULSE_REJOIN`` (false)
@@ -68,6 +72,7 @@ class TrainerSettings(BaseSettings):
     silent_beats: float = Field(4.0, gt=1)
     plan_poll_s: float = Field(1.0, gt=0)
     max_recoveries: int = Field(3, ge=0)
+    max_steps: int | None = Field(None, ge=1)
     reroute: bool = True
     rejoin: bool = False
     peak_flops: float | None = Field(None, gt=0)

@@ -1,0 +1,204 @@
+"""What the trainer library costs a user's script, beside the stock script in the same invocation.
+
+Two figures, on ``tests/fixtures/scripts/user_train.py`` (a script that never imports ClusterPulse;
+its MLP widened with ``--width`` until a step takes at least ``--min-step-ms``):
+
+- ``overhead_ratio``: nobody degraded. Worlds of ``--ranks`` gloo ranks train ``--steps`` steps,
+  alternately (ABBA, ``--rounds`` pairs) as the stock script (``python train.py``, as ``torchrun``
+  starts it) and under the library (``python -m trainer.run train.py`` with ``PULSE_REDIS_URL``
+  and ``PULSE_JOB_ID`` set: reporting, a plan of generation 1 in force, survival on, the
+  per-step checkpoint agreement). Each run's figure is the median time between rank 0's
+  optimizer-step ends after ``--warmup`` steps (the script records them); the ratio is the median
+  over pairs of library / stock. Target: at most 1.02 for a step of 50 ms or more.
+- ``dead_rank_cost_s``: a real stack (orchestrator, ``--ranks`` ``pulse agent`` processes, Redis)
+  runs the script as a job; one rank is SIGKILLed mid-run; the figure is the longest gap between
+  a survivor's step ends around the kill minus that survivor's median step: what the dead rank
+  cost it. Target: at most the collective timeout plus one step.
+
+Skipped unless ``PULSE_BENCH=1``. ``python -m tests.bench.test_library_cost`` prints one JSON object;
+``--help`` lists the knobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+
+from clusterpulse import wire
+from tests.stack import Stack, reports
+from tests.support import REDIS_URL, REPO, free_port, pulse_env, wait_for
+
+SCRIPT = REPO / "tests" / "fixtures" / "scripts" / "user_train.py"
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 64,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+    "zero_optimization": {"stage": 0},
+    "steps_per_print": 1_000_000_000,
+}
+
+
+def _world(tmp: Path, *, name: str, ranks: int, steps: int, width: int, library: bool) -> list[float]:
+    """One world's run; rank 0's step-end times."""
+    out = tmp / name
+    out.mkdir()
+    port = free_port()
+    procs = []
+    cfg = out / "ds.json"
+    cfg.write_text(json.dumps(CONFIG))
+    for rank in range(ranks):
+        env = pulse_env(
+            RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )  # fmt: skip
+        if library:
+            env |= {"PULSE_REDIS_URL": REDIS_URL, "PULSE_JOB_ID": name, "PULSE_NODE": f"bench-{rank}"}
+        argv = [str(SCRIPT), "--deepspeed_config", str(cfg), "--max-steps", str(steps), "--width", str(width)]
+        argv += ["--out", str(out)]
+        runner = ["-m", "trainer.run"] if library else []
+        with (out / f"rank{rank}.log").open("wb") as log:
+            procs.append(subprocess.Popen([sys.executable, *runner, *argv], env=env, stdout=log, stderr=log))
+    for p in procs:
+        p.wait(timeout=600)
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{name}: exit codes {[p.returncode for p in procs]}; logs in {out}")
+    times: list[float] = json.loads((out / "rank0.json").read_text())["times"]
+    return times
+
+
+def _median_step(times: list[float], warmup: int) -> float:
+    gaps = [b - a for a, b in itertools.pairwise(times[warmup:])]
+    return statistics.median(gaps)
+
+
+def overhead(tmp: Path, *, ranks: int, steps: int, warmup: int, rounds: int, min_step_ms: float) -> dict[str, Any]:
+    width = 256
+    while True:  # calibrate: the stock step must last min_step_ms
+        step = _median_step(_world(tmp, name=f"cal-{width}", ranks=ranks, steps=8, width=width, library=False), 2)
+        if step * 1000 >= min_step_ms or width >= 8192:
+            break
+        width *= 2
+    r = redis.Redis.from_url(REDIS_URL)
+    pairs = []
+    for i in range(rounds):
+        figures = {}
+        for library in (False, True) if i % 2 == 0 else (True, False):
+            name = f"cost-{i}-{'lib' if library else 'stock'}-{os.getpid()}"
+            if library:  # the orchestrator's first plan: everyone participates
+                plan = wire.Plan(job=name, generation=1, participants=list(range(ranks)), proxies={}, excluded=[])
+                r.set(wire.job_plan_key(name), wire.encode(plan))
+            times = _world(tmp, name=name, ranks=ranks, steps=steps, width=width, library=library)
+            r.delete(wire.job_plan_key(name))
+            figures[library] = _median_step(times, warmup)
+        pairs.append((figures[False], figures[True]))
+    ratios = [lib / stock for stock, lib in pairs]
+    return {
+        "ranks": ranks,
+        "width": width,
+        "stock_step_ms": [round(s * 1000, 2) for s, _ in pairs],
+        "library_step_ms": [round(lib * 1000, 2) for _, lib in pairs],
+        "overhead_ratio": round(statistics.median(ratios), 4),
+        "ratios": [round(x, 4) for x in ratios],
+    }
+
+
+def dead_rank(tmp: Path, *, ranks: int, width: int, collective_timeout_s: float) -> dict[str, Any]:
+    (tmp / "stack").mkdir()
+    s = Stack(tmp / "stack", PULSE_JOB_START_TIMEOUT_S="300", PULSE_JOB_MAX_REJOINS="0")
+    out = tmp / "dead"
+    out.mkdir()
+    nodes = [f"cost-{i}" for i in range(ranks)]
+    try:
+        s.orchestrator()
+        for n in nodes:
+            s.agent(n)
+        s.wait_healthy(nodes)
+        body = {
+            "name": "dead-rank",
+            "nodes": ranks,
+            "gpus_per_node": 1,
+            "entrypoint": [str(SCRIPT), "--backward", "engine", "--max-steps", "60", "--width", str(width),
+                           "--out", str(out)],
+            "deepspeed_config": CONFIG,
+            "env": {"PULSE_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s), "PULSE_PLAN_POLL_S": "0.2",
+                    "OMP_NUM_THREADS": "1"},
+        }  # fmt: skip
+        job = s.post("/v1/jobs", body).json()["id"]
+        victim = ranks - 1
+        wait_for(
+            lambda: any(r.job == job and r.rank == 0 and r.step >= 20 for r in reports(REDIS_URL)),
+            timeout=300,
+            what="step 20",
+            every=0.2,
+        )
+        pid = _pid_of(job, victim)
+        killed = time.time()
+        psutil.Process(pid).kill()
+        s.wait_state(job, "SUCCEEDED", timeout=300)
+    finally:
+        s.close()
+    costs = {}
+    for rank in range(ranks - 1):
+        times = json.loads((out / f"rank{rank}.json").read_text())["times"]
+        step = _median_step(times, 3)
+        around = [b - a for a, b in itertools.pairwise(times) if b >= killed and a <= killed + 60]
+        costs[rank] = round(max(around) - step, 3)
+    return {"dead_rank_cost_s": costs, "collective_timeout_s": collective_timeout_s}
+
+
+def _pid_of(job: str, rank: int) -> int:
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            cmd = p.info.get("cmdline") or []
+            env = p.environ() if "trainer.run" in cmd and cmd[0] != "/bin/sh" else {}
+            if env.get("PULSE_JOB_ID") == job and env.get("RANK") == str(rank):
+                return int(p.info["pid"])
+    raise RuntimeError(f"no process of rank {rank} of job {job}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.bench.test_library_cost", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=4, help="ABBA pairs")
+    p.add_argument("--min-step-ms", type=float, default=50.0)
+    p.add_argument("--collective-timeout", type=float, default=5.0)
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pulse-libcost-") as d:
+        tmp = Path(d)
+        result = overhead(
+            tmp, ranks=a.ranks, steps=a.steps, warmup=a.warmup, rounds=a.rounds, min_step_ms=a.min_step_ms
+        )
+        result |= dead_rank(tmp, ranks=3, width=result["width"], collective_timeout_s=a.collective_timeout)
+    print(json.dumps(result))
+    return 0
+
+
+@pytest.mark.skipif(os.environ.get("PULSE_BENCH") != "1", reason="a benchmark: PULSE_BENCH=1")
+@pytest.mark.timeout(1800)
+def test_library_cost(tmp_path: Path) -> None:
+    result = overhead(tmp_path, ranks=2, steps=40, warmup=5, rounds=4, min_step_ms=50.0)
+    result |= dead_rank(tmp_path, ranks=3, width=result["width"], collective_timeout_s=5.0)
+    print(json.dumps(result))
+    assert result["overhead_ratio"] <= 1.02, result
+    slowest = max(result["library_step_ms"]) / 1000
+    assert all(c <= 5.0 + slowest for c in result["dead_rank_cost_s"].values()), result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

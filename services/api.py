@@ -520,11 +520,21 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     async def get_job(job_id: str, orch: OrchestratorDep, _: Viewer) -> JobPublic:
         return await _get_job(orch, job_id)
 
-    @app.get("/v1/jobs/{job_id}/plan", response_model=PlanPublic)
+    @app.get(
+        "/v1/jobs/{job_id}/plan",
+        response_model=PlanPublic,
+        responses={409: {"model": ErrorPublic, "description": "the job is known but has no plan yet"}},
+    )
     async def get_plan(job_id: str, orch: OrchestratorDep, _: Viewer) -> PlanPublic:
+        """The job's aggregation plan: 404 for an unknown job, 409 for a known one that has no
+        plan yet (not every rank has registered)."""
         p = orch.plans.plans.get(job_id)
         if p is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} has no plan (no rank registered)")
+            job = await _get_job(orch, job_id)  # 404 when the job is not known
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                detail=f"job {job_id!r} ({job.state}) has no plan yet: not every rank has registered",
+            )
         return PlanPublic(
             job=p.job,
             generation=p.generation,

@@ -124,6 +124,20 @@ def test_a_reused_key_replays_the_same_body_and_refuses_another(http: httpx.Clie
     http.post(f"/v1/jobs/{job_id}/stop")
 
 
+def test_a_known_job_without_a_plan_is_a_409_and_an_unknown_one_a_404(http: httpx.Client) -> None:
+    """The live run's stateful phase created a job and read its plan: a 404 said the job it had
+    just created was not there."""
+    job = http.post("/v1/jobs", json=JOB)
+    assert job.status_code == 201, job.text
+    job_id = job.json()["id"]
+    r = http.get(f"/v1/jobs/{job_id}/plan")
+    assert r.status_code == 409, r.text
+    assert job_id in r.json()["detail"] and "no plan yet" in r.json()["detail"], r.text
+    assert http.get("/v1/jobs/nosuchjob/plan").status_code == 404
+    assert "409" in http.get("/openapi.json").json()["paths"]["/v1/jobs/{job_id}/plan"]["get"]["responses"]
+    http.post(f"/v1/jobs/{job_id}/stop")
+
+
 # --- the schema's auth, per mode (no lifespan needed: the schema is built from settings) -----
 READS = ("/v1/nodes", "/v1/jobs", "/v1/events")
 PROBES = ("/healthz", "/readyz")

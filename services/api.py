@@ -19,15 +19,29 @@ from typing import Annotated, Any
 import msgspec
 import redis.asyncio as aioredis
 from fastapi import Body, FastAPI, Header, HTTPException, Query, Request, Response, status
+from fastapi.dependencies.models import Dependant
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from clusterpulse.settings import Settings
 from services import db
 from services.checkpoints import CheckpointRefused
 from services.cluster import NodeView
-from services.deps import Admin, HealthReader, MetricsReader, Operator, OrchestratorDep, TokensDep, Viewer
+from services.deps import (
+    Admin,
+    HealthReader,
+    MetricsReader,
+    Operator,
+    OrchestratorDep,
+    TokensDep,
+    Viewer,
+    may_be_open,
+    role_needed,
+)
 from services.health import State
 from services.jobs import JOB_STATES
 from services.leader import NotLeader, leader_lines
@@ -58,6 +72,10 @@ from services.schemas import (
 from services.tokens import NameTaken, Role, TokenStore
 
 log = logging.getLogger("pulse.orchestrator.api")
+
+# Idempotency-Key: visible ASCII, no spaces (a UUID, a hash, a CI run id); an empty or blank key
+# is refused rather than taken as absent, so that a client bug never silently loses idempotency.
+IDEMPOTENCY_KEY_PATTERN = r"^[!-~]+$"
 
 
 def redact(url: str) -> str:
@@ -126,7 +144,10 @@ ERRORS: dict[int, str] = {
     401: "no bearer token, or an unknown or revoked one",
     403: "the token's role is too low for this call",
     404: "the named node, job or token is not known",
-    409: "refused: placement impossible, the name is taken, or the job is not in a state that allows it",
+    409: (
+        "refused: placement impossible, the name is taken, the job is not in a state that allows it, "
+        "or the Idempotency-Key was used before with another body"
+    ),
     413: "request body over PULSE_MAX_BODY_BYTES",
     429: "rate limit of mutating calls (PULSE_RATE_LIMIT_*); Retry-After says when to retry",
     503: "this replica does not lead (mutations go to the leader); Retry-After says when to retry",
@@ -137,19 +158,77 @@ def mutating(route: APIRoute) -> bool:
     return bool(set(route.methods or ()) - SAFE_METHODS)
 
 
-def document_errors(app: FastAPI) -> None:
-    """Put the refusals each route can answer with in the OpenAPI schema: auth and body size
-    everywhere, 400 where a body is read, 404 where the path names something, 429 and 503 (not
-    the leader) on mutating routes, 409 where the route says so."""
+def route_role(route: APIRoute, settings: Settings) -> Role | None:
+    """The role ``route`` needs under ``settings`` (None: it serves callers without a token)."""
+
+    def walk(dep: Dependant) -> Role | None:
+        found = role_needed(dep.call, settings)
+        for sub in dep.dependencies:
+            found = found or walk(sub)
+        return found
+
+    return walk(route.dependant)
+
+
+def document_errors(app: FastAPI, settings: Settings) -> None:
+    """Put the refusals each route can answer with in the OpenAPI schema: 401 and 403 where a
+    token is needed in this mode, body size everywhere, 400 where a body is read, 404 where the
+    path names something, 429 and 503 (not the leader) on mutating routes, 409 where the route
+    says so."""
     for route in app.routes:
         if not isinstance(route, APIRoute):
             continue
-        codes = [401, 403, 413]
+        codes = [401, 403] if route_role(route, settings) is not None else []
+        codes += [413]
         codes += [400] if route.body_field is not None else []
         codes += [404] if "{" in route.path else []
         codes += [429, 503] if mutating(route) else []
         for code in codes:
             route.responses.setdefault(code, {"model": ErrorPublic, "description": ERRORS[code]})
+
+
+def document_auth(app: FastAPI, settings: Settings) -> None:
+    """Make the OpenAPI schema say which routes need what in the mode the app runs in: the
+    bearer scheme only on routes that need a token under these settings (none on reads, /metrics
+    and probes that ``PULSE_AUTH_*`` leave open), each such operation naming its role, and, where
+    open mode is possible (no ``PULSE_API_TOKEN``), the token marked optional, since every call
+    is served without one until the first token is stored."""
+    build = app.openapi
+    optional = may_be_open(settings)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        for route in app.routes:
+            if not isinstance(route, APIRoute) or not route.include_in_schema:
+                continue
+            role = route_role(route, settings)
+            for method in route.methods or ():
+                op = schema["paths"][route.path_format][method.lower()]
+                if role is None:
+                    op.pop("security", None)
+                    continue
+                op["security"] = [{"HTTPBearer": []}, {}] if optional else [{"HTTPBearer": []}]
+                need = f"Needs a bearer token with role {role} or above"
+                need += (
+                    " (none while open mode lasts: no PULSE_API_TOKEN and no token stored yet)." if optional else "."
+                )
+                op["description"] = f"{op.get('description', '').strip()}\n\n{need}".strip()
+        schemes = schema.get("components", {}).get("securitySchemes", {})
+        if "HTTPBearer" in schemes:
+            schemes["HTTPBearer"]["description"] = (
+                "PULSE_API_TOKEN (the bootstrap admin) or a stored token (POST /v1/tokens); "
+                "roles viewer < operator < admin"
+            )
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method some route of ``path`` accepts, for the ``Allow`` header of a 405."""
+    return sorted({m for r in app.routes if isinstance(r, Route) and r.path_regex.match(path) for m in r.methods or ()})
 
 
 def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
@@ -203,6 +282,15 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             "event=mutation_refused_not_leader method=%s path=%s detail=%r", request.method, request.url.path, str(exc)
         )
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """A 405 lists in ``Allow`` every method the path accepts: Starlette names only those of
+        the first route that matched it (/v1/jobs is two routes, GET and POST)."""
+        if exc.status_code == status.HTTP_405_METHOD_NOT_ALLOWED:
+            allow = ", ".join(allowed_methods(app, request.scope["path"]))
+            exc = StarletteHTTPException(exc.status_code, exc.detail, headers={**(exc.headers or {}), "Allow": allow})
+        return await http_exception_handler(request, exc)
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next: Any) -> Response:
@@ -337,23 +425,64 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             progress=figures,
         )
 
-    @app.post("/v1/jobs", response_model=JobPublic, status_code=201, responses={409: {"model": ErrorPublic}})
+    @app.post(
+        "/v1/jobs",
+        response_model=JobPublic,
+        status_code=201,
+        responses={
+            200: {"model": JobPublic, "description": "a replay: the job first created with this Idempotency-Key"},
+            409: {"model": ErrorPublic},
+        },
+    )
     async def create_job(
         body: JobCreate,
         orch: OrchestratorDep,
         caller: Operator,
         response: Response,
-        idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                min_length=1,
+                max_length=128,
+                pattern=IDEMPOTENCY_KEY_PATTERN,
+                description=(
+                    "1-128 visible ASCII characters, no spaces; empty, blank or longer: 422. "
+                    "Sent again with the same body: 200 and the job it created; with another body: 409"
+                ),
+            ),
+        ] = None,
     ) -> JobPublic:
+        """Place and store a job: 201. With an ``Idempotency-Key`` used before, nothing new is
+        placed: the same body gets 200 and that job, another body a 409 naming the key."""
+        spec = body.model_dump()
         try:
-            job_id, created = await orch.create_job(
-                body.model_dump(), idempotency_key=idempotency_key, actor=caller.name
-            )
+            job_id, created = await orch.create_job(spec, idempotency_key=idempotency_key, actor=caller.name)
         except PlacementRefused as exc:
             raise HTTPException(status.HTTP_409_CONFLICT, detail=f"placement refused: {exc}") from None
         if not created:
+            await _same_body(orch, job_id, spec, idempotency_key)
             response.status_code = status.HTTP_200_OK
         return await _get_job(orch, job_id)
+
+    async def _same_body(orch: Orchestrator, job_id: str, spec: dict[str, Any], key: str | None) -> None:
+        """A replayed key must come with the body it was first used with (a job's spec never
+        changes after it is stored, so reading it after the create is enough)."""
+
+        def stored() -> dict[str, Any] | None:
+            with orch.sessions() as s:
+                row = db.get_job(s, job_id=job_id)
+                return None if row is None else dict(row.spec)
+
+        first = await asyncio.to_thread(stored)
+        if first != spec:
+            changed = sorted(k for k in {*spec, *(first or {})} if spec.get(k) != (first or {}).get(k))
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                detail=(
+                    f"Idempotency-Key {key!r} was used for job {job_id} with another body "
+                    f"(differs in {', '.join(changed)}); use a new key for a new job"
+                ),
+            )
 
     async def _get_job(orch: Orchestrator, job_id: str) -> JobPublic:
         def read() -> JobPublic | None:
@@ -391,11 +520,21 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     async def get_job(job_id: str, orch: OrchestratorDep, _: Viewer) -> JobPublic:
         return await _get_job(orch, job_id)
 
-    @app.get("/v1/jobs/{job_id}/plan", response_model=PlanPublic)
+    @app.get(
+        "/v1/jobs/{job_id}/plan",
+        response_model=PlanPublic,
+        responses={409: {"model": ErrorPublic, "description": "the job is known but has no plan yet"}},
+    )
     async def get_plan(job_id: str, orch: OrchestratorDep, _: Viewer) -> PlanPublic:
+        """The job's aggregation plan: 404 for an unknown job, 409 for a known one that has no
+        plan yet (not every rank has registered)."""
         p = orch.plans.plans.get(job_id)
         if p is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} has no plan (no rank registered)")
+            job = await _get_job(orch, job_id)  # 404 when the job is not known
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                detail=f"job {job_id!r} ({job.state}) has no plan yet: not every rank has registered",
+            )
         return PlanPublic(
             job=p.job,
             generation=p.generation,
@@ -506,5 +645,6 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         out["reads_need_token"] = settings.reads_need_token
         return out
 
-    document_errors(app)
+    document_errors(app, settings)
+    document_auth(app, settings)
     return app

@@ -133,6 +133,29 @@ async def require_health_reader(request: Request, settings: SettingsDep, tokens:
     return await _require(request, tokens, creds, Role.VIEWER)
 
 
+def role_needed(call: object, settings: Settings) -> Role | None:
+    """The role a request through the dependency ``call`` needs under ``settings``; None when
+    it lets everyone through (a read the ``PULSE_AUTH_*`` settings leave open) or is no auth
+    dependency. The OpenAPI schema is written from this (services/api.py ``document_auth``)."""
+    if call is require_viewer:
+        return Role.VIEWER if settings.reads_need_token else None
+    if call is require_metrics_reader:
+        return Role.VIEWER if settings.auth_metrics else None
+    if call is require_health_reader:
+        return Role.VIEWER if settings.auth_health else None
+    if call is require_operator:
+        return Role.OPERATOR
+    if call is require_admin:
+        return Role.ADMIN
+    return None
+
+
+def may_be_open(settings: Settings) -> bool:
+    """Open mode is possible (services/tokens.py): no ``PULSE_API_TOKEN`` (so development), where
+    every caller is an admin until the first token is stored."""
+    return not settings.api_token
+
+
 Viewer = Annotated[Caller, Depends(require_viewer)]
 Operator = Annotated[Caller, Depends(require_operator)]
 Admin = Annotated[Caller, Depends(require_admin)]

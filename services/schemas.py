@@ -72,7 +72,12 @@ class JobCreate(BaseModel):
 
     name: str = Field(pattern=NAME_PATTERN)
     nodes: int = Field(ge=1, le=4096)
-    gpus_per_node: int = Field(ge=0, le=64)
+    # Ranks started on each node, one per GPU, and the GPUs placement reserves there: at least 1.
+    # A CPU (gloo) job is one rank per node, so it asks for 1 too; 0 would start a rank that holds
+    # no GPU and could take one another job owns.
+    gpus_per_node: int = Field(
+        ge=1, le=64, description="ranks per node, one GPU each, reserved by placement (a CPU job: 1)"
+    )
     entrypoint: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(min_length=1, max_length=256)
     deepspeed_config: dict[str, Any] = Field(default_factory=dict)
     env: dict[Annotated[str, Field(pattern=ENV_KEY)], Annotated[str, Field(max_length=8192)]] = Field(

@@ -8,13 +8,15 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import httpx
 import redis
 
+from agent.daemon import NodeAgent
+from agent.simulated import SimulatedNode
 from clusterpulse import wire
 from tests.support import REDIS_URL, free_port, pulse_env, spawn, stop, wait_for
 
@@ -132,3 +134,43 @@ def reports(url: str) -> list[wire.TrainerReport]:
 
 def registrations(url: str) -> list[wire.RankRegistration]:
     return [wire.decode_registration(f[wire.REGISTRATION_FIELD]) for _, f in _entries(url, wire.REGISTRATION_STREAM)]
+
+
+NODE = "quiet-node-1"
+# One heartbeat, then silence: a node that stays HEALTHY for minutes, with no agent to launch
+# anything (a job stays PENDING; placement still counts its GPUs, hence 64 of them).
+QUIET = {
+    "PULSE_HEARTBEAT_INTERVAL_S": "1",
+    "PULSE_SUSPECT_AFTER_S": "500",
+    "PULSE_DEGRADED_AFTER_S": "600",
+    "PULSE_LOST_AFTER_S": "1200",
+    "PULSE_RECOVER_AFTER": "1",
+    "PULSE_RATE_LIMIT_PER_S": "0",
+}
+
+
+def publish_heartbeat(client: redis.Redis, node: str, *, gpus: int) -> None:
+    """One simulated heartbeat of ``node``, as its agent would write it."""
+    sim = SimulatedNode(node, gpus=gpus, seed=1)
+    agent = NodeAgent(node=node, gpu=sim, gpu_source="simulated", interval_s=1.0, sim=sim)
+    payload = wire.encode(agent.heartbeat(sim.sample()))
+    client.set(wire.node_latest_key(node), payload, ex=600)
+    client.xadd(wire.heartbeat_stream_key(0), {wire.HEARTBEAT_FIELD: payload})
+
+
+@contextlib.contextmanager
+def live_orchestrator(tmp: Path, database_url: str, *, gpus: int) -> Iterator[Stack]:
+    """A real ``pulse orchestrator`` process on a free port (development mode, bootstrap token)
+    on ``database_url``, with one HEALTHY node ``NODE`` of ``gpus`` GPUs."""
+    r = redis.Redis.from_url(REDIS_URL)
+    r.flushdb()
+    stack = Stack(tmp, PULSE_DATABASE_URL=database_url, **QUIET)
+    try:
+        stack.orchestrator()
+        publish_heartbeat(r, NODE, gpus=gpus)
+        wait_for(lambda: stack.nodes().get(NODE, {}).get("state") == "HEALTHY", timeout=60, what=f"{NODE} HEALTHY")
+        yield stack
+    finally:
+        stack.close()
+        r.flushdb()
+        r.close()

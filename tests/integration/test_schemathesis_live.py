@@ -1,0 +1,78 @@
+"""Schemathesis from outside, as a client would run it: the ``st run`` command line with every
+check (``--checks all``, and ``max_response_time`` at a generous bound) against a live
+``pulse orchestrator`` process on PostgreSQL, over HTTP. All four phases run: the schema's
+examples, coverage (boundary values, missing headers, unsupported methods and ``Allow``),
+fuzzing, and stateful sequences (``use_after_free``, ``ensure_resource_availability``).
+
+The orchestrator runs in development mode with a bootstrap token, the mode the findings of
+issue #20 item 7 came from: reads, /metrics and probes open, mutations behind a token. The
+schema says so (services/api.py ``document_auth``), so ``ignored_auth`` holds the app to it.
+Path parameters name things that exist (a HEALTHY node, a job placed on it), so that 404 does
+not hide the handlers. Rate limiting is off (429s would hide handlers; tests/integration/
+test_ratelimit.py covers it). tests/integration/test_schemathesis.py runs in process with
+every route protected; this one checks the process a user talks to.
+
+Bounded: ``EXAMPLES`` per operation (``PULSE_SCHEMATHESIS_LIVE_EXAMPLES``, default 60, as in the run that found them) and a
+fixed seed (``PULSE_SCHEMATHESIS_SEED``), about 25 s here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.stack import AUTH, NODE, TOKEN, live_orchestrator
+from tests.support import fresh_database
+
+pytestmark = pytest.mark.timeout(300)
+
+EXAMPLES = int(os.environ.get("PULSE_SCHEMATHESIS_LIVE_EXAMPLES", "60"))
+SEED = int(os.environ.get("PULSE_SCHEMATHESIS_SEED", "20"))
+ST = Path(sys.executable).with_name("st")
+
+# A body over PULSE_MAX_BODY_BYTES is refused with 413 before it is read: a rejection too.
+CONFIG = """
+[checks.negative_data_rejection]
+expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429"]
+
+[parameters]
+"path.name" = "{node}"
+"path.job_id" = "{job}"
+"""
+
+
+def test_schemathesis_with_every_check_against_a_live_orchestrator_on_postgresql(tmp_path: Path) -> None:
+    with fresh_database("postgresql", tmp_path) as url, live_orchestrator(tmp_path, url, gpus=64) as stack:
+        job = httpx.post(
+            f"{stack.api}/v1/jobs",
+            json={"name": "st", "nodes": 1, "gpus_per_node": 1, "entrypoint": ["x.py"]},
+            headers=AUTH,
+            timeout=30,
+        )
+        assert job.status_code == 201, job.text
+        config = tmp_path / "schemathesis.toml"
+        config.write_text(CONFIG.format(node=NODE, job=job.json()["id"]))
+        command = [
+            str(ST),
+            "--config-file", str(config),
+            "run", f"{stack.api}/openapi.json",
+            "--checks", "all",
+            "--max-response-time", "30",
+            "--max-examples", str(EXAMPLES),
+            "--seed", str(SEED),
+            "--workers", "2",
+            "--header", f"Authorization: Bearer {TOKEN}",
+            "--generation-database", "none",
+            "--request-timeout", "60",
+            "--no-color",
+        ]  # fmt: skip
+        run = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False)
+        out = run.stdout + run.stderr
+        assert run.returncode == 0, out[-20000:] + "\n--- orchestrator\n" + stack.logs()[-3000:]
+        assert "Tested: 18" in out and "failures" not in out.rsplit("SUMMARY", 1)[-1].lower(), out[-5000:]
+        print(out.rsplit("SUMMARY", 1)[-1])

@@ -52,7 +52,9 @@ CONFIG = {
 }
 
 
-def _world(tmp: Path, *, name: str, ranks: int, steps: int, width: int, library: bool) -> list[float]:
+def _world(
+    tmp: Path, *, name: str, ranks: int, steps: int, width: int, library: bool, extra: dict[str, str] | None = None
+) -> list[float]:
     """One world's run; rank 0's step-end times."""
     out = tmp / name
     out.mkdir()
@@ -66,8 +68,9 @@ def _world(tmp: Path, *, name: str, ranks: int, steps: int, width: int, library:
             OMP_NUM_THREADS="1",
         )  # fmt: skip
         if library:
-            env |= {"PULSE_REDIS_URL": REDIS_URL, "PULSE_JOB_ID": name, "PULSE_NODE": f"bench-{rank}"}
+            env |= {"PULSE_REDIS_URL": REDIS_URL, "PULSE_JOB_ID": name, "PULSE_NODE": f"bench-{rank}", **(extra or {})}
         argv = [str(SCRIPT), "--deepspeed_config", str(cfg), "--max-steps", str(steps), "--width", str(width)]
+        argv += ["--backward", "engine"]
         argv += ["--out", str(out)]
         runner = ["-m", "trainer.run"] if library else []
         with (out / f"rank{rank}.log").open("wb") as log:

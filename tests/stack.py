@@ -132,6 +132,24 @@ def reports(url: str) -> list[wire.TrainerReport]:
     return [wire.decode_trainer_report(f[wire.TRAINER_FIELD]) for _, f in _entries(url, wire.TRAINER_STREAM)]
 
 
+def first_step_with(url: str, job: str, generation: int) -> dict[int, int]:
+    """rank -> the first step each rank of ``job`` reported with plan ``generation`` in force."""
+    first: dict[int, int] = {}
+    for r in reports(url):
+        if r.job == job and r.plan_generation == generation:
+            first[r.rank] = min(r.step, first.get(r.rank, r.step))
+    return first
+
+
+def latest_step(url: str, job: str) -> dict[int, int]:
+    """rank -> the highest step each rank of ``job`` reported."""
+    out: dict[int, int] = {}
+    for r in reports(url):
+        if r.job == job:
+            out[r.rank] = max(r.step, out.get(r.rank, 0))
+    return out
+
+
 def registrations(url: str) -> list[wire.RankRegistration]:
     return [wire.decode_registration(f[wire.REGISTRATION_FIELD]) for _, f in _entries(url, wire.REGISTRATION_STREAM)]
 

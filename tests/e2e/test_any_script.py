@@ -28,7 +28,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.stack import Stack, registrations, reports
+from tests.stack import Stack, first_step_with, latest_step, registrations, reports
 from tests.support import REDIS_URL, REPO, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -48,23 +48,6 @@ def _config(stage: int) -> dict[str, Any]:
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1_000_000_000,
     }
-
-
-def _first_step_with(job: str, generation: int) -> dict[int, int]:
-    """rank -> the first step each rank reported with ``generation`` in force."""
-    first: dict[int, int] = {}
-    for r in reports(REDIS_URL):
-        if r.job == job and r.plan_generation == generation:
-            first[r.rank] = min(r.step, first.get(r.rank, r.step))
-    return first
-
-
-def _latest_step(job: str) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for r in reports(REDIS_URL):
-        if r.job == job:
-            out[r.rank] = max(r.step, out.get(r.rank, 0))
-    return out
 
 
 def _rank_pid(job: str, rank: int) -> int:
@@ -129,7 +112,7 @@ def test_a_users_script_is_rerouted_around_a_silent_node(
     try:
         job, out = _start(s, tmp_path, stage=stage, backward=backward, max_steps=70)
         _metrics_seen(s, job)
-        wait_for(lambda: len(_first_step_with(job, 1)) == 4, timeout=120, what="plan generation 1 on 4 ranks")
+        wait_for(lambda: len(first_step_with(REDIS_URL, job, 1)) == 4, timeout=120, what="plan generation 1 on 4 ranks")
         node_of = {g.rank: g.node for g in registrations(redis_url) if g.job == job}
         victim = node_of[2]
         s.procs[victim].kill()  # the agent only: its rank keeps computing, its node goes silent
@@ -138,11 +121,15 @@ def test_a_users_script_is_rerouted_around_a_silent_node(
         plan = s.get(f"/v1/jobs/{job}/plan")
         neighbour = next(r for r, n in node_of.items() if n != victim and DOMAIN[n] == DOMAIN[victim])
         assert plan["proxies"] == {"2": neighbour} and plan["excluded"] == [], plan
-        wait_for(lambda: len(_first_step_with(job, 2)) == 4, timeout=30, what="generation 2 in force on all 4 ranks")
-        switched = _first_step_with(job, 2)
+        wait_for(
+            lambda: len(first_step_with(REDIS_URL, job, 2)) == 4,
+            timeout=30,
+            what="generation 2 in force on all 4 ranks",
+        )
+        switched = first_step_with(REDIS_URL, job, 2)
         assert len(set(switched.values())) == 1, switched  # the same step boundary on every rank
         wait_for(
-            lambda: all(step >= switched[r] + 5 for r, step in _latest_step(job).items()),
+            lambda: all(step >= switched[r] + 5 for r, step in latest_step(REDIS_URL, job).items()),
             timeout=60,
             what="5 more steps on every rank, the carried rank included",
         )
@@ -164,14 +151,14 @@ def test_a_users_script_survives_a_killed_rank_without_a_restart(redis_url: str,
             s, tmp_path, stage=0, backward="engine", max_steps=90, env={"PULSE_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
         )
         _metrics_seen(s, job)
-        wait_for(lambda: _latest_step(job).get(1, 0) >= 5, timeout=120, what="rank 1 past step 5")
+        wait_for(lambda: latest_step(REDIS_URL, job).get(1, 0) >= 5, timeout=120, what="rank 1 past step 5")
         psutil.Process(_rank_pid(job, 1)).kill()
         killed_at = time.monotonic()
         wait_for(lambda: 1 in s.get(f"/v1/jobs/{job}/plan")["excluded"], timeout=30, what="rank 1 excluded")
         excluded_s = time.monotonic() - killed_at
-        before = _latest_step(job)
+        before = latest_step(REDIS_URL, job)
         wait_for(
-            lambda: all(_latest_step(job)[r] >= before[r] + 5 for r in (0, 2, 3)),
+            lambda: all(latest_step(REDIS_URL, job)[r] >= before[r] + 5 for r in (0, 2, 3)),
             timeout=60,
             what="5 more steps on every survivor",
         )

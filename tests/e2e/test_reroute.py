@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stack import Stack, registrations, reports
+from tests.stack import Stack, first_step_with, latest_step, registrations, reports
 from tests.support import REDIS_URL, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -25,23 +25,6 @@ NODES = ["rr-0", "rr-1", "rr-2", "rr-3"]
 DOMAIN = {"rr-0": "d0", "rr-1": "d0", "rr-2": "d1", "rr-3": "d1"}
 DEGRADED_AFTER_S = 3.0
 STEP_DELAY_S = 0.1
-
-
-def _in_force(job: str, generation: int) -> dict[int, int]:
-    """rank -> first step each rank reported with ``generation`` in force."""
-    first: dict[int, int] = {}
-    for r in reports(REDIS_URL):
-        if r.job == job and r.plan_generation == generation:
-            first[r.rank] = min(r.step, first.get(r.rank, r.step))
-    return first
-
-
-def _latest_step(job: str) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for r in reports(REDIS_URL):
-        if r.job == job:
-            out[r.rank] = max(r.step, out.get(r.rank, 0))
-    return out
 
 
 def test_killed_agent_reroutes_its_rank_and_training_goes_on(redis_url: str, tmp_path: Path) -> None:
@@ -69,7 +52,11 @@ def test_killed_agent_reroutes_its_rank_and_training_goes_on(redis_url: str, tmp
         assert r.status_code == 201, r.text
         job = r.json()["id"]
 
-        wait_for(lambda: len(_in_force(job, 1)) == 4, timeout=240, what="plan generation 1 in force on 4 ranks")
+        wait_for(
+            lambda: len(first_step_with(REDIS_URL, job, 1)) == 4,
+            timeout=240,
+            what="plan generation 1 in force on 4 ranks",
+        )
         node_of = {g.rank: g.node for g in registrations(redis_url) if g.job == job}
         rank_of = {n: r for r, n in node_of.items()}
         victim = node_of[2]
@@ -86,12 +73,16 @@ def test_killed_agent_reroutes_its_rank_and_training_goes_on(redis_url: str, tmp
         plan = s.get(f"/v1/jobs/{job}/plan")
         assert plan["proxies"] == {"2": rank_of[neighbour]}, plan  # nearest: the same NVLink domain
         assert plan["excluded"] == [] and 2 not in plan["participants"]
-        wait_for(lambda: len(_in_force(job, 2)) == 4, timeout=30, what="generation 2 in force on all 4 ranks")
+        wait_for(
+            lambda: len(first_step_with(REDIS_URL, job, 2)) == 4,
+            timeout=30,
+            what="generation 2 in force on all 4 ranks",
+        )
         in_force_s = time.monotonic() - killed_at
-        switched = _in_force(job, 2)
+        switched = first_step_with(REDIS_URL, job, 2)
         assert len(set(switched.values())) == 1, switched  # the same step boundary on every rank
         wait_for(
-            lambda: all(step >= switched[r] + 10 for r, step in _latest_step(job).items()),
+            lambda: all(step >= switched[r] + 10 for r, step in latest_step(REDIS_URL, job).items()),
             timeout=60,
             what="10 more steps on every rank, rank 2 included",
         )
@@ -99,10 +90,14 @@ def test_killed_agent_reroutes_its_rank_and_training_goes_on(redis_url: str, tmp
         assert s.get(f"/v1/jobs/{job}")["state"] == "RUNNING"
 
         s.agent(victim, "--label", f"nvlink_domain={DOMAIN[victim]}", "--label", "rack=r0")  # it re-attaches
-        wait_for(lambda: len(_in_force(job, 3)) == 4, timeout=60, what="generation 3 (recovered) on all 4 ranks")
+        wait_for(
+            lambda: len(first_step_with(REDIS_URL, job, 3)) == 4,
+            timeout=60,
+            what="generation 3 (recovered) on all 4 ranks",
+        )
         plan = s.get(f"/v1/jobs/{job}/plan")
         assert plan["participants"] == [0, 1, 2, 3] and plan["proxies"] == {}, plan
-        assert len(set(_in_force(job, 3).values())) == 1
+        assert len(set(first_step_with(REDIS_URL, job, 3).values())) == 1
 
         kinds = [e["kind"] for e in s.get("/v1/events", params={"job": job})["data"]]
         assert kinds.count("plan") >= 3, kinds

@@ -47,7 +47,7 @@ from services.jobs import JOB_STATES
 from services.leader import NotLeader, leader_lines
 from services.metrics import CONTENT_TYPE, Renderer, job_state_lines, plan_lines
 from services.models import TokenRow
-from services.orchestrator import Orchestrator, PlacementRefused
+from services.orchestrator import IdempotencyKeyReused, Orchestrator, PlacementRefused
 from services.ratelimit import SAFE_METHODS, RateLimiter
 from services.schemas import (
     CheckpointPublic,
@@ -459,30 +459,11 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             job_id, created = await orch.create_job(spec, idempotency_key=idempotency_key, actor=caller.name)
         except PlacementRefused as exc:
             raise HTTPException(status.HTTP_409_CONFLICT, detail=f"placement refused: {exc}") from None
+        except IdempotencyKeyReused as exc:
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from None
         if not created:
-            await _same_body(orch, job_id, spec, idempotency_key)
             response.status_code = status.HTTP_200_OK
         return await _get_job(orch, job_id)
-
-    async def _same_body(orch: Orchestrator, job_id: str, spec: dict[str, Any], key: str | None) -> None:
-        """A replayed key must come with the body it was first used with (a job's spec never
-        changes after it is stored, so reading it after the create is enough)."""
-
-        def stored() -> dict[str, Any] | None:
-            with orch.sessions() as s:
-                row = db.get_job(s, job_id=job_id)
-                return None if row is None else dict(row.spec)
-
-        first = await asyncio.to_thread(stored)
-        if first != spec:
-            changed = sorted(k for k in {*spec, *(first or {})} if spec.get(k) != (first or {}).get(k))
-            raise HTTPException(
-                status.HTTP_409_CONFLICT,
-                detail=(
-                    f"Idempotency-Key {key!r} was used for job {job_id} with another body "
-                    f"(differs in {', '.join(changed)}); use a new key for a new job"
-                ),
-            )
 
     async def _get_job(orch: Orchestrator, job_id: str) -> JobPublic:
         def read() -> JobPublic | None:

@@ -65,6 +65,11 @@ class PlacementRefused(Exception):
     """No placement fits the job; the message names the constraint that failed."""
 
 
+class IdempotencyKeyReused(Exception):
+    """An Idempotency-Key came back with another body than the job it created; the message names
+    the key, the job and the fields that differ."""
+
+
 class RedisClock:
     """The one clock: Redis server time, extrapolated with the monotonic clock between syncs.
 
@@ -1046,8 +1051,8 @@ class Orchestrator:
     # --- operator actions -----------------------------------------------------------------------
     async def create_job(self, spec: dict[str, Any], *, idempotency_key: str | None, actor: str) -> tuple[str, bool]:
         """Place and store a job. Returns (job id, created); a repeated idempotency key returns
-        the first job. Raises :class:`PlacementRefused` with the failed constraint; nothing is
-        written then."""
+        the first job when the body is the same, else raises :class:`IdempotencyKeyReused`.
+        Raises :class:`PlacementRefused` with the failed constraint; nothing is written then."""
         from services.jobs import ACTIVE, master_addr, master_port
         from services.placement import NodeCapacity, Placement, PlacementRequest, place
 
@@ -1059,6 +1064,13 @@ class Orchestrator:
                 if idempotency_key:
                     prior = db.job_by_idempotency_key(s, key=idempotency_key)
                     if prior is not None:
+                        stored = dict(prior.spec)
+                        if stored != spec:
+                            changed = sorted(k for k in {*spec, *stored} if spec.get(k) != stored.get(k))
+                            raise IdempotencyKeyReused(
+                                f"Idempotency-Key {idempotency_key!r} was used for job {prior.id} with another body "
+                                f"(differs in {', '.join(changed)}); use a new key for a new job"
+                            )
                         return prior.id, False
                 used: dict[str, int] = {}
                 for j in db.list_jobs(s, states=ACTIVE):

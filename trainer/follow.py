@@ -470,7 +470,7 @@ class PlanFollower:
         backoff = Backoff()
         job = self.job.encode()
         while not self._stop.is_set():
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]
             try:
                 pubsub.subscribe(wire.PLAN_CHANNEL)
                 self._fetch()

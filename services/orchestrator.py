@@ -6,7 +6,7 @@
   read first at start). Redelivery is harmless: folding an older entry changes nothing. An entry
   claiming a node whose own latest key does not vouch for it is refused (reason ``sender``;
   ``PULSE_HEARTBEAT_SENDER_CHECK``): with per-node Redis users that key is the one place the
-  sender is known (clusterpulse/acl.py says what this proves and what it cannot).
+  sender is known (services/sender.py says what this proves and what it cannot).
 - **evaluate** ticks every ``evaluate_interval_s`` on the one clock (Redis ``TIME``, extrapolated
   with the monotonic clock between syncs), applies transitions in memory at once, and queues them
   in an outbox that is written to the database in order, retried with backoff while the database is
@@ -47,7 +47,7 @@ import redis.exceptions
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from clusterpulse import acl, wire
+from clusterpulse import wire
 from clusterpulse.retry import Backoff, is_transient
 from clusterpulse.settings import Settings
 from services import checkpoints, db
@@ -57,6 +57,7 @@ from services.leader import FENCED_COMMANDS, FENCED_PLANS, LeaderLease, NotLeade
 from services.planner import PlannerPolicy
 from services.plans import PlanChange, PlanKeeper, PlanRefused
 from services.progress import Progress
+from services.sender import SenderCheck
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -158,7 +159,7 @@ class Orchestrator:
         self._outbox: list[Outboxed] = []
         self._unacked: dict[str, list[bytes]] = {s: [] for s in self.streams}
         self._folded_upto: dict[str, str] = {}  # per stream: the last entry id folded
-        self._senders = acl.SenderCheck()
+        self._senders = SenderCheck()
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self._db_lock = asyncio.Lock()  # one database writer at a time: the outbox keeps its order
@@ -508,7 +509,7 @@ class Orchestrator:
     async def _fold_heartbeats(self, stream: str, entries: Entries) -> None:
         """Decode, check each entry's sender against its node's own latest key (one pipelined
         read per batch of the keys whose earlier contents do not vouch for the entry already,
-        see :class:`clusterpulse.acl.SenderCheck`), fold what passes."""
+        see :class:`services.sender.SenderCheck`), fold what passes."""
         assert self.cluster is not None
         decoded: list[tuple[bytes, bytes | None, wire.Heartbeat | wire.WireError | None]] = []
         for entry_id, fields in entries:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from services import db
-from tests.support import PG_URL, REDIS_URL
+from tests.support import REDIS_URL, fresh_database
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
@@ -41,24 +41,15 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'pulse.db'}"
 
 
-def _pg_reset() -> None:
-    eng = db.make_engine(PG_URL)
-    with eng.begin() as conn:
-        conn.execute(
-            text(
-                "DROP TABLE IF EXISTS leader_lease, tokens, plans, job_ranks, jobs, events, gpus, nodes, alembic_version CASCADE"
-            )
-        )
-    eng.dispose()
-
-
 @pytest.fixture(scope="session")
-def postgresql_engine() -> Iterator[Engine]:
-    _pg_reset()
-    db.upgrade(PG_URL)
-    eng = db.make_engine(PG_URL)
-    yield eng
-    eng.dispose()
+def postgresql_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """The migrated schema this test session's transactions roll back in: a PostgreSQL schema of
+    its own, so that parallel workers and other checkouts on the same server never collide."""
+    with fresh_database("postgresql", tmp_path_factory.mktemp("pg")) as url:
+        db.upgrade(url)
+        eng = db.make_engine(url)
+        yield eng
+        eng.dispose()
 
 
 @pytest.fixture(scope="session")

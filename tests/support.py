@@ -4,43 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-REDIS_DB = int(os.environ.get("PULSE_TEST_REDIS_DB", "9"))
+from tools import harness
+
+# Under pytest-xdist each worker (gw0, gw1, ...) gets a Redis database of its own, counted up from
+# the base, since every Redis test flushes its database.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+REDIS_DB = int(os.environ.get("PULSE_TEST_REDIS_DB", "9")) + _WORKER
 REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
 PG_URL = os.environ.get("PULSE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REPO = Path(__file__).resolve().parent.parent
-PULSE = [sys.executable, "-m", "clusterpulse.cli"]
+PULSE = [sys.executable, "-m", "tools.cli"]
+free_port = harness.free_port
 
 
 def wait_for(cond: Callable[[], object], *, timeout: float, what: str, every: float = 0.05) -> object:
     """Poll ``cond`` until it returns something truthy; fail naming ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            out = cond()
-            if out:
-                return out
-        except Exception as exc:
-            last_exc = exc
-        time.sleep(every)
-    raise AssertionError(
-        f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else "")
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return harness.wait_for(cond, timeout=timeout, what=what, every=every, error=AssertionError)
 
 
 def pulse_env(**extra: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Goodput under faults, the short form of ``pulse bench goodput`` (clusterpulse/goodput.py).
+"""Goodput under faults, the short form of ``pulse bench goodput`` (tools/goodput.py).
 
 A private redis-server (the campaign restarts it), the orchestrator, four simulated agents and a
 4-rank DeepSpeed job of ``trainer.example`` on gloo; a short fault-free run, then the same job
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterpulse.goodput import DEGRADING, Campaign
+from tools.goodput import DEGRADING, Campaign
 
 pytestmark = [
     pytest.mark.e2e,

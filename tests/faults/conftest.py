@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.servers import PostgresUnavailable, PrivatePostgres, PrivateRedis
+from tests.faults.servers import PostgresUnavailable, PrivatePostgres
+from tools.harness import PrivateRedis
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Private Redis and PostgreSQL servers that fault tests may stop and restart.
+"""Private PostgreSQL servers that fault tests may stop and restart (the private Redis is
+``tools.harness.PrivateRedis``).
 
 The machine's shared servers (127.0.0.1:6379 and :5432) are never touched: each server here runs
 on a free port in a temporary directory, belongs to the test that started it and is torn down by
@@ -13,61 +14,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import redis
-
-from tests.support import free_port, wait_for
+from tests.support import free_port
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
-
-
-class PrivateRedis:
-    """A ``redis-server`` without persistence: ``stop`` then ``start`` is a Redis that lost
-    everything (streams, consumer groups, keys), on the same port."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert self.proc is None, "already running"
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not on PATH (scripts/bootstrap installs it)")
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        with (self.workdir / f"redis-{self.port}.log").open("ab") as log:
-            self.proc = subprocess.Popen(
-                [*args, "--daemonize", "no", "--dir", str(self.workdir)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        wait_for(self.ping, timeout=20, what=f"private redis on port {self.port}")
-
-    def stop(self) -> None:
-        """Really stopped: the process exits and the port refuses connections."""
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
-
-    def ping(self) -> bool:
-        client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
-        try:
-            return bool(client.ping())
-        except redis.exceptions.ConnectionError:
-            return False
-        finally:
-            client.close()
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url, socket_timeout=5)
 
 
 class PostgresUnavailable(Exception):

@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from clusterpulse import wire
-from tests.faults.servers import PrivateRedis
 from tests.stack import Stack
 from tests.support import wait_for
+from tools.harness import PrivateRedis
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from clusterpulse.cli import main
 from tests.support import PULSE, REPO, pulse_env
+from tools.cli import main
 
 pytestmark = pytest.mark.timeout(90)
 

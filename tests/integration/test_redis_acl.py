@@ -290,7 +290,7 @@ def test_heartbeat_over_tls_with_node_credentials(tls_redis: tuple[int, Path]) -
 def test_cli_prints_and_applies_the_rules(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from clusterpulse.cli import main
+    from tools.cli import main
 
     node = f"pulse-test-{uuid.uuid4().hex[:8]}-cli"
     user = acl.node_username(node)

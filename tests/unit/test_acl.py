@@ -7,6 +7,7 @@ import hashlib
 import pytest
 
 from clusterpulse import acl, wire
+from services.sender import SenderCheck
 
 
 def _hb(node: str = "n1", boot_id: str = "b1", seq: int = 5, **kw: object) -> wire.Heartbeat:
@@ -84,7 +85,7 @@ def test_redis_cli_line_quotes_selectors() -> None:
 
 def test_sender_check_judges_an_entry_by_its_nodes_own_key() -> None:
     def verdict(hb: wire.Heartbeat, own: bytes | None) -> str | None:
-        return acl.SenderCheck().verdict(hb, wire.encode(hb), own)  # nothing remembered
+        return SenderCheck().verdict(hb, wire.encode(hb), own)  # nothing remembered
 
     own = _hb(seq=5)
     own_bytes = wire.encode(own)
@@ -102,7 +103,7 @@ def test_sender_check_judges_an_entry_by_its_nodes_own_key() -> None:
 def test_sender_check_remembers_what_a_key_held() -> None:
     """Once the key held seq 5, entries 1-5 of that boot need no read; seq 6 does, and a forged
     seq 5 (other bytes) never passes; a new boot's key starts a new memory."""
-    check = acl.SenderCheck()
+    check = SenderCheck()
     five = _hb(seq=5)
     assert not check.vouched(_hb(seq=3), wire.encode(_hb(seq=3)))
     assert check.verdict(_hb(seq=3), wire.encode(_hb(seq=3)), wire.encode(five)) is None

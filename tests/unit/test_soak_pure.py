@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from agent.simulated import FAULT_KINDS
-from clusterpulse.soak import Fault, Timing, Transition, judge, schedule
+from tools.soak import Fault, Timing, Transition, judge, schedule
 
 TIMING = Timing(interval_s=2.0, degraded_after_s=12.0, throttle_sustain_s=6.0, recover_after=3, slack_s=8.0)
 NODES = [f"n{i:02d}" for i in range(40)]

@@ -520,7 +520,7 @@ def cmd_agent_credentials(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from clusterpulse.demo import run_demo
+    from tools.demo import run_demo
 
     rc: int = run_demo(args)
     return rc
@@ -561,14 +561,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from clusterpulse.bench import run_bench
+    from tools.bench import run_bench
 
     rc: int = run_bench(args)
     return rc
 
 
 def cmd_goodput(args: argparse.Namespace) -> int:
-    from clusterpulse.goodput import run_goodput
+    from tools.goodput import run_goodput
 
     return run_goodput(args)
 
@@ -726,7 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="long run with random faults: orchestrator memory growth, false DEGRADED, lost events",
         description="Starts the orchestrator, N simulated nodes and a private redis-server, injects a fault "
         "of a random kind on a random node every --fault-every seconds for --duration seconds and prints one "
-        "JSON object (clusterpulse/soak.py). Exit 1 when an event is lost, a node is DEGRADED without a fault, "
+        "JSON object (tools/soak.py). Exit 1 when an event is lost, a node is DEGRADED without a fault, "
         "or resident memory grows more than --max-rss-growth.",
     )
     bs.add_argument("--nodes", type=int, default=2048)

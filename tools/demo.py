@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +22,8 @@ from typing import Any
 import httpx
 import redis
 
-from clusterpulse.cli import format_events, format_nodes
+from tools.cli import format_events, format_nodes
+from tools.harness import HarnessError, PrivateRedis, free_port
 
 DEMO_ENV = {
     "PULSE_HEARTBEAT_INTERVAL_S": "1",
@@ -33,13 +32,6 @@ DEMO_ENV = {
     "PULSE_EVALUATE_INTERVAL_S": "0.25",
     "PULSE_PERSIST_INTERVAL_S": "2",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _redis_answers(url: str) -> bool:
@@ -56,26 +48,15 @@ def _start_redis(workdir: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
     url = os.environ.get("PULSE_REDIS_URL", "redis://127.0.0.1:6379/0")
     if _redis_answers(url):
         return url, None
-    server = shutil.which("redis-server")
-    if server is None:
+    server = PrivateRedis(workdir, start_timeout_s=10)
+    try:
+        server.start()
+    except HarnessError as exc:
         raise SystemExit(
-            f"pulse demo: no Redis answers at {url} and redis-server is not installed.\n"
-            "  Debian/Ubuntu: sudo apt-get install redis-server   macOS: brew install redis\n"
+            f"pulse demo: no Redis answers at {url} and a private one did not start: {exc}\n"
             "  or point PULSE_REDIS_URL at a running Redis, e.g. docker run -p 6379:6379 redis:7"
-        )
-    port = _free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while not _redis_answers(url):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise SystemExit(f"pulse demo: redis-server on port {port} did not start")
-        time.sleep(0.1)
-    return url, proc
+        ) from exc
+    return server.url, server.proc
 
 
 def _wait_ready(api: str, proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -111,7 +92,7 @@ def run_demo(args: argparse.Namespace) -> int:
     redis_url, redis_proc = _start_redis(workdir)
     if redis_proc is not None:
         procs.append(redis_proc)
-    port = args.port or _free_port()
+    port = args.port or free_port()
     api = f"http://127.0.0.1:{port}"
     env: dict[str, Any] = {
         **os.environ,
@@ -121,7 +102,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "PULSE_API_URL": api,
         "PYTHONUNBUFFERED": "1",
     }
-    pulse = [sys.executable, "-m", "clusterpulse.cli"]
+    pulse = [sys.executable, "-m", "tools.cli"]
     orch_log, sim_log = workdir / "orchestrator.log", workdir / "simulate.log"
     interactive = sys.stdout.isatty()
     try:

@@ -47,9 +47,7 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +63,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from agent.simulated import FAULT_KINDS
+from tools.harness import HarnessError, PrivateRedis, free_port
 
 HARD = frozenset({"psu_imbalance", "pcie_x8", "xid", "gpu_lost", "ecc"})
 THROTTLE = frozenset({"thermal", "power_brake"})
@@ -184,39 +183,18 @@ def judge(faults: list[Fault], transitions: list[Transition], *, timing: Timing)
 # --- the run ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _private_redis(workdir: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
+def _private_redis(workdir: Path) -> tuple[str, PrivateRedis | None]:
     """``PULSE_BENCH_REDIS_URL`` (flushed) if set, else a private redis-server on a free port."""
     if "PULSE_BENCH_REDIS_URL" in os.environ:
         url = os.environ["PULSE_BENCH_REDIS_URL"]
         redis.Redis.from_url(url).flushdb()
         return url, None
-    server = shutil.which("redis-server")
-    if server is None:
-        raise SystemExit(
-            "pulse bench soak: redis-server is not installed; set PULSE_BENCH_REDIS_URL to a Redis it may flush"
-        )
-    port = _free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 20
-    while True:
-        with contextlib.suppress(redis.RedisError):
-            if redis.Redis.from_url(url, socket_connect_timeout=1).ping():
-                return url, proc
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise SystemExit(f"pulse bench soak: redis-server on port {port} did not start")
-        time.sleep(0.1)
+    server = PrivateRedis(workdir)
+    try:
+        server.start()
+    except HarnessError as exc:
+        raise SystemExit(f"pulse bench soak: {exc}; or set PULSE_BENCH_REDIS_URL to a Redis it may flush") from exc
+    return server.url, server
 
 
 def _metric(text: str, name: str) -> float:
@@ -240,7 +218,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, 
         slack_s=args.slack or max(5.0, 4 * interval),
     )
     db_url = f"sqlite:///{workdir / 'soak.db'}"
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PULSE_")}
     env.update(
@@ -258,7 +236,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, 
     log_path = workdir / "orchestrator.log"
     with log_path.open("ab") as fh:
         orch = psutil.Popen(
-            [sys.executable, "-m", "clusterpulse.cli", "orchestrator", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "tools.cli", "orchestrator", "--host", "127.0.0.1", "--port", str(port)],
             env=env, stdout=fh, stderr=subprocess.STDOUT,
         )  # fmt: skip
     names = [sim_node_name("soak", i, args.nodes) for i in range(args.nodes)]
@@ -445,8 +423,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             return asyncio.run(_soak(args, workdir, url))
         finally:
             if server is not None:
-                server.terminate()
-                server.wait(10)
+                server.stop()
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
 """``pulse bench ingest`` and ``pulse bench agent``: speed and memory, each beside its baseline.
-(``pulse bench soak``, the long run with faults, is in clusterpulse/soak.py.)
+(``pulse bench soak``, the long run with faults, is in tools/soak.py.)
 
 Ingest (one JSON object):
 
@@ -145,7 +145,7 @@ async def _detection(args: argparse.Namespace, url: str, workdir: Path) -> dict[
     env = {**os.environ, "PULSE_REDIS_URL": url, "PULSE_HEARTBEAT_INTERVAL_S": str(interval)}
     started = time.monotonic()
     sim = subprocess.Popen(
-        [sys.executable, "-m", "clusterpulse.cli", "simulate", "--nodes", str(nodes), "--gpus-per-node", str(gpus),
+        [sys.executable, "-m", "tools.cli", "simulate", "--nodes", str(nodes), "--gpus-per-node", str(gpus),
          "--prefix", "b", "--duration", str(quiet_at + degraded_after + 6 * interval),
          *[f"--fault={n}=silent@{quiet_at:g}" for n in watched]],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -280,7 +280,7 @@ def _agent(args: argparse.Namespace) -> dict[str, Any]:
 
     url = _bench_redis_url()
     env = {**os.environ, "PULSE_REDIS_URL": url}
-    cmd = [sys.executable, "-m", "clusterpulse.cli", "agent", "--node", "bench-agent", "--source", "simulated",
+    cmd = [sys.executable, "-m", "tools.cli", "agent", "--node", "bench-agent", "--source", "simulated",
            "--gpus", str(args.gpus), "--interval", str(args.interval)]  # fmt: skip
     agent = psutil.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     idle = psutil.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
@@ -313,7 +313,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     logging.getLogger("pulse").setLevel(logging.WARNING)
     if args.bench == "soak":
-        from clusterpulse.soak import main as soak
+        from tools.soak import main as soak
 
         return soak(args)
     if args.bench == "agent":

@@ -94,9 +94,7 @@ import logging
 import math
 import os
 import random
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -111,6 +109,7 @@ import httpx
 import redis
 
 from clusterpulse import wire
+from tools.harness import HarnessError, PrivateRedis, free_port, wait_for
 
 log = logging.getLogger("pulse.goodput")
 
@@ -156,22 +155,8 @@ class CampaignError(RuntimeError):
     """The campaign could not run (a process would not start, the job never stepped)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _wait(cond: Any, *, timeout: float, what: str, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            out = cond()
-            if out:
-                return out
-        time.sleep(every)
-    raise CampaignError(f"timed out after {timeout:g}s waiting for {what}")
+    return wait_for(cond, timeout=timeout, what=what, every=every, error=CampaignError)
 
 
 def percentiles(values: list[float]) -> dict[str, float | int | None]:
@@ -219,10 +204,11 @@ class Stack:
     def __init__(self, workdir: Path, ranks: int) -> None:
         self.workdir = workdir
         self.nodes = [f"gp-{i}" for i in range(ranks)]
-        self.redis_port = _free_port()
-        self.api_port = _free_port()
+        self.redis_server = PrivateRedis(workdir, start_timeout_s=15)
+        self.redis_port = self.redis_server.port
+        self.api_port = free_port()
         self.api = f"http://127.0.0.1:{self.api_port}"
-        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.redis_url = self.redis_server.url
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("PULSE_")}
         self.env.update(
             STACK_ENV,
@@ -232,7 +218,6 @@ class Stack:
             PULSE_AGENT_STATE_DIR=str(workdir / "agents"),
             PULSE_API_URL=self.api,
         )
-        self.redis: subprocess.Popen[bytes] | None = None
         self.orch: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.http = httpx.Client(base_url=self.api, timeout=5, headers={"Authorization": f"Bearer {TOKEN}"})
@@ -242,36 +227,18 @@ class Stack:
         return (self.workdir / f"{name}.log").open("ab")
 
     def start_redis(self) -> None:
-        server = shutil.which("redis-server")
-        if server is None:
-            raise CampaignError(
-                "redis-server is not installed (apt-get install redis-server): the campaign restarts it"
-            )
-        with self._log("redis") as fh:
-            self.redis = subprocess.Popen(
-                [server, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(self.workdir)],
-                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-
-        def answers() -> bool:
-            c = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
-            try:
-                return bool(c.ping())
-            finally:
-                c.close()
-
-        _wait(answers, timeout=15, what=f"redis-server on port {self.redis_port}")
+        try:
+            self.redis_server.start()
+        except HarnessError as exc:
+            raise CampaignError(f"{exc} (the campaign restarts its own Redis)") from exc
 
     def stop_redis(self) -> None:
-        if self.redis is not None and self.redis.poll() is None:
-            self.redis.kill()
-            self.redis.wait(10)
+        self.redis_server.stop(kill=True)
 
     def start_orchestrator(self) -> None:
         with self._log("orchestrator") as fh:
             self.orch = subprocess.Popen(
-                [sys.executable, "-m", "clusterpulse.cli", "orchestrator", "--port", str(self.api_port)],
+                [sys.executable, "-m", "tools.cli", "orchestrator", "--port", str(self.api_port)],
                 env=self.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         _wait(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=60, what="orchestrator")
@@ -284,7 +251,7 @@ class Stack:
     def start_agent(self, node: str, *, fault: str | None = None) -> None:
         i = self.nodes.index(node)
         args = [
-            sys.executable, "-m", "clusterpulse.cli", "agent", "--node", node, "--source", "simulated",
+            sys.executable, "-m", "tools.cli", "agent", "--node", node, "--source", "simulated",
             "--interval", "0.3", "--label", "addr=127.0.0.1", "--label", f"nvlink_domain=d{i // 2}",
             "--label", "rack=r0",
         ]  # fmt: skip

@@ -29,6 +29,11 @@ from dataclasses import dataclass
 from clusterpulse.wire import FanSample, GpuSample, PsuSample
 
 FAULT_KINDS = ("thermal", "power_brake", "psu_imbalance", "pcie_x8", "xid", "ecc", "gpu_lost", "silent")
+# The throttle reason each throttling fault sets on every GPU (the orchestrator's health model
+# decides which reasons count as sustained throttling: services/health.py SUSTAINED_THROTTLE).
+THROTTLE_OF = {"thermal": "thermal", "power_brake": "power_brake"}
+# Faults that never clear by themselves: the volatile ECC counter stays up until a GPU reset.
+PERMANENT_FAULTS = frozenset({"ecc"})
 
 GPU_NAME = "NVIDIA H200"
 MEMORY_TOTAL = 143_771 * 1024 * 1024
@@ -116,10 +121,10 @@ class SimulatedNode:
                     1410.0 + self._noise(10.0),
                     610.0 + self._noise(5.0),
                 )
-                throttle = ["thermal"]
+                throttle = [THROTTLE_OF["thermal"]]
             if "power_brake" in f:
                 clock, power = 990.0 + self._noise(10.0), 300.0 + self._noise(5.0)
-                throttle = ["power_brake"]
+                throttle = [THROTTLE_OF["power_brake"]]
             self._last_power[i] = power
             xid_here = i == 0 and "xid" in f
             out.append(

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from clusterpulse.settings import Settings
+from clusterpulse.states import NodeState
 from services import db
 from services.checkpoints import CheckpointRefused
 from services.cluster import NodeView
@@ -42,7 +43,6 @@ from services.deps import (
     may_be_open,
     role_needed,
 )
-from services.health import State
 from services.jobs import JOB_STATES
 from services.leader import NotLeader, leader_lines
 from services.metrics import CONTENT_TYPE, Renderer, job_state_lines, plan_lines
@@ -348,13 +348,13 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             str | None,
             Query(
                 description="HEALTHY, SUSPECT, DEGRADED or LOST (any case)",
-                json_schema_extra={"enum": list(State.__members__)},
+                json_schema_extra={"enum": list(NodeState.__members__)},
             ),
         ] = None,
     ) -> NodesPublic:
         assert orch.cluster is not None
-        if state is not None and state.upper() not in State.__members__:
-            raise bad_query("state", state, f"one of {', '.join(State.__members__)}")
+        if state is not None and state.upper() not in NodeState.__members__:
+            raise bad_query("state", state, f"one of {', '.join(NodeState.__members__)}")
         now = orch.clock.now()
         data = [
             node_public(v, now=now)

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clusterpulse import wire
+from clusterpulse.states import EventKind, JobState
 
-REQUESTED = "checkpoint_requested"
+REQUESTED = EventKind.CHECKPOINT_REQUESTED
 WRITTEN = wire.CHECKPOINT_WRITTEN
 
 
@@ -32,7 +33,7 @@ class CheckpointRefused(Exception):
 def refusal(job_id: str, state: str) -> str | None:
     """Why a job in ``state`` cannot be asked for a checkpoint, or None when it can: only running
     ranks save, and before RUNNING they may not yet catch SIGUSR2 (its default action kills)."""
-    if state == "RUNNING":
+    if state == JobState.RUNNING:
         return None
     return f"job {job_id!r} is {state}, not RUNNING: only a running job's ranks can save a checkpoint"
 

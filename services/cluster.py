@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from clusterpulse import wire
+from clusterpulse.states import EventKind, NodeState
 from services import health
-from services.health import NodeHealth, Policy, State, Transition
+from services.health import NodeHealth, Policy, Transition
 
 log = logging.getLogger("pulse.orchestrator.cluster")
 
@@ -73,7 +74,9 @@ class Cluster:
         if view is None:
             view = NodeView(health=NodeHealth(name=hb.node, since=received_at, reason="first heartbeat"))
             self.nodes[hb.node] = view
-            registered = ClusterEvent("registered", f"first heartbeat (gpus={len(hb.gpus)})", received_at, hb.node)
+            registered = ClusterEvent(
+                EventKind.REGISTERED, f"first heartbeat (gpus={len(hb.gpus)})", received_at, hb.node
+            )
         if view.health.last_seen is not None and received_at < view.health.last_seen:
             return registered  # a redelivered older entry: the newer one already counts
         view.health = health.observe(view.health, hb, received_at=received_at, policy=self.policy)
@@ -99,7 +102,7 @@ class Cluster:
                 if suspected
                 else f"partition over: {silent} of {total} nodes silent"
             )
-            events.append(ClusterEvent("partition", self.partition_reason, now))
+            events.append(ClusterEvent(EventKind.PARTITION, self.partition_reason, now))
             log.warning("event=partition suspected=%s reason=%r", suspected, self.partition_reason)
         out: list[Transition] = []
         for view in self.nodes.values():
@@ -137,7 +140,7 @@ class Cluster:
             except msgspec.ValidationError:
                 latest = None
         self.nodes[name] = NodeView(
-            health=NodeHealth(name=name, state=State(state), since=since, reason=reason, last_seen=last_seen),
+            health=NodeHealth(name=name, state=NodeState(state), since=since, reason=reason, last_seen=last_seen),
             latest=latest,
             schedulable=schedulable,
             labels=dict(labels),
@@ -153,7 +156,7 @@ class Cluster:
             view.health = replace(view.health, last_progress=at)
 
     def counts(self) -> dict[str, int]:
-        c = {s.value: 0 for s in State}
+        c = {s.value: 0 for s in NodeState}
         for v in self.nodes.values():
             c[v.health.state.value] += 1
         return c

@@ -18,6 +18,7 @@ from sqlalchemy import Engine, create_engine, event, func, inspect, make_url, se
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
+from clusterpulse.states import EventKind, JobState
 from services.models import EventRow, GpuRow, JobRankRow, JobRow, NodeRow, PlanRow, TokenRow
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -235,7 +236,7 @@ def record_transition(
     """Store a health transition: the node's new state and its event, in the caller's transaction."""
     row = ensure_node(session, name=node, at=at)
     row.state, row.state_since, row.reason = new, at, reason
-    ev = EventRow(at=at, kind="health", node=node, from_state=old, to_state=new, reason=reason, actor=actor)
+    ev = EventRow(at=at, kind=EventKind.HEALTH, node=node, from_state=old, to_state=new, reason=reason, actor=actor)
     session.add(ev)
     return ev
 
@@ -281,7 +282,7 @@ def set_schedulable(session: Session, *, name: str, schedulable: bool, reason: s
     row.schedulable = schedulable
     record_event(
         session,
-        kind="uncordon" if schedulable else "cordon",
+        kind=EventKind.UNCORDON if schedulable else EventKind.CORDON,
         node=name,
         reason=reason or ("uncordoned" if schedulable else "cordoned"),
         at=at,
@@ -341,7 +342,7 @@ def create_job(
     row = JobRow(
         id=job_id,
         name=name,
-        state="PENDING",
+        state=JobState.PENDING,
         reason=f"placed on {', '.join(assigned_nodes)}",
         spec=spec,
         assigned_nodes=assigned_nodes,
@@ -353,7 +354,9 @@ def create_job(
         updated_at=at,
     )
     session.add(row)
-    session.add(EventRow(at=at, kind="job", job=job_id, to_state="PENDING", reason=row.reason, actor=actor))
+    session.add(
+        EventRow(at=at, kind=EventKind.JOB, job=job_id, to_state=JobState.PENDING, reason=row.reason, actor=actor)
+    )
     return row
 
 
@@ -383,7 +386,9 @@ def set_job_state(
     if row.state == state:
         return False
     session.add(
-        EventRow(at=at, kind="job", job=job_id, from_state=row.state, to_state=state, reason=reason, actor=actor)
+        EventRow(
+            at=at, kind=EventKind.JOB, job=job_id, from_state=row.state, to_state=state, reason=reason, actor=actor
+        )
     )
     row.state, row.reason, row.updated_at = state, reason, at
     return True
@@ -439,7 +444,7 @@ def record_plan(
         )
     )
     session.add(
-        EventRow(at=at, kind="plan", job=job, reason=f"generation {generation}: {reason}", actor="orchestrator")
+        EventRow(at=at, kind=EventKind.PLAN, job=job, reason=f"generation {generation}: {reason}", actor="orchestrator")
     )
 
 
@@ -460,7 +465,9 @@ def create_token(session: Session, *, name: str, role: str, secret_sha256: str, 
         raise ValueError(f"name={name!r}: a token of that name exists (names are never reused, even after revoke)")
     row = TokenRow(name=name, role=role, secret_sha256=secret_sha256, created_at=at, created_by=actor)
     session.add(row)
-    record_event(session, kind="token_created", reason=f"token {name!r} created with role {role}", at=at, actor=actor)
+    record_event(
+        session, kind=EventKind.TOKEN_CREATED, reason=f"token {name!r} created with role {role}", at=at, actor=actor
+    )
     return row
 
 
@@ -491,7 +498,9 @@ def revoke_token(session: Session, *, name: str, at: float, actor: str) -> bool:
     if row.revoked_at is not None:
         return False
     row.revoked_at, row.revoked_by = at, actor
-    record_event(session, kind="token_revoked", reason=f"token {name!r} ({row.role}) revoked", at=at, actor=actor)
+    record_event(
+        session, kind=EventKind.TOKEN_REVOKED, reason=f"token {name!r} ({row.role}) revoked", at=at, actor=actor
+    )
     return True
 
 

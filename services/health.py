@@ -32,40 +32,44 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 
 from clusterpulse.settings import Settings
+from clusterpulse.states import NodeState
 from clusterpulse.wire import FATAL_XIDS, Heartbeat
 
-
-class State(StrEnum):
-    HEALTHY = "HEALTHY"
-    SUSPECT = "SUSPECT"
-    DEGRADED = "DEGRADED"
-    LOST = "LOST"
-
-
-SEVERITY = {State.HEALTHY: 0, State.SUSPECT: 1, State.DEGRADED: 2, State.LOST: 3}
-STATES = tuple(State)
+SEVERITY = {NodeState.HEALTHY: 0, NodeState.SUSPECT: 1, NodeState.DEGRADED: 2, NodeState.LOST: 3}
+STATES = tuple(NodeState)
 
 SUSTAINED_THROTTLE = frozenset({"thermal", "power_brake", "hw_slowdown"})
+
+
+# The settings' defaults are the one home of every configurable threshold; Policy's defaults
+# are read from them (a Settings built without the environment).
+_DEFAULT = Settings.model_construct()
+
+# The peer rule for GPU power (_assess_power), also written in PromQL (deploy/prometheus:
+# GPUPowerBelowPeers and its recording rule; tests/deploy/test_thresholds.py keeps them equal).
+BUSY_UTILIZATION = 0.8  # only GPUs at least this busy are compared
+PEER_QUANTILE = 0.75  # the node's reference: this quantile of its busy GPUs' power
+LOADED_LIMIT_FRACTION = 0.8  # a node is compared only when its reference is this much of the limit
+MIN_PEERS = 3  # and only with this many busy GPUs reporting
 
 
 @dataclass(frozen=True)
 class Policy:
     """Every threshold of the health model; built from settings so tests can shrink them."""
 
-    suspect_after: float = 60.0
-    degraded_after: float = 120.0
-    lost_after: float = 300.0
-    recover_after: int = 3
-    partition_fraction: float = 0.5
+    suspect_after: float = _DEFAULT.suspect_after
+    degraded_after: float = _DEFAULT.degraded_after_s
+    lost_after: float = _DEFAULT.lost_after_s
+    recover_after: int = _DEFAULT.recover_after
+    partition_fraction: float = _DEFAULT.partition_fraction
     partition_min_nodes: int = 3
-    throttle_sustain: float = 60.0
-    temperature_warn: float = 87.0
-    psu_output_imbalance: float = 8.0
-    psu_input_imbalance: float = 1.5
-    power_peer_gap: float = 0.05
+    throttle_sustain: float = _DEFAULT.throttle_sustain_s
+    temperature_warn: float = _DEFAULT.gpu_temperature_warn_celsius
+    psu_output_imbalance: float = _DEFAULT.psu_output_imbalance_amperes
+    psu_input_imbalance: float = _DEFAULT.psu_input_imbalance_amperes
+    power_peer_gap: float = _DEFAULT.gpu_power_peer_gap_ratio
 
     @classmethod
     def from_settings(cls, s: Settings) -> Policy:
@@ -91,12 +95,12 @@ class Signals:
     warnings: tuple[str, ...] = ()
 
     @property
-    def level(self) -> State:
+    def level(self) -> NodeState:
         if self.faults:
-            return State.DEGRADED
+            return NodeState.DEGRADED
         if self.warnings:
-            return State.SUSPECT
-        return State.HEALTHY
+            return NodeState.SUSPECT
+        return NodeState.HEALTHY
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class NodeHealth:
     """
 
     name: str
-    state: State = State.HEALTHY
+    state: NodeState = NodeState.HEALTHY
     since: float = 0.0
     reason: str = "registered"
     last_seen: float | None = None
@@ -122,8 +126,8 @@ class NodeHealth:
 @dataclass(frozen=True)
 class Transition:
     node: str
-    old: State
-    new: State
+    old: NodeState
+    new: NodeState
     reason: str
     at: float
 
@@ -187,15 +191,17 @@ def _assess_power(hb: Heartbeat, policy: Policy, faults: list[str], warnings: li
     powers = [
         (g.power_watts, g.index, g.power_limit_watts)
         for g in hb.gpus
-        if g.power_watts is not None and not g.lost and (g.utilization_ratio is None or g.utilization_ratio >= 0.8)
+        if g.power_watts is not None
+        and not g.lost
+        and (g.utilization_ratio is None or g.utilization_ratio >= BUSY_UTILIZATION)
     ]
-    if len(powers) >= 3:
+    if len(powers) >= MIN_PEERS:
         # Compare with the upper quartile, not the median: when the PSU feeding half the board
         # sags, half the GPUs drop (the 700 W vs 749 W case) and the median sits between them.
         ordered = sorted(w for w, _, _ in powers)
-        ref = ordered[int(0.75 * (len(ordered) - 1) + 0.5)]
+        ref = ordered[int(PEER_QUANTILE * (len(ordered) - 1) + 0.5)]
         limits = [lim for _, _, lim in powers if lim]
-        loaded = not limits or ref >= 0.8 * statistics.median(limits)
+        loaded = not limits or ref >= LOADED_LIMIT_FRACTION * statistics.median(limits)
         if loaded and ref > 0:
             low = [f"GPU {i} {w:.0f} W" for w, i, _ in powers if w < ref * (1 - policy.power_peer_gap)]
             if low:
@@ -233,14 +239,16 @@ def partition_suspected(
     nodes: list[NodeHealth], *, now: float, grace_start: float, policy: Policy
 ) -> tuple[bool, int, int]:
     """(suspected, silent, counted): more than ``partition_fraction`` of non-LOST nodes silent."""
-    counted = [n for n in nodes if n.state is not State.LOST]
+    counted = [n for n in nodes if n.state is not NodeState.LOST]
     silent = sum(1 for n in counted if silent_for(n, now=now, grace_start=grace_start) >= policy.suspect_after)
     total = len(counted)
     suspected = total >= policy.partition_min_nodes and silent > policy.partition_fraction * total
     return suspected, silent, total
 
 
-def target(node: NodeHealth, *, now: float, grace_start: float, partitioned: bool, policy: Policy) -> tuple[State, str]:
+def target(
+    node: NodeHealth, *, now: float, grace_start: float, partitioned: bool, policy: Policy
+) -> tuple[NodeState, str]:
     """The state the evidence points to, with its reason, before hysteresis."""
     silence = silent_for(node, now=now, grace_start=grace_start)
     progress_age = math.inf if node.last_progress is None else now - node.last_progress
@@ -248,25 +256,25 @@ def target(node: NodeHealth, *, now: float, grace_start: float, partitioned: boo
         if silence >= policy.lost_after and progress_age >= policy.lost_after:
             progress = "no trainer ranks" if node.last_progress is None else f"no progress for {progress_age:.0f}s"
             return (
-                State.LOST,
+                NodeState.LOST,
                 f"no heartbeat for {silence:.0f}s and {progress} (lost_after={policy.lost_after:g}s)",
             )
         if silence >= policy.degraded_after:
             return (
-                State.DEGRADED,
+                NodeState.DEGRADED,
                 f"no heartbeat for {silence:.1f}s (degraded_after={policy.degraded_after:g}s)",
             )
     if node.signals.faults:
-        return State.DEGRADED, "; ".join(node.signals.faults)
+        return NodeState.DEGRADED, "; ".join(node.signals.faults)
     if silence >= policy.suspect_after:
         braked = " (partition suspected: not degrading)" if partitioned and silence >= policy.degraded_after else ""
         return (
-            State.SUSPECT,
+            NodeState.SUSPECT,
             f"heartbeat {silence:.1f}s old (suspect_after={policy.suspect_after:g}s){braked}",
         )
     if node.signals.warnings:
-        return State.SUSPECT, "; ".join(node.signals.warnings)
-    return State.HEALTHY, "heartbeats fresh, telemetry clean"
+        return NodeState.SUSPECT, "; ".join(node.signals.warnings)
+    return NodeState.HEALTHY, "heartbeats fresh, telemetry clean"
 
 
 def evaluate(

@@ -43,8 +43,10 @@ import zlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-ACTIVE = ("PENDING", "STARTING", "RUNNING", "STOPPING")
-TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState
+
+ACTIVE = ACTIVE_JOB_STATES
+TERMINAL = TERMINAL_JOB_STATES
 JOB_STATES = (*ACTIVE, *TERMINAL)
 
 
@@ -90,15 +92,15 @@ def decide(
     if state in TERMINAL:
         return Decision(state, "")
     states = {n: str(status[n]["state"]) for n in nodes if n in status}
-    if state == "PENDING":
-        return Decision("STARTING", f"launch sent to {', '.join(nodes)}", send="launch")
-    if state == "STOPPING":
+    if state == JobState.PENDING:
+        return Decision(JobState.STARTING, f"launch sent to {', '.join(nodes)}", send="launch")
+    if state == JobState.STOPPING:
         running = [n for n in nodes if states.get(n) == "started"]
         if not running:
-            return Decision("STOPPED", "every node's ranks are gone")
-        return Decision("STOPPING", "", send="stop")  # re-sent (rate-limited by the caller) until gone
+            return Decision(JobState.STOPPED, "every node's ranks are gone")
+        return Decision(JobState.STOPPING, "", send="stop")  # re-sent (rate-limited by the caller) until gone
     relaunch: tuple[str, ...] = ()
-    if state == "RUNNING" and excluded:
+    if state == JobState.RUNNING and excluded:
         relaunch = tuple(
             n
             for n in nodes
@@ -111,36 +113,57 @@ def decide(
     for n in nodes:
         st = status.get(n, {})
         if states.get(n) == "preflight_failed":
-            return Decision("FAILED", f"preflight failed on {n}: {st.get('detail', '')}", send="stop")
+            return Decision(JobState.FAILED, f"preflight failed on {n}: {st.get('detail', '')}", send="stop")
         if states.get(n) == "lost":
-            return Decision("FAILED", f"the ranks on {n} were lost: {st.get('detail', '')}", send="stop")
+            return Decision(JobState.FAILED, f"the ranks on {n} were lost: {st.get('detail', '')}", send="stop")
         if states.get(n) == "exited" and st.get("exit_code") != 0:
-            return Decision("FAILED", f"ranks on {n} exited with {st.get('exit_code')}{_last_line(st)}", send="stop")
+            return Decision(
+                JobState.FAILED, f"ranks on {n} exited with {st.get('exit_code')}{_last_line(st)}", send="stop"
+            )
     if nodes and all(states.get(n) == "exited" for n in nodes):
         # the stop ends what outlives the ranks: the job's store (agent/jobstore.py), an excluded rank still hung
-        return Decision("SUCCEEDED", f"every node's ranks exited 0 ({len(nodes)} nodes)", send="stop")
-    if state == "STARTING":
-        per_node = max(1, gpus_per_node)
-        world = len(nodes) * per_node
-        seen = {r for r in joined if 0 <= r < world}
-        answered = all(states.get(n) in ("started", "exited") for n in nodes)
-        if answered and len(seen) == world:
-            return Decision("RUNNING", f"every rank rendezvoused at {rendezvous}: {world} ranks on {_names(nodes)}")
-        if now - since > start_timeout:
-            missing = [n for n in nodes if n not in states]
-            if missing:
-                return Decision("FAILED", f"no start from {_names(missing)} within {start_timeout:g}s", send="stop")
-            waiting = [n for i, n in enumerate(nodes) if any(i * per_node + j not in seen for j in range(per_node))]
-            return Decision(
-                "FAILED",
-                f"ranks did not rendezvous within {start_timeout:g} s at {rendezvous}: {len(seen)} of {world} "
-                f"ranks registered or reported a step; waiting on {_names(waiting)}",
-                send="stop",
-            )
-        if answered:
-            return Decision(state, "")  # launched everywhere: the ranks are rendezvousing
-        return Decision(state, "", send="launch")  # re-sent (rate-limited) until every node answers
+        return Decision(JobState.SUCCEEDED, f"every node's ranks exited 0 ({len(nodes)} nodes)", send="stop")
+    if state == JobState.STARTING:
+        return _starting(
+            state=state, nodes=nodes, states=states, since=since, now=now, start_timeout=start_timeout,
+            joined=joined, per_node=max(1, gpus_per_node), rendezvous=rendezvous,
+        )  # fmt: skip
     return Decision(state, "", relaunch=relaunch)
+
+
+def _starting(
+    *,
+    state: str,
+    nodes: Sequence[str],
+    states: Mapping[str, str],
+    since: float,
+    now: float,
+    start_timeout: float,
+    joined: Collection[int],
+    per_node: int,
+    rendezvous: str,
+) -> Decision:
+    """A STARTING job: RUNNING once every rank of its world joined, FAILED at the start timeout
+    naming who is missing, else the launch resent until every node answered."""
+    world = len(nodes) * per_node
+    seen = {r for r in joined if 0 <= r < world}
+    answered = all(states.get(n) in ("started", "exited") for n in nodes)
+    if answered and len(seen) == world:
+        return Decision(JobState.RUNNING, f"every rank rendezvoused at {rendezvous}: {world} ranks on {_names(nodes)}")
+    if now - since > start_timeout:
+        missing = [n for n in nodes if n not in states]
+        if missing:
+            return Decision(JobState.FAILED, f"no start from {_names(missing)} within {start_timeout:g}s", send="stop")
+        waiting = [n for i, n in enumerate(nodes) if any(i * per_node + j not in seen for j in range(per_node))]
+        return Decision(
+            JobState.FAILED,
+            f"ranks did not rendezvous within {start_timeout:g} s at {rendezvous}: {len(seen)} of {world} "
+            f"ranks registered or reported a step; waiting on {_names(waiting)}",
+            send="stop",
+        )
+    if answered:
+        return Decision(state, "")  # launched everywhere: the ranks are rendezvousing
+    return Decision(state, "", send="launch")  # re-sent (rate-limited) until every node answers
 
 
 def master_addr(first_node: str, label: str | None, published: str) -> str:

@@ -50,9 +50,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from clusterpulse import wire
 from clusterpulse.retry import Backoff, is_transient
 from clusterpulse.settings import Settings
+from clusterpulse.states import EventKind, JobState, NodeState
 from services import checkpoints, db
 from services.cluster import Cluster, ClusterEvent
-from services.health import Policy, State, Transition
+from services.health import Policy, Transition
 from services.leader import FENCED_COMMANDS, FENCED_PLANS, LeaderLease, NotLeader, commands_args, plans_args
 from services.planner import PlannerPolicy
 from services.plans import PlanChange, PlanKeeper, PlanRefused
@@ -242,11 +243,11 @@ class Orchestrator:
             self.leader.reason,
         )
         self._outbox.append(
-            ClusterEvent("leader", f"replica {self.leader.me} leads at epoch {epoch}: {self.leader.reason}", now)
+            ClusterEvent(EventKind.LEADER, f"{self.leader.me} leads at epoch {epoch}: {self.leader.reason}", now)
         )
         self._outbox.append(
             ClusterEvent(
-                "orchestrator_started",
+                EventKind.ORCHESTRATOR_STARTED,
                 f"{len(rows)} nodes and {len(self.plans.plans)} plans restored; nobody degraded for silence "
                 f"before {self.settings.degraded_after_s:g}s",
                 now,
@@ -493,7 +494,7 @@ class Orchestrator:
         (services/plans.py), so the others train on and the job lifecycle does not fail the job."""
         if st.state not in ("exited", "lost") or (st.state == "exited" and st.exit_code == 0):
             return
-        if self.job_states.get(st.job, ("", 0.0))[0] != "RUNNING":
+        if self.job_states.get(st.job, ("", 0.0))[0] != JobState.RUNNING:
             return  # stopping (ranks exit on SIGTERM), or not started by us
         prog = self.progress.jobs.get(st.job)
         if prog is None or not any(p.report.plan_generation is not None for p in prog.ranks.values()):
@@ -504,7 +505,7 @@ class Orchestrator:
             reason = (
                 f"job {st.job} rank {rank}: the ranks on {st.node} {st.state}{code}; excluded until it registers again"
             )
-            self._outbox.append(ClusterEvent("rank_unreachable", reason, at, st.node))
+            self._outbox.append(ClusterEvent(EventKind.RANK_UNREACHABLE, reason, at, st.node))
 
     async def _fold_heartbeats(self, stream: str, entries: Entries) -> None:
         """Decode, check each entry's sender against its node's own latest key (one pipelined
@@ -577,7 +578,7 @@ class Orchestrator:
                     f"collective) reported it unreachable at step {report.step}; excluded until it registers again"
                 )
                 node = self.plans.ranks[report.job][rank].node
-                self._outbox.append(ClusterEvent("rank_unreachable", reason, at, node))
+                self._outbox.append(ClusterEvent(EventKind.RANK_UNREACHABLE, reason, at, node))
         if report.event and checkpoints.written_path(report.event) is not None:
             if (written := self._checkpoints.observe(report, at=at)) is not None:  # one per (job, step)
                 self._outbox.append(written)
@@ -593,7 +594,7 @@ class Orchestrator:
                 view = self.cluster.nodes.get(node)
                 signals = "; ".join([*view.health.signals.faults, *view.health.signals.warnings]) if view else ""
                 reason = f"job {report.job}: {why}" + (f"; node signals: {signals}" if signals else "")
-                self._outbox.append(ClusterEvent("straggler", reason, at, node))
+                self._outbox.append(ClusterEvent(EventKind.STRAGGLER, reason, at, node))
         self._stragglers = {k for k in self._stragglers if k[0] != report.job} | {(report.job, r) for r in now_slow}
 
     async def _ingest_loop(self) -> None:
@@ -683,7 +684,7 @@ class Orchestrator:
                 self.cluster.partition_reason = (
                     f"Redis unreachable ({exc}): no heartbeat can arrive, holding every node's health"
                 )
-                self._outbox.append(ClusterEvent("partition", self.cluster.partition_reason, self.clock.now()))
+                self._outbox.append(ClusterEvent(EventKind.PARTITION, self.cluster.partition_reason, self.clock.now()))
             return False
         if self._redis_down_since is not None:
             now = self.clock.now()
@@ -696,7 +697,7 @@ class Orchestrator:
             )
             self._outbox.append(
                 ClusterEvent(
-                    "redis_outage",
+                    EventKind.REDIS_OUTAGE,
                     f"Redis did not answer for {now - self._redis_down_since:.1f}s: health held, every node "
                     f"given {self.settings.degraded_after_s:g}s from now, {len(self.plans.plans)} plans republished",
                     now,
@@ -740,7 +741,7 @@ class Orchestrator:
     def _write_events(self, batch: list[Outboxed]) -> None:
         with self._leader_tx("events") as s:
             new_nodes = {
-                i.node: i.at for i in batch if isinstance(i, ClusterEvent) and i.kind == "registered" and i.node
+                i.node: i.at for i in batch if isinstance(i, ClusterEvent) and i.kind == EventKind.REGISTERED and i.node
             }
             if new_nodes:  # one statement for a whole cluster's first contact
                 views = self.cluster.nodes if self.cluster else {}
@@ -775,7 +776,7 @@ class Orchestrator:
                             proxies=p.proxies, excluded=p.excluded, reason=p.reason, at=item.at,
                         )  # fmt: skip
                     else:
-                        db.record_event(s, kind="plan_refused", reason=c.reason, at=item.at, job=c.job)
+                        db.record_event(s, kind=EventKind.PLAN_REFUSED, reason=c.reason, at=item.at, job=c.job)
                 elif isinstance(item, checkpoints.Written):
                     db.record_event_once(
                         s, kind=checkpoints.WRITTEN, job=item.job, key=checkpoints.written_key(item.step),
@@ -862,14 +863,14 @@ class Orchestrator:
         self._joined = {  # ranks that registered or stepped, of the jobs waiting for them (services/jobs.py)
             job: {*self.plans.ranks.get(job, ()), *(p.ranks if (p := self.progress.jobs.get(job)) else ())}
             for job, (state, _) in self.job_states.items()
-            if state in ("PENDING", "STARTING")
+            if state in (JobState.PENDING, JobState.STARTING)
         }
         nodes = self.cluster.nodes if self.cluster is not None else {}
         self._healthy_excluded = {
             n
             for ex in self._excluded_nodes.values()
             for n in ex
-            if n in nodes and nodes[n].health.state == State.HEALTHY
+            if n in nodes and nodes[n].health.state == NodeState.HEALTHY
         }
         try:
             async with self._db_lock:
@@ -924,7 +925,7 @@ class Orchestrator:
                 except KeyError:
                     log.warning("event=job_status_unknown_job job=%s node=%s", st.job, st.node)
             for job in db.list_jobs(s, states=ACTIVE):
-                if job.id not in self._rejoins and job.state == "RUNNING" and excluded.get(job.id):
+                if job.id not in self._rejoins and job.state == JobState.RUNNING and excluded.get(job.id):
                     # counted from the events, so a restarted orchestrator keeps the cap
                     done = db.list_events(s, job=job.id, kinds=["rank_rejoin"], limit=100_000)
                     self._rejoins[job.id] = {}
@@ -970,7 +971,7 @@ class Orchestrator:
                         f"the ranks on {node} are gone and it is HEALTHY: launched anew to rejoin job {job.id} "
                         f"(relaunch {count[node]} of at most {self.settings.job_max_rejoins})"
                     )
-                    db.record_event(s, kind="rank_rejoin", reason=reason, at=now, node=node, job=job.id)
+                    db.record_event(s, kind=EventKind.RANK_REJOIN, reason=reason, at=now, node=node, job=job.id)
                     log.info("event=rank_rejoin job=%s node=%s relaunch=%d", job.id, node, count[node])
                     sends.append(
                         _Send(
@@ -1125,12 +1126,12 @@ class Orchestrator:
                 job = db.get_job(s, job_id=job_id)
                 if job is None:
                     raise KeyError(job_id)
-                if job.state in TERMINAL or job.state == "STOPPING":
+                if job.state in TERMINAL or job.state == JobState.STOPPING:
                     return False, [], {}, "", 0
                 db.set_job_state(
                     s,
                     job_id=job_id,
-                    state="STOPPING",
+                    state=JobState.STOPPING,
                     reason=f"stop asked by {actor}",
                     at=self.clock.now(),
                     actor=actor,

@@ -64,11 +64,11 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from clusterpulse.states import NodeState
 from clusterpulse.wire import TOPOLOGY_LABELS, Plan
-from services.health import State
 
-PARTICIPATING = frozenset({State.HEALTHY, State.SUSPECT})
-UNKNOWN_HEALTH = State.SUSPECT
+PARTICIPATING = frozenset({NodeState.HEALTHY, NodeState.SUSPECT})
+UNKNOWN_HEALTH = NodeState.SUSPECT
 """The state of a node missing from ``health``."""
 
 _TIER_NAMES = (*(f"same {label}" for label in TOPOLOGY_LABELS), "ring order")
@@ -130,12 +130,12 @@ class _Job:
     """The inputs of one evaluation, looked up by rank."""
 
     node_of: Mapping[int, str]
-    known: Mapping[str, State]  # nodes with a health record
+    known: Mapping[str, NodeState]  # nodes with a health record
     labels: Mapping[str, Mapping[str, str]]
     cap: int
     unreachable: frozenset[int] = frozenset()
 
-    def state(self, rank: int) -> State:
+    def state(self, rank: int) -> NodeState:
         return self.known.get(self.node_of[rank], UNKNOWN_HEALTH)
 
     def name(self, rank: int) -> str:
@@ -159,7 +159,7 @@ def plan(
     job: str,
     ranks: Sequence[RankInfo],
     labels: Mapping[str, Mapping[str, str]],
-    health: Mapping[str, State],
+    health: Mapping[str, NodeState],
     previous: Plan | None,
     policy: PlannerPolicy,
     unreachable: Collection[int] = frozenset(),
@@ -168,7 +168,7 @@ def plan(
 
     See the module docstring for the whole contract. ``previous`` must be this job's plan (a
     plan of another job is a caller bug: :class:`ValueError`); ranks it names that are no longer
-    in ``ranks`` are dropped. ``health`` values may be :class:`State` or their string values.
+    in ``ranks`` are dropped. ``health`` values may be :class:`NodeState` or their string values.
     """
     if previous is not None and previous.job != job:
         raise ValueError(f"previous plan is for job {previous.job!r}, not {job!r}")
@@ -177,7 +177,7 @@ def plan(
         return Refusal(f"job {job}: {problem}")
 
     node_of = {r.rank: r.node for r in ranks}
-    known = {n: State(health[n]) for n in set(node_of.values()) if n in health}
+    known = {n: NodeState(health[n]) for n in set(node_of.values()) if n in health}
     view = _Job(
         node_of=node_of,
         known=known,
@@ -188,8 +188,8 @@ def plan(
     order = sorted(node_of)
     reachable = [r for r in order if r not in view.unreachable]
     participants = [r for r in reachable if view.state(r) in PARTICIPATING]
-    degraded = [r for r in reachable if view.state(r) is State.DEGRADED]
-    excluded = [r for r in order if r in view.unreachable or view.state(r) is State.LOST]
+    degraded = [r for r in reachable if view.state(r) is NodeState.DEGRADED]
+    excluded = [r for r in order if r in view.unreachable or view.state(r) is NodeState.LOST]
 
     if not participants:
         return Refusal(

@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from clusterpulse import wire
+from clusterpulse.states import NodeState
 from services.cluster import Cluster
-from services.health import State
 from services.planner import PlannerPolicy, RankInfo, Refusal, plan
 
 
@@ -111,7 +111,7 @@ class PlanKeeper:
             if len(ranks) < self.world.get(job, 0):
                 continue  # not every rank has registered yet: no plan for half a job
             nodes = {r.node for r in ranks.values()}
-            health: dict[str, State] = {n: cluster.nodes[n].health.state for n in nodes if n in cluster.nodes}
+            health: dict[str, NodeState] = {n: cluster.nodes[n].health.state for n in nodes if n in cluster.nodes}
             labels = {n: cluster.nodes[n].labels for n in nodes if n in cluster.nodes}
             prev = self.plans.get(job)
             result = plan(

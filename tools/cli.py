@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from clusterpulse.settings import Settings, load_settings
+from clusterpulse.states import TERMINAL_JOB_STATES, JobState
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -326,8 +327,8 @@ def _follow(job_id: str, every: float = 1.0) -> int:
         if line != last:
             print(f"{time.strftime('%H:%M:%S')} {job_id} {line}", flush=True)
             last = line
-        if j["state"] in ("SUCCEEDED", "FAILED", "STOPPED"):
-            return 0 if j["state"] == "SUCCEEDED" else 1
+        if j["state"] in TERMINAL_JOB_STATES:
+            return 0 if j["state"] == JobState.SUCCEEDED else 1
         time.sleep(every)
 
 

@@ -109,6 +109,7 @@ import httpx
 import redis
 
 from clusterpulse import wire
+from clusterpulse.states import TERMINAL_JOB_STATES, EventKind, JobState, NodeState
 from tools.harness import HarnessError, PrivateRedis, free_port, wait_for
 
 log = logging.getLogger("pulse.goodput")
@@ -157,6 +158,11 @@ class CampaignError(RuntimeError):
 
 def _wait(cond: Any, *, timeout: float, what: str, every: float = 0.1) -> Any:
     return wait_for(cond, timeout=timeout, what=what, every=every, error=CampaignError)
+
+
+def _degraded(event: dict[str, Any], node: str | None) -> bool:
+    """Whether a stored event (as the REST API shows it) is ``node`` going DEGRADED."""
+    return (event["kind"], event["node"], event["to_state"]) == (EventKind.HEALTH, node, NodeState.DEGRADED)
 
 
 def percentiles(values: list[float]) -> dict[str, float | int | None]:
@@ -552,7 +558,7 @@ def _wait_first_step(stack: Stack, run: Run, timeout: float) -> None:
         if run.first_step_at is not None:
             return True
         st = stack.get(f"/v1/jobs/{run.job}")
-        if st["state"] in ("FAILED", "STOPPED", "SUCCEEDED"):
+        if st["state"] in TERMINAL_JOB_STATES:
             raise CampaignError(f"job {run.job} {st['state']} before its first step: {st.get('reason')}")
         return False
 
@@ -744,7 +750,7 @@ class Campaign:
         if ff_steps < 1:
             raise CampaignError("the fault-free run made no step")
         s.post(f"/v1/jobs/{ff.job}/stop")
-        _wait(lambda: s.get(f"/v1/jobs/{ff.job}")["state"] == "STOPPED", timeout=60, what="fault-free job STOPPED")
+        _wait(lambda: s.get(f"/v1/jobs/{ff.job}")["state"] == JobState.STOPPED, timeout=60, what="its stop")
         ff_losses = _mean_loss_by_step(ff)
         ff_final = ff_losses.get(ff_steps)
         tail = [ff_losses[k] for k in sorted(ff_losses) if k <= ff_steps][-max(20, ff_steps // 5) :]
@@ -806,7 +812,7 @@ class Campaign:
     def _resubmit_if_failed(self, runs: list[Run]) -> None:
         assert self.monitor is not None
         states = [st for _, j, st in self.monitor.job_states if j == runs[-1].job]
-        if states and states[-1] == "FAILED":
+        if states and states[-1] == JobState.FAILED:
             self.restarts += 1
             self.lost_ranks.clear()
             name = f"goodput-restart{self.restarts}"
@@ -826,10 +832,10 @@ class Campaign:
         deadline = time.time() + self.args.finish_timeout
         while time.time() < deadline:
             states = [st for _, j, st in self.monitor.job_states if j == runs[-1].job]
-            if states and states[-1] in ("SUCCEEDED", "STOPPED"):
+            if states and states[-1] in (JobState.SUCCEEDED, JobState.STOPPED):
                 return states[-1]
-            if states and states[-1] == "FAILED":
-                return "FAILED"
+            if states and states[-1] == JobState.FAILED:
+                return JobState.FAILED
             time.sleep(0.5)
         return "TIMEOUT"
 
@@ -969,20 +975,20 @@ class Campaign:
             window_end = (f.heal_at or f.at) + 15.0
             evs = [e for e in events if f.at - 0.5 <= e["at"] <= window_end]
             if f.kind in DEGRADING:
-                hits = [e for e in evs if e["kind"] == "health" and e["node"] == f.node and e["to_state"] == "DEGRADED"]
+                hits = [e for e in evs if _degraded(e, f.node)]
                 f.event = bool(hits)
                 degraded = [t for t, n, st in mon.node_states if n == f.node and st == "DEGRADED" and t >= f.at]
                 if degraded and degraded[0] <= window_end:
                     f.detected_s = degraded[0] - f.at
             elif f.kind in RANK_KINDS:
-                f.event = any(e["kind"] == "rank_unreachable" and e["node"] == f.node for e in evs)
+                f.event = any(e["kind"] == EventKind.RANK_UNREACHABLE and e["node"] == f.node for e in evs)
                 excl = [t for t, p in mon.plans if t >= f.at and f.rank in (p.get("excluded") or [])]
                 if excl:
                     f.detected_s = excl[0] - f.at
             elif f.kind == "redis_restart":
-                f.event = any(e["kind"] in ("partition", "redis_outage") for e in evs)
+                f.event = any(e["kind"] in (EventKind.PARTITION, EventKind.REDIS_OUTAGE) for e in evs)
             elif f.kind == "orchestrator_restart":
-                f.event = any(e["kind"] in ("orchestrator_started", "leader") for e in evs)
+                f.event = any(e["kind"] in (EventKind.ORCHESTRATOR_STARTED, EventKind.LEADER) for e in evs)
             if f.rank is not None and f.kind in (*DEGRADING, *RANK_KINDS):
                 run = next((r for r in reversed(runs) if r.submitted <= f.at), runs[0])
                 gens = sorted(

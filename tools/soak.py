@@ -62,14 +62,20 @@ import redis
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from agent.simulated import FAULT_KINDS
+from agent.simulated import FAULT_KINDS, PERMANENT_FAULTS, THROTTLE_OF
+from clusterpulse.states import EventKind, NodeState
+from services.health import SUSTAINED_THROTTLE
 from tools.harness import HarnessError, PrivateRedis, free_port
 
-HARD = frozenset({"psu_imbalance", "pcie_x8", "xid", "gpu_lost", "ecc"})
-THROTTLE = frozenset({"thermal", "power_brake"})
-PERMANENT = frozenset({"ecc"})
-BAD_STATES = frozenset({"DEGRADED", "LOST"})
-UNWELL = ("SUSPECT", "DEGRADED", "LOST")
+# What each simulated fault is to the health model, read off the simulator and the model itself:
+# a throttling fault degrades only once sustained, silence only after degraded_after, every other
+# fault at the next heartbeat.
+THROTTLE = frozenset(k for k, reason in THROTTLE_OF.items() if reason in SUSTAINED_THROTTLE)
+HARD = frozenset(FAULT_KINDS) - THROTTLE - {"silent"}
+PERMANENT = PERMANENT_FAULTS
+BAD_STATES = frozenset({NodeState.DEGRADED, NodeState.LOST})
+UNWELL = (NodeState.SUSPECT, NodeState.DEGRADED, NodeState.LOST)
+JUDGED_EVENTS = (EventKind.HEALTH, EventKind.PARTITION, EventKind.LEADER)
 PERSIST_INTERVAL_S = 5.0
 
 
@@ -344,14 +350,14 @@ async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, 
 
     engine = db.make_engine(db_url)
     with db.session_factory(engine)() as s:
-        rows = db.list_events(s, since=soak_wall0 - 1.0, kinds=["health", "partition", "leader"], limit=10**7)
+        rows = db.list_events(s, since=soak_wall0 - 1.0, kinds=list(JUDGED_EVENTS), limit=10**7)
         transitions = [
             Transition(e.node, e.to_state, round(e.at - soak_wall0, 3), e.reason)
             for e in rows
-            if e.kind == "health" and e.node and e.to_state
+            if e.kind == EventKind.HEALTH and e.node and e.to_state
         ]
-        partitions = sum(e.kind == "partition" for e in rows)
-        elections = sum(e.kind == "leader" for e in rows)  # the one replica took the lease anew
+        partitions = sum(e.kind == EventKind.PARTITION for e in rows)
+        elections = sum(e.kind == EventKind.LEADER for e in rows)  # the one replica took the lease anew
     engine.dispose()
     verdict = judge(faults, transitions, timing=timing)
     permanent = {f.node for f in faults if not f.clears}

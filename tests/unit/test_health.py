@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clusterpulse import wire
+from clusterpulse.states import NodeState
 from services.health import (
     NodeHealth,
     Policy,
-    State,
     apply,
     assess,
     evaluate,
@@ -102,7 +102,7 @@ def test_each_hard_fault_degrades(beat: wire.Heartbeat, needle: str) -> None:
     assert any(needle in f for f in s.faults), s
     n = observe(NodeHealth(name="n1"), beat, received_at=0.0, policy=P)
     t = evaluate(n, now=0.0, grace_start=0.0, partitioned=False, policy=P)
-    assert t is not None and t.new is State.DEGRADED and needle in t.reason
+    assert t is not None and t.new is NodeState.DEGRADED and needle in t.reason
 
 
 @pytest.mark.parametrize(
@@ -120,7 +120,7 @@ def test_each_warning_makes_suspect(beat: wire.Heartbeat, needle: str) -> None:
     assert not s.faults and any(needle in w for w in s.warnings), s
     n = observe(NodeHealth(name="n1"), beat, received_at=0.0, policy=P)
     new, reason = target(n, now=0.0, grace_start=0.0, partitioned=False, policy=P)
-    assert new is State.SUSPECT and needle in reason
+    assert new is NodeState.SUSPECT and needle in reason
 
 
 def test_clean_telemetry_and_near_misses_are_healthy() -> None:
@@ -129,7 +129,7 @@ def test_clean_telemetry_and_near_misses_are_healthy() -> None:
         psus=[psu("PS1", out=66.0), psu("PS2", out=58.1)],  # 7.9 A apart: inside the 8 A bound
     )
     assert assess(near, throttle_for=100.0, policy=P) == assess(hb(), throttle_for=0.0, policy=P)
-    assert assess(hb(), throttle_for=0.0, policy=P).level is State.HEALTHY
+    assert assess(hb(), throttle_for=0.0, policy=P).level is NodeState.HEALTHY
 
 
 def test_idle_gpus_are_not_below_busy_peers() -> None:
@@ -168,9 +168,9 @@ def test_sustained_throttling_degrades_only_after_sustain_window() -> None:
     node = fresh()
     hot = hb(gpus=[gpu(0, throttle=("power_brake",))])
     node, t = feed(node, hot, 1.0, 5)  # t = 1..5: 4 s of throttling
-    assert node.state is State.SUSPECT
+    assert node.state is NodeState.SUSPECT
     node, t = feed(node, hot, t, 2)  # reaches 5 s
-    assert node.state is State.DEGRADED and "throttling for" in node.reason
+    assert node.state is NodeState.DEGRADED and "throttling for" in node.reason
 
 
 def test_throttle_break_resets_the_window() -> None:
@@ -179,7 +179,7 @@ def test_throttle_break_resets_the_window() -> None:
     node, t = feed(node, hot, 1.0, 4)
     node, t = feed(node, hb(), t, 1)
     node, t = feed(node, hot, t, 4)
-    assert node.state is State.SUSPECT and node.throttle_since == pytest.approx(t - 4)
+    assert node.state is NodeState.SUSPECT and node.throttle_since == pytest.approx(t - 4)
 
 
 # --- silence, grace, LOST -----------------------------------------------------------------------
@@ -187,37 +187,37 @@ def test_throttle_break_resets_the_window() -> None:
 
 def test_silence_suspect_then_degraded_then_lost() -> None:
     node = fresh()
-    assert step(node, 1.9).state is State.HEALTHY
+    assert step(node, 1.9).state is NodeState.HEALTHY
     node = step(node, 2.0)
-    assert node.state is State.SUSPECT and "heartbeat 2.0s old" in node.reason
-    assert step(node, 9.9).state is State.SUSPECT
+    assert node.state is NodeState.SUSPECT and "heartbeat 2.0s old" in node.reason
+    assert step(node, 9.9).state is NodeState.SUSPECT
     node = step(node, 10.0)
-    assert node.state is State.DEGRADED and "no heartbeat for 10.0s" in node.reason
+    assert node.state is NodeState.DEGRADED and "no heartbeat for 10.0s" in node.reason
     node = step(node, 30.0)
-    assert node.state is State.LOST and "no trainer ranks" in node.reason
+    assert node.state is NodeState.LOST and "no trainer ranks" in node.reason
 
 
 def test_lost_needs_trainer_silence_too() -> None:
     node = replace(fresh(), last_progress=25.0)
     node = step(node, 40.0)
-    assert node.state is State.DEGRADED  # ranks stepped 15 s ago: the node still computes
+    assert node.state is NodeState.DEGRADED  # ranks stepped 15 s ago: the node still computes
     node = step(node, 55.0)
-    assert node.state is State.LOST and "no progress for 30s" in node.reason
+    assert node.state is NodeState.LOST and "no progress for 30s" in node.reason
 
 
 def test_startup_grace_gives_a_full_degraded_after() -> None:
     node = fresh()  # last seen at 0
     restarted_at = 100.0
-    assert step(node, 101.0, grace=restarted_at).state is State.HEALTHY
-    assert step(node, 102.0, grace=restarted_at).state is State.SUSPECT
-    assert step(node, 109.9, grace=restarted_at).state is State.SUSPECT
-    assert step(node, 110.0, grace=restarted_at).state is State.DEGRADED
+    assert step(node, 101.0, grace=restarted_at).state is NodeState.HEALTHY
+    assert step(node, 102.0, grace=restarted_at).state is NodeState.SUSPECT
+    assert step(node, 109.9, grace=restarted_at).state is NodeState.SUSPECT
+    assert step(node, 110.0, grace=restarted_at).state is NodeState.DEGRADED
 
 
 def test_never_seen_node_is_timed_from_grace_start() -> None:
     node = NodeHealth(name="ghost", since=0.0)
-    assert step(node, 9.0, grace=0.0).state is State.SUSPECT
-    assert step(node, 10.0, grace=0.0).state is State.DEGRADED
+    assert step(node, 9.0, grace=0.0).state is NodeState.SUSPECT
+    assert step(node, 10.0, grace=0.0).state is NodeState.DEGRADED
 
 
 # --- hysteresis ---------------------------------------------------------------------------------
@@ -226,11 +226,11 @@ def test_never_seen_node_is_timed_from_grace_start() -> None:
 def test_recovery_needs_recover_after_good_heartbeats() -> None:
     node = fresh()
     node, t = feed(node, hb(gpus=[gpu(0, pcie_link_width=8)]), 1.0, 2)
-    assert node.state is State.DEGRADED
+    assert node.state is NodeState.DEGRADED
     node, t = feed(node, hb(), t, 2)
-    assert node.state is State.DEGRADED
+    assert node.state is NodeState.DEGRADED
     node, t = feed(node, hb(), t, 1)
-    assert node.state is State.HEALTHY and "recovered after 3 good heartbeats" in node.reason
+    assert node.state is NodeState.HEALTHY and "recovered after 3 good heartbeats" in node.reason
 
 
 def test_flapping_fault_never_recovers() -> None:
@@ -240,7 +240,7 @@ def test_flapping_fault_never_recovers() -> None:
     for _ in range(10):
         node, t = feed(node, bad, t, 1)
         node, t = feed(node, hb(), t, 2)
-        assert node.state is State.DEGRADED
+        assert node.state is NodeState.DEGRADED
 
 
 def test_recovery_to_intermediate_state_needs_its_own_streak() -> None:
@@ -248,19 +248,19 @@ def test_recovery_to_intermediate_state_needs_its_own_streak() -> None:
     node, t = feed(node, hb(gpus=[gpu(0, pcie_link_width=8)]), 1.0, 1)
     warm = hb(gpus=[gpu(0, temperature_celsius=90.0)])
     node, t = feed(node, warm, t, 3)
-    assert node.state is State.SUSPECT
+    assert node.state is NodeState.SUSPECT
     node, t = feed(node, hb(), t, 3)
-    assert node.state is State.HEALTHY
+    assert node.state is NodeState.HEALTHY
 
 
 def test_lost_node_back_with_fault_becomes_degraded_after_streak() -> None:
     node = step(fresh(), 30.0)
-    assert node.state is State.LOST
+    assert node.state is NodeState.LOST
     bad = hb(gpus=[gpu(0, ecc_volatile_uncorrected=1)])
     node, t = feed(node, bad, 31.0, 2)
-    assert node.state is State.LOST
+    assert node.state is NodeState.LOST
     node, t = feed(node, bad, t, 1)
-    assert node.state is State.DEGRADED
+    assert node.state is NodeState.DEGRADED
 
 
 def test_gap_longer_than_suspect_after_breaks_streak() -> None:
@@ -268,7 +268,7 @@ def test_gap_longer_than_suspect_after_breaks_streak() -> None:
     node, t = feed(node, hb(gpus=[gpu(0, pcie_link_width=8)]), 1.0, 1)
     node, t = feed(node, hb(), t, 2, dt=5.0)  # heartbeats 5 s apart: not consecutive
     assert node.streak[0] == 1
-    assert node.state is not State.HEALTHY
+    assert node.state is not NodeState.HEALTHY
 
 
 def test_redelivered_older_heartbeat_changes_nothing() -> None:
@@ -291,7 +291,7 @@ def test_partition_suspected_over_fraction() -> None:
 
 
 def test_lost_nodes_do_not_count_towards_partition() -> None:
-    nodes = [replace(n, state=State.LOST) if i < 3 else n for i, n in enumerate(_nodes(5, 8, 20.0))]
+    nodes = [replace(n, state=NodeState.LOST) if i < 3 else n for i, n in enumerate(_nodes(5, 8, 20.0))]
     suspected, silent, total = partition_suspected(nodes, now=20.0, grace_start=0.0, policy=P)
     assert (suspected, silent, total) == (False, 2, 5)
 
@@ -299,9 +299,9 @@ def test_lost_nodes_do_not_count_towards_partition() -> None:
 def test_partition_brake_degrades_nobody_for_silence_but_faults_still_count() -> None:
     node = fresh()
     braked = step(node, 50.0, partitioned=True)
-    assert braked.state is State.SUSPECT and "partition suspected" in braked.reason
+    assert braked.state is NodeState.SUSPECT and "partition suspected" in braked.reason
     faulty = observe(node, hb(gpus=[gpu(0, pcie_link_width=8)]), received_at=1.0, policy=P)
-    assert step(faulty, 1.0, partitioned=True).state is State.DEGRADED
+    assert step(faulty, 1.0, partitioned=True).state is NodeState.DEGRADED
 
 
 # --- properties ---------------------------------------------------------------------------------

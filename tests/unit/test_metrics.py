@@ -7,8 +7,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.daemon import NodeAgent
 from agent.simulated import FAULT_KINDS, SimulatedNode
 from clusterpulse import wire
+from clusterpulse.states import NodeState
 from services.cluster import Cluster
-from services.health import Policy, State, assess
+from services.health import Policy, assess
 from services.metrics import Renderer
 
 SPEC_METRICS = {
@@ -136,4 +137,4 @@ def test_each_simulated_fault_reads_as_its_real_failure() -> None:
     clean = SimulatedNode("n", gpus=8, seed=3)
     clean.sample()
     hb = NodeAgent(node="n", gpu=clean, gpu_source="simulated", interval_s=1, sim=clean).heartbeat(clean.sample())
-    assert assess(hb, throttle_for=0.0, policy=Policy()).level is State.HEALTHY
+    assert assess(hb, throttle_for=0.0, policy=Policy()).level is NodeState.HEALTHY

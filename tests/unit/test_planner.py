@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from clusterpulse.states import NodeState
 from clusterpulse.wire import Plan, encode
-from services.health import State
 from services.planner import PlannerPolicy, RankInfo, Refusal, plan
 
-H, S, D, L = State.HEALTHY, State.SUSPECT, State.DEGRADED, State.LOST
+H, S, D, L = NodeState.HEALTHY, NodeState.SUSPECT, NodeState.DEGRADED, NodeState.LOST
 LABEL_KEYS = ("nvlink_domain", "switch", "rack")
 Labels = Mapping[str, Mapping[str, str]]
 
@@ -24,7 +24,7 @@ def one_per_node(n: int) -> list[RankInfo]:
     return [RankInfo(rank=i, node=f"n{i}") for i in range(n)]
 
 
-def healthy(ranks: Sequence[RankInfo], **states: State) -> dict[str, State]:
+def healthy(ranks: Sequence[RankInfo], **states: NodeState) -> dict[str, NodeState]:
     health = {r.node: H for r in ranks}
     health.update(states)
     return health
@@ -32,7 +32,7 @@ def healthy(ranks: Sequence[RankInfo], **states: State) -> dict[str, State]:
 
 def run(
     ranks: Sequence[RankInfo],
-    health: Mapping[str, State],
+    health: Mapping[str, NodeState],
     labels: Labels | None = None,
     previous: Plan | None = None,
     cap: int = 1,
@@ -337,14 +337,14 @@ def jobs(draw: st.DrawFn) -> tuple[list[RankInfo], dict[str, dict[str, str]], in
     return ranks, labels, cap
 
 
-def healths(ranks: Sequence[RankInfo]) -> st.SearchStrategy[dict[str, State]]:
+def healths(ranks: Sequence[RankInfo]) -> st.SearchStrategy[dict[str, NodeState]]:
     nodes = sorted({r.node for r in ranks})
     return st.lists(st.sampled_from(HEALTH_CHOICES), min_size=len(nodes), max_size=len(nodes)).map(
         lambda states: {n: s for n, s in zip(nodes, states, strict=True) if s is not None}
     )
 
 
-def state_of(node: str, health: Mapping[str, State]) -> State:
+def state_of(node: str, health: Mapping[str, NodeState]) -> NodeState:
     return health.get(node, S)
 
 
@@ -357,7 +357,7 @@ def ref_tier(a: str, b: str, labels: Labels) -> int:
     return 3
 
 
-def check_valid(ranks: Sequence[RankInfo], health: Mapping[str, State], cap: int, result: Plan | Refusal) -> None:
+def check_valid(ranks: Sequence[RankInfo], health: Mapping[str, NodeState], cap: int, result: Plan | Refusal) -> None:
     node_of = {r.rank: r.node for r in ranks}
     want_part = sorted(r for r, n in node_of.items() if state_of(n, health) in (H, S))
     want_deg = sorted(r for r, n in node_of.items() if state_of(n, health) is D)
@@ -386,8 +386,8 @@ def check_valid(ranks: Sequence[RankInfo], health: Mapping[str, State], cap: int
 
 
 def shuffled(
-    rng: random.Random, ranks: Sequence[RankInfo], labels: Labels, health: Mapping[str, State]
-) -> tuple[list[RankInfo], dict[str, dict[str, str]], dict[str, State]]:
+    rng: random.Random, ranks: Sequence[RankInfo], labels: Labels, health: Mapping[str, NodeState]
+) -> tuple[list[RankInfo], dict[str, dict[str, str]], dict[str, NodeState]]:
     r2 = list(ranks)
     rng.shuffle(r2)
     label_items = list(labels.items())
@@ -469,7 +469,7 @@ def check_nearest(ranks: Sequence[RankInfo], labels: Labels, cap: int, result: P
 
 
 def arbitrary_previous(
-    data: st.DataObject, ranks: Sequence[RankInfo], health: Mapping[str, State], cap: int
+    data: st.DataObject, ranks: Sequence[RankInfo], health: Mapping[str, NodeState], cap: int
 ) -> Plan | None:
     """A valid plan for ``health`` whose carriers are drawn at random (not the planner's choice),
     so that keeping them is visible; ``None`` when no valid plan exists."""

@@ -1,0 +1,59 @@
+"""The names every layer shares: node and job states and the kinds of stored event.
+
+One home for each: the orchestrator writes them, the REST API and /metrics show them, the CLI,
+the benchmarks and the campaigns match them. They are ``StrEnum``s, so a member is equal to the
+string stored in the database and sent over the wire (``JobState.RUNNING == "RUNNING"``).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class NodeState(StrEnum):
+    """A node's health (services/health.py decides it)."""
+
+    HEALTHY = "HEALTHY"
+    SUSPECT = "SUSPECT"
+    DEGRADED = "DEGRADED"
+    LOST = "LOST"
+
+
+class JobState(StrEnum):
+    """A job's life (services/jobs.py decides it)."""
+
+    PENDING = "PENDING"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    STOPPING = "STOPPING"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+ACTIVE_JOB_STATES = (JobState.PENDING, JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
+TERMINAL_JOB_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+
+
+class EventKind(StrEnum):
+    """The ``kind`` of a stored event (``GET /v1/events``). A trainer's own events (a loss
+    spike, ...) keep the kind the trainer reported."""
+
+    HEALTH = "health"  # a node's state changed (from_state, to_state)
+    REGISTERED = "registered"  # a node's first heartbeat
+    PARTITION = "partition"  # the partition brake engaged or released
+    REDIS_OUTAGE = "redis_outage"
+    CORDON = "cordon"
+    UNCORDON = "uncordon"
+    LEADER = "leader"  # a replica took the lease
+    ORCHESTRATOR_STARTED = "orchestrator_started"
+    JOB = "job"  # a job's state changed
+    PLAN = "plan"  # a new plan generation
+    PLAN_REFUSED = "plan_refused"
+    RANK_UNREACHABLE = "rank_unreachable"
+    RANK_REJOIN = "rank_rejoin"
+    STRAGGLER = "straggler"
+    CHECKPOINT_REQUESTED = "checkpoint_requested"
+    CHECKPOINT_WRITTEN = "checkpoint_written"
+    TOKEN_CREATED = "token_created"
+    TOKEN_REVOKED = "token_revoked"

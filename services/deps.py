@@ -24,8 +24,8 @@ from services.tokens import (
     ANONYMOUS_ADMIN,
     ANONYMOUS_NAME,
     ANONYMOUS_VIEWER,
+    AuthRefusal,
     Caller,
-    Refusal,
     Role,
     TokenStore,
     authorize,
@@ -92,7 +92,7 @@ async def _require(
     caller = await tokens.authenticate(creds.credentials) if creds is not None else None
     _rate_limit(request, caller.name if caller else ANONYMOUS_NAME)
     out = authorize(needed=needed, presented=creds is not None, caller=caller)
-    if isinstance(out, Refusal):
+    if isinstance(out, AuthRefusal):
         log.info(
             "event=auth_refused status=%d method=%s path=%s token=%s needed=%s",
             out.status,

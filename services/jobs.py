@@ -51,7 +51,7 @@ JOB_STATES = (*ACTIVE, *TERMINAL)
 
 
 @dataclass(frozen=True)
-class Decision:
+class JobDecision:
     state: str
     reason: str
     send: str | None = None  # "launch" or "stop": to every assigned node
@@ -83,22 +83,22 @@ def decide(
     healthy: Collection[str] = (),
     rejoins: Mapping[str, int] | None = None,
     max_rejoins: int = 0,
-) -> Decision:
+) -> JobDecision:
     """What to do with a job in ``state`` since ``since``, given ``status[node]`` (the latest
     JobStatus of each node as a dict) and ``joined``, the ranks that registered or reported a step
     (ranks outside the job's world are ignored). ``rendezvous`` (``addr:port``) is only named in
     reasons. A command in ``send`` with an unchanged state is a resend: the caller sends it at
     most every few seconds, so a command lost in a crash is sent again."""
     if state in TERMINAL:
-        return Decision(state, "")
+        return JobDecision(state, "")
     states = {n: str(status[n]["state"]) for n in nodes if n in status}
     if state == JobState.PENDING:
-        return Decision(JobState.STARTING, f"launch sent to {', '.join(nodes)}", send="launch")
+        return JobDecision(JobState.STARTING, f"launch sent to {', '.join(nodes)}", send="launch")
     if state == JobState.STOPPING:
         running = [n for n in nodes if states.get(n) == "started"]
         if not running:
-            return Decision(JobState.STOPPED, "every node's ranks are gone")
-        return Decision(JobState.STOPPING, "", send="stop")  # re-sent (rate-limited by the caller) until gone
+            return JobDecision(JobState.STOPPED, "every node's ranks are gone")
+        return JobDecision(JobState.STOPPING, "", send="stop")  # re-sent (rate-limited by the caller) until gone
     relaunch: tuple[str, ...] = ()
     if state == JobState.RUNNING and excluded:
         relaunch = tuple(
@@ -113,22 +113,22 @@ def decide(
     for n in nodes:
         st = status.get(n, {})
         if states.get(n) == "preflight_failed":
-            return Decision(JobState.FAILED, f"preflight failed on {n}: {st.get('detail', '')}", send="stop")
+            return JobDecision(JobState.FAILED, f"preflight failed on {n}: {st.get('detail', '')}", send="stop")
         if states.get(n) == "lost":
-            return Decision(JobState.FAILED, f"the ranks on {n} were lost: {st.get('detail', '')}", send="stop")
+            return JobDecision(JobState.FAILED, f"the ranks on {n} were lost: {st.get('detail', '')}", send="stop")
         if states.get(n) == "exited" and st.get("exit_code") != 0:
-            return Decision(
+            return JobDecision(
                 JobState.FAILED, f"ranks on {n} exited with {st.get('exit_code')}{_last_line(st)}", send="stop"
             )
     if nodes and all(states.get(n) == "exited" for n in nodes):
         # the stop ends what outlives the ranks: the job's store (agent/jobstore.py), an excluded rank still hung
-        return Decision(JobState.SUCCEEDED, f"every node's ranks exited 0 ({len(nodes)} nodes)", send="stop")
+        return JobDecision(JobState.SUCCEEDED, f"every node's ranks exited 0 ({len(nodes)} nodes)", send="stop")
     if state == JobState.STARTING:
         return _starting(
             state=state, nodes=nodes, states=states, since=since, now=now, start_timeout=start_timeout,
             joined=joined, per_node=max(1, gpus_per_node), rendezvous=rendezvous,
         )  # fmt: skip
-    return Decision(state, "", relaunch=relaunch)
+    return JobDecision(state, "", relaunch=relaunch)
 
 
 def _starting(
@@ -142,28 +142,32 @@ def _starting(
     joined: Collection[int],
     per_node: int,
     rendezvous: str,
-) -> Decision:
+) -> JobDecision:
     """A STARTING job: RUNNING once every rank of its world joined, FAILED at the start timeout
     naming who is missing, else the launch resent until every node answered."""
     world = len(nodes) * per_node
     seen = {r for r in joined if 0 <= r < world}
     answered = all(states.get(n) in ("started", "exited") for n in nodes)
     if answered and len(seen) == world:
-        return Decision(JobState.RUNNING, f"every rank rendezvoused at {rendezvous}: {world} ranks on {_names(nodes)}")
+        return JobDecision(
+            JobState.RUNNING, f"every rank rendezvoused at {rendezvous}: {world} ranks on {_names(nodes)}"
+        )
     if now - since > start_timeout:
         missing = [n for n in nodes if n not in states]
         if missing:
-            return Decision(JobState.FAILED, f"no start from {_names(missing)} within {start_timeout:g}s", send="stop")
+            return JobDecision(
+                JobState.FAILED, f"no start from {_names(missing)} within {start_timeout:g}s", send="stop"
+            )
         waiting = [n for i, n in enumerate(nodes) if any(i * per_node + j not in seen for j in range(per_node))]
-        return Decision(
+        return JobDecision(
             JobState.FAILED,
             f"ranks did not rendezvous within {start_timeout:g} s at {rendezvous}: {len(seen)} of {world} "
             f"ranks registered or reported a step; waiting on {_names(waiting)}",
             send="stop",
         )
     if answered:
-        return Decision(state, "")  # launched everywhere: the ranks are rendezvousing
-    return Decision(state, "", send="launch")  # re-sent (rate-limited) until every node answers
+        return JobDecision(state, "")  # launched everywhere: the ranks are rendezvousing
+    return JobDecision(state, "", send="launch")  # re-sent (rate-limited) until every node answers
 
 
 def master_addr(first_node: str, label: str | None, published: str) -> str:

@@ -1,6 +1,6 @@
 """Placement: which nodes a job runs on. A pure function; the jobs loop calls it and persists.
 
-``place(nodes, request)`` returns a :class:`Placement` or a :class:`Refusal` that names the
+``place(nodes, request)`` returns a :class:`Placement` or a :class:`PlacementRefusal` that names the
 constraint that failed. Rules:
 
 - only HEALTHY, schedulable nodes whose labels match the request's selector, with at least
@@ -47,7 +47,7 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class Refusal:
+class PlacementRefusal:
     reason: str
 
 
@@ -64,9 +64,9 @@ def _why_not(n: NodeCapacity, req: PlacementRequest) -> str | None:
     return None
 
 
-def place(nodes: Sequence[NodeCapacity], req: PlacementRequest) -> Placement | Refusal:
+def place(nodes: Sequence[NodeCapacity], req: PlacementRequest) -> Placement | PlacementRefusal:
     if req.nodes <= 0:
-        return Refusal(f"nodes={req.nodes}: a job needs at least one node")
+        return PlacementRefusal(f"nodes={req.nodes}: a job needs at least one node")
     eligible = sorted((n for n in nodes if _why_not(n, req) is None), key=lambda n: n.name)
     if len(eligible) < req.nodes:
         reasons: dict[str, int] = {}
@@ -76,7 +76,7 @@ def place(nodes: Sequence[NodeCapacity], req: PlacementRequest) -> Placement | R
                 key = why.split(",")[0] if why.startswith("label") else why
                 reasons[key] = reasons.get(key, 0) + 1
         detail = "; ".join(f"{count} {why}" for why, count in sorted(reasons.items())) or "no nodes known"
-        return Refusal(
+        return PlacementRefusal(
             f"{req.nodes} nodes with {req.gpus_per_node} free GPUs each requested, "
             f"{len(eligible)} HEALTHY and schedulable match (others: {detail})"
         )

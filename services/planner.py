@@ -2,7 +2,7 @@
 
 :func:`plan` takes a job's rank -> node map, the nodes' topology labels (``nvlink_domain``,
 ``switch``, ``rack``), their health and the job's previous plan, and returns the next
-:class:`~clusterpulse.wire.Plan` or a :class:`Refusal`. What each health state means for a rank:
+:class:`~clusterpulse.wire.Plan` or a :class:`PlanRefusal`. What each health state means for a rank:
 
 - ``HEALTHY``, ``SUSPECT``: the rank is a *participant* (in the all-reduce ring).
 - ``DEGRADED``: the rank leaves the ring but keeps computing. It gets exactly one *carrier*, a
@@ -41,7 +41,7 @@ greedy does not promise a globally best matching: an earlier rank may take a nea
 last slot that a later rank wanted too. Since any participant can carry any degraded rank, the
 greedy never fails while the total capacity suffices.
 
-Refusal: when no valid plan exists, :func:`plan` returns :class:`Refusal` with a readable
+PlanRefusal: when no valid plan exists, :func:`plan` returns :class:`PlanRefusal` with a readable
 reason and **the caller keeps the old plan** (it publishes nothing and logs the reason). That
 happens when no participant is left, when the degraded ranks outnumber
 ``len(participants) * max_proxied_per_rank``, or when the rank map itself is invalid (empty,
@@ -94,7 +94,7 @@ class PlannerPolicy:
 
 
 @dataclass(frozen=True)
-class Refusal:
+class PlanRefusal:
     """No valid plan exists for these inputs; the caller keeps its current plan."""
 
     reason: str
@@ -163,8 +163,8 @@ def plan(
     previous: Plan | None,
     policy: PlannerPolicy,
     unreachable: Collection[int] = frozenset(),
-) -> Plan | Refusal:
-    """The job's next aggregation plan, or a :class:`Refusal` (then keep the old plan).
+) -> Plan | PlanRefusal:
+    """The job's next aggregation plan, or a :class:`PlanRefusal` (then keep the old plan).
 
     See the module docstring for the whole contract. ``previous`` must be this job's plan (a
     plan of another job is a caller bug: :class:`ValueError`); ranks it names that are no longer
@@ -174,7 +174,7 @@ def plan(
         raise ValueError(f"previous plan is for job {previous.job!r}, not {job!r}")
     problem = _invalid(ranks)
     if problem is not None:
-        return Refusal(f"job {job}: {problem}")
+        return PlanRefusal(f"job {job}: {problem}")
 
     node_of = {r.rank: r.node for r in ranks}
     known = {n: NodeState(health[n]) for n in set(node_of.values()) if n in health}
@@ -192,11 +192,11 @@ def plan(
     excluded = [r for r in order if r in view.unreachable or view.state(r) is NodeState.LOST]
 
     if not participants:
-        return Refusal(
+        return PlanRefusal(
             f"job {job}: no participant left ({len(degraded)} DEGRADED, {len(excluded)} excluded of {len(order)} ranks)"
         )
     if len(degraded) > len(participants) * view.cap:
-        return Refusal(
+        return PlanRefusal(
             f"job {job}: {len(degraded)} DEGRADED ranks need a carrier but {len(participants)} participants "
             f"with max_proxied_per_rank={view.cap} can carry at most {len(participants) * view.cap}"
         )

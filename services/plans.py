@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from clusterpulse import wire
 from clusterpulse.states import NodeState
 from services.cluster import Cluster
-from services.planner import PlannerPolicy, RankInfo, Refusal, plan
+from services.planner import PlannerPolicy, PlanRefusal, RankInfo, plan
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class PlanKeeper:
                 policy=self.policy,
                 unreachable=self.unreachable.get(job, set()),
             )
-            if isinstance(result, Refusal):
+            if isinstance(result, PlanRefusal):
                 if self.refused.get(job) != result.reason:
                     self.refused[job] = result.reason
                     out.append(PlanRefused(job, result.reason))

@@ -29,7 +29,7 @@ Memory: a bucket refilled to ``burst`` is the same as no bucket, so such buckets
 window, capped at ``max_keys`` (the oldest entry goes first).
 
 :func:`take` is the pure decision (a bucket, ``now``, the policy -> the new bucket and a
-:class:`Decision`); :class:`RateLimiter` keeps the buckets and counts, with an injected clock.
+:class:`RateDecision`); :class:`RateLimiter` keeps the buckets and counts, with an injected clock.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Bucket:
 
 
 @dataclass(frozen=True)
-class Decision:
+class RateDecision:
     allowed: bool
     retry_after_s: float = 0.0  # when refused: seconds until a token is back
 
@@ -62,7 +62,7 @@ class Decision:
         return str(max(1, math.ceil(self.retry_after_s)))
 
 
-def take(bucket: Bucket | None, *, now: float, rate_per_s: float, burst: int) -> tuple[Bucket, Decision]:
+def take(bucket: Bucket | None, *, now: float, rate_per_s: float, burst: int) -> tuple[Bucket, RateDecision]:
     """Take one token from ``bucket`` (None: a new caller, full) at ``now``. ``rate_per_s`` and
     ``burst`` must be positive. A clock that steps back refills nothing."""
     if bucket is None:
@@ -70,8 +70,8 @@ def take(bucket: Bucket | None, *, now: float, rate_per_s: float, burst: int) ->
     else:
         tokens = min(float(burst), bucket.tokens + max(0.0, now - bucket.at) * rate_per_s)
     if tokens >= 1.0:
-        return Bucket(tokens - 1.0, now), Decision(True)
-    return Bucket(tokens, now), Decision(False, (1.0 - tokens) / rate_per_s)
+        return Bucket(tokens - 1.0, now), RateDecision(True)
+    return Bucket(tokens, now), RateDecision(False, (1.0 - tokens) / rate_per_s)
 
 
 class RateLimiter:
@@ -98,10 +98,10 @@ class RateLimiter:
     def enabled(self) -> bool:
         return self.rate_per_s > 0 and self.burst > 0
 
-    def check(self, caller: str, address: str, *, route: str) -> Decision:
+    def check(self, caller: str, address: str, *, route: str) -> RateDecision:
         """One mutating request of ``caller`` from ``address`` to ``route``."""
         if not self.enabled:
-            return Decision(True)
+            return RateDecision(True)
         now = self.clock()
         self._prune(now)
         key = (caller, address)
@@ -113,7 +113,7 @@ class RateLimiter:
             self.limited[route] += 1
         return decision
 
-    def message(self, caller: str, address: str, decision: Decision) -> str:
+    def message(self, caller: str, address: str, decision: RateDecision) -> str:
         return (
             f"rate limit: caller {caller!r} from {address} may make {self.burst} mutating calls at once "
             f"and {self.rate_per_s:g} per second after that (PULSE_RATE_LIMIT_PER_S, PULSE_RATE_LIMIT_BURST); "

@@ -94,20 +94,22 @@ ANONYMOUS_VIEWER = Caller(ANONYMOUS_NAME, Role.VIEWER)  # an unprotected read
 
 
 @dataclass(frozen=True)
-class Refusal:
+class AuthRefusal:
     status: int  # 401: who are you? 403: you may not.
     detail: str
 
 
-def authorize(*, needed: Role, presented: bool, caller: Caller | None) -> Caller | Refusal:
+def authorize(*, needed: Role, presented: bool, caller: Caller | None) -> Caller | AuthRefusal:
     """The decision for one request: ``presented`` says whether a bearer token came with it,
     ``caller`` is what that token resolved to (None: unknown or revoked)."""
     if not presented:
-        return Refusal(401, f"this call needs a bearer token with role {needed} or above (Authorization: Bearer ...)")
+        return AuthRefusal(
+            401, f"this call needs a bearer token with role {needed} or above (Authorization: Bearer ...)"
+        )
     if caller is None:
-        return Refusal(401, f"the bearer token is unknown or revoked; this call needs role {needed} or above")
+        return AuthRefusal(401, f"the bearer token is unknown or revoked; this call needs role {needed} or above")
     if not caller.role.allows(needed):
-        return Refusal(403, f"token {caller.name!r} has role {caller.role}; this call needs role {needed} or above")
+        return AuthRefusal(403, f"token {caller.name!r} has role {caller.role}; this call needs role {needed} or above")
     return caller
 
 

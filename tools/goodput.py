@@ -17,7 +17,7 @@ through the jobs API. Two runs of the same job:
 The learning rate is constant (a ``WarmupLR`` with min = max in the job's DeepSpeed config), so
 the two runs' losses at the same step are comparable whatever ``--steps`` says.
 
-Fault mix (``FAULT_KINDS``), what each should do, and the event that makes it visible:
+Fault mix (``CAMPAIGN_FAULTS``), what each should do, and the event that makes it visible:
 
 ================  ==========================================================  ==================
 kind              injected as / expected                                      event
@@ -114,7 +114,7 @@ from tools.harness import HarnessError, PrivateRedis, free_port, wait_for
 
 log = logging.getLogger("pulse.goodput")
 
-FAULT_KINDS = (
+CAMPAIGN_FAULTS = (
     "agent_kill",
     "agent_stop",
     "psu_imbalance",
@@ -178,7 +178,7 @@ def percentiles(values: list[float]) -> dict[str, float | int | None]:
 
 
 @dataclass
-class Fault:
+class InjectedFault:
     kind: str
     at: float  # wall clock (time.time())
     node: str | None = None
@@ -572,7 +572,7 @@ class Campaign:
         self.rng = random.Random(args.seed)
         self.stack = Stack(workdir, args.ranks)
         self.monitor: Monitor | None = None
-        self.faults: list[Fault] = []
+        self.faults: list[InjectedFault] = []
         self.skipped: list[tuple[float, str]] = []
         self.restarts = 0
         self.lost_ranks: set[int] = set()
@@ -586,7 +586,7 @@ class Campaign:
             "entrypoint": entry,
             "deepspeed_config": json.loads(Path(config).read_text()) if config else None,
         }
-        self.kinds = tuple(args.kinds) if args.kinds else FAULT_KINDS
+        self.kinds = tuple(args.kinds) if args.kinds else CAMPAIGN_FAULTS
         self._cycle = list(self.kinds)
         self.steps = 0
         self.ff: Run | None = None
@@ -599,7 +599,7 @@ class Campaign:
         busy = {f.node for f in self.faults if f.node and not f.healed and f.kind in DEGRADING}
         return busy | {n for n in self.stack.nodes if self.monitor.state(n) != "HEALTHY"}
 
-    def _draw(self, run: Run, now: float) -> Fault | None:
+    def _draw(self, run: Run, now: float) -> InjectedFault | None:
         kinds = list(self.kinds)
         if len(self.lost_ranks) >= max(0, self.args.ranks - 2):
             kinds = [k for k in kinds if k not in RANK_KINDS]
@@ -629,7 +629,7 @@ class Campaign:
                 self.skipped.append((now, kind))
                 return None
             rank = self.rng.choice(live)
-            return Fault(kind, now, node=node_of.get(rank), rank=rank)
+            return InjectedFault(kind, now, node=node_of.get(rank), rank=rank)
         if kind in DEGRADING:
             busy = self._busy_nodes(now)
             # a node whose rank is still training: a fault on an excluded rank's node reroutes nothing
@@ -638,10 +638,10 @@ class Campaign:
                 self.skipped.append((now, kind))
                 return None
             node = self.rng.choice(free)
-            return Fault(kind, now, node=node, rank=self.stack.nodes.index(node))
-        return Fault(kind, now)
+            return InjectedFault(kind, now, node=node, rank=self.stack.nodes.index(node))
+        return InjectedFault(kind, now)
 
-    def inject(self, f: Fault, run: Run) -> None:
+    def inject(self, f: InjectedFault, run: Run) -> None:
         s = self.stack
         assert self.monitor is not None
         f.generation_before = self.monitor.generation(run)
@@ -674,7 +674,7 @@ class Campaign:
             f.healed = True
         log.info("event=fault_injected kind=%s node=%s rank=%s", f.kind, f.node, f.rank)
 
-    def heal(self, f: Fault, run: Run) -> None:
+    def heal(self, f: InjectedFault, run: Run) -> None:
         s = self.stack
         if f.healed:
             return
@@ -918,7 +918,7 @@ class Campaign:
             "samples_ratio": round(samples / (steps_expected * self.args.ranks), 4),
             "restarts": self.restarts,
             "job_final_state": final_state,
-            "faults_injected": {k: sum(1 for f in self.faults if f.kind == k) for k in FAULT_KINDS},
+            "faults_injected": {k: sum(1 for f in self.faults if f.kind == k) for k in CAMPAIGN_FAULTS},
             "faults_skipped": len(self.skipped),
             "detection_s": percentiles([f.detected_s for f in self.faults if f.detected_s is not None]),
             "reroute_s": percentiles([f.rerouted_s for f in self.faults if f.rerouted_s is not None]),
@@ -1113,9 +1113,9 @@ def run_goodput(args: argparse.Namespace) -> int:
     for name in ("ranks", "duration", "fault_every", "collective_timeout"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"pulse bench goodput: --{name.replace('_', '-')}={getattr(args, name)}: expected > 0")
-    unknown = sorted(set(args.kinds or ()) - set(FAULT_KINDS))
+    unknown = sorted(set(args.kinds or ()) - set(CAMPAIGN_FAULTS))
     if unknown:
-        raise SystemExit(f"pulse bench goodput: --kinds {unknown}: unknown; known: {', '.join(FAULT_KINDS)}")
+        raise SystemExit(f"pulse bench goodput: --kinds {unknown}: unknown; known: {', '.join(CAMPAIGN_FAULTS)}")
     if args.ranks < 2:
         raise SystemExit(f"pulse bench goodput: --ranks={args.ranks}: expected at least 2")
     outside = sorted(r for r in getattr(args, "rank_victims", None) or () if not 0 <= r < args.ranks)

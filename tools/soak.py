@@ -109,7 +109,7 @@ class Timing:
 
 
 @dataclass(frozen=True)
-class Fault:
+class SoakFault:
     """One injected fault; times are seconds from the start of the soak phase."""
 
     node: str
@@ -120,13 +120,15 @@ class Fault:
     clears: bool = True
 
 
-def schedule(nodes: list[str], *, seed: int, fault_every_s: float, duration_s: float, timing: Timing) -> list[Fault]:
+def schedule(
+    nodes: list[str], *, seed: int, fault_every_s: float, duration_s: float, timing: Timing
+) -> list[SoakFault]:
     """Every ``fault_every_s`` a fault of a random kind on a random node that has no fault in
     flight (nor a permanent one), lasting 1-1.5x the longest detection time, planned only where
     it and its recovery end inside ``duration_s``."""
     rng = random.Random(seed)
     busy_until: dict[str, float] = {}
-    out: list[Fault] = []
+    out: list[SoakFault] = []
     t = fault_every_s
     while t < duration_s:
         kind = rng.choice(FAULT_KINDS)
@@ -136,13 +138,13 @@ def schedule(nodes: list[str], *, seed: int, fault_every_s: float, duration_s: f
         if done <= duration_s and idle:
             node = rng.choice(idle)
             busy_until[node] = float("inf") if kind in PERMANENT else done + timing.interval_s
-            out.append(Fault(node, kind, round(t, 3), round(t + length, 3), clears=kind not in PERMANENT))
+            out.append(SoakFault(node, kind, round(t, 3), round(t + length, 3), clears=kind not in PERMANENT))
         t += fault_every_s
     return out
 
 
 @dataclass(frozen=True)
-class Transition:
+class SeenTransition:
     node: str
     to_state: str
     at_s: float  # seconds from the start of the soak phase, on the orchestrator's (Redis) clock
@@ -157,10 +159,10 @@ class Verdict:
     recovery_s: list[float] = field(default_factory=list)
 
 
-def judge(faults: list[Fault], transitions: list[Transition], *, timing: Timing) -> Verdict:
+def judge(faults: list[SoakFault], transitions: list[SeenTransition], *, timing: Timing) -> Verdict:
     """Match every fault with its node's transitions (pure)."""
     v = Verdict()
-    by_node: dict[str, list[Transition]] = {}
+    by_node: dict[str, list[SeenTransition]] = {}
     for t in sorted(transitions, key=lambda t: t.at_s):
         by_node.setdefault(t.node, []).append(t)
     windows: dict[str, list[tuple[float, float]]] = {}
@@ -352,7 +354,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, 
     with db.session_factory(engine)() as s:
         rows = db.list_events(s, since=soak_wall0 - 1.0, kinds=list(JUDGED_EVENTS), limit=10**7)
         transitions = [
-            Transition(e.node, e.to_state, round(e.at - soak_wall0, 3), e.reason)
+            SeenTransition(e.node, e.to_state, round(e.at - soak_wall0, 3), e.reason)
             for e in rows
             if e.kind == EventKind.HEALTH and e.node and e.to_state
         ]

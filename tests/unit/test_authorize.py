@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from services.tokens import Caller, Refusal, Role, authorize, digest, new_secret
+from services.tokens import AuthRefusal, Caller, Role, authorize, digest, new_secret
 
 ROLES = list(Role)
 
@@ -15,7 +15,7 @@ ROLES = list(Role)
 def test_no_token_and_unknown_token_are_401_naming_the_role(needed: Role) -> None:
     for presented in (False, True):
         out = authorize(needed=needed, presented=presented, caller=None)
-        assert isinstance(out, Refusal) and out.status == 401 and f"role {needed}" in out.detail
+        assert isinstance(out, AuthRefusal) and out.status == 401 and f"role {needed}" in out.detail
 
 
 @pytest.mark.parametrize("has", ROLES)
@@ -26,7 +26,7 @@ def test_role_order_viewer_operator_admin(has: Role, needed: Role) -> None:
     if ROLES.index(has) >= ROLES.index(needed):
         assert out is caller
     else:
-        assert isinstance(out, Refusal) and out.status == 403
+        assert isinstance(out, AuthRefusal) and out.status == 403
         assert out.detail == f"token 't' has role {has}; this call needs role {needed} or above"
 
 

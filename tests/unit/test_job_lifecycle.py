@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection, Mapping
 
-from services.jobs import TERMINAL, Decision, decide, master_addr, master_port
+from services.jobs import TERMINAL, JobDecision, decide, master_addr, master_port
 
 NODES = ["a", "b"]
 BOTH = (0, 1)  # every rank of a 2-node job, 1 rank a node
@@ -61,7 +61,7 @@ def test_ranks_that_never_rendezvous_fail_the_job_at_the_start_timeout_naming_th
 
 
 def test_several_ranks_a_node_each_count() -> None:
-    def g(joined: Collection[int], now: float = 1.0) -> Decision:
+    def g(joined: Collection[int], now: float = 1.0) -> JobDecision:
         return decide(
             state="STARTING", nodes=["x", "y", "z"], status=dict.fromkeys("xyz", started()), since=0.0, now=now,
             start_timeout=10.0, joined=joined, gpus_per_node=4, rendezvous="[fd00::1]:29600",
@@ -184,7 +184,7 @@ def test_starting_over_every_mix_of_answers_joins_and_times() -> None:
             cases += 1
             status = {n: s for n, s in zip(names, statuses, strict=True) if s is not None}
 
-            def run(state: str) -> Decision:
+            def run(state: str) -> JobDecision:
                 return decide(
                     state=state, nodes=names, status=status, since=100.0, now=100.0 + elapsed,  # noqa: B023
                     start_timeout=60.0, joined=joined, gpus_per_node=gpus, rendezvous="h:1",  # noqa: B023

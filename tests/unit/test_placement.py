@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.placement import NodeCapacity, Placement, PlacementRequest, Refusal, place
+from services.placement import NodeCapacity, Placement, PlacementRefusal, PlacementRequest, place
 
 
 def node(name: str, rack: str = "r1", switch: str = "s1", state: str = "HEALTHY", **kw: object) -> NodeCapacity:
@@ -28,7 +28,7 @@ def test_never_a_degraded_suspect_lost_or_cordoned_node() -> None:
     ]
     assert place(nodes, PlacementRequest(nodes=1, gpus_per_node=8)) == Placement(("e",), "nvlink_domain=e")
     refused = place(nodes, PlacementRequest(nodes=2, gpus_per_node=8))
-    assert isinstance(refused, Refusal)
+    assert isinstance(refused, PlacementRefusal)
     assert refused.reason == (
         "2 nodes with 8 free GPUs each requested, 1 HEALTHY and schedulable match "
         "(others: 1 cordoned; 1 state DEGRADED; 1 state LOST; 1 state SUSPECT)"
@@ -42,7 +42,7 @@ def test_free_gpus_and_selector() -> None:
         ("c",), "rack=r2"
     )
     r = place(nodes, PlacementRequest(nodes=3, gpus_per_node=8))
-    assert isinstance(r, Refusal) and "4 GPUs free, 8 needed" in r.reason and "7 GPUs free" in r.reason
+    assert isinstance(r, PlacementRefusal) and "4 GPUs free, 8 needed" in r.reason and "7 GPUs free" in r.reason
 
 
 def test_packs_into_the_tightest_domain() -> None:
@@ -57,7 +57,7 @@ def test_packs_into_the_tightest_domain() -> None:
 
 
 def test_bad_request() -> None:
-    assert isinstance(place([node("a")], PlacementRequest(nodes=0, gpus_per_node=1)), Refusal)
+    assert isinstance(place([node("a")], PlacementRequest(nodes=0, gpus_per_node=1)), PlacementRefusal)
 
 
 @settings(max_examples=300, deadline=None)
@@ -89,7 +89,7 @@ def test_property_placement_is_valid_and_deterministic(
     assert place(shuffled, req) == result
     by_name = {n.name: n for n in nodes}
     fit = [n for n in nodes if n.state == "HEALTHY" and n.schedulable and n.free >= gpus]
-    if isinstance(result, Refusal):
+    if isinstance(result, PlacementRefusal):
         assert len(fit) < want
     else:
         assert len(result.nodes) == want == len(set(result.nodes))

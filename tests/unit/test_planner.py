@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from clusterpulse.states import NodeState
 from clusterpulse.wire import Plan, encode
-from services.planner import PlannerPolicy, RankInfo, Refusal, plan
+from services.planner import PlannerPolicy, PlanRefusal, RankInfo, plan
 
 H, S, D, L = NodeState.HEALTHY, NodeState.SUSPECT, NodeState.DEGRADED, NodeState.LOST
 LABEL_KEYS = ("nvlink_domain", "switch", "rack")
@@ -38,7 +38,7 @@ def run(
     cap: int = 1,
     *,
     unreachable: frozenset[int] = frozenset(),
-) -> Plan | Refusal:
+) -> Plan | PlanRefusal:
     return plan(
         job="j",
         ranks=ranks,
@@ -50,7 +50,7 @@ def run(
     )
 
 
-def ok(result: Plan | Refusal) -> Plan:
+def ok(result: Plan | PlanRefusal) -> Plan:
     assert isinstance(result, Plan), result
     return result
 
@@ -170,25 +170,25 @@ def test_refusal_when_capacity_is_short() -> None:
     ranks = one_per_node(4)
     three = healthy(ranks, n1=D, n2=D, n3=D)
     refused = run(ranks, three, cap=1)
-    assert refused == Refusal(
+    assert refused == PlanRefusal(
         "job j: 3 DEGRADED ranks need a carrier but 1 participants with max_proxied_per_rank=1 can carry at most 1"
     )
     assert ok(run(ranks, three, cap=3)).proxies == {"1": 0, "2": 0, "3": 0}
-    assert isinstance(run(ranks, healthy(ranks, n1=D), cap=0), Refusal)
+    assert isinstance(run(ranks, healthy(ranks, n1=D), cap=0), PlanRefusal)
     assert ok(run(ranks, healthy(ranks), cap=0)).proxies == {}
 
 
 def test_refusal_when_no_participant_is_left() -> None:
     ranks = one_per_node(2)
     refused = run(ranks, {"n0": D, "n1": L})
-    assert refused == Refusal("job j: no participant left (1 DEGRADED, 1 excluded of 2 ranks)")
-    assert isinstance(run(ranks, {"n0": L, "n1": L}), Refusal)
+    assert refused == PlanRefusal("job j: no participant left (1 DEGRADED, 1 excluded of 2 ranks)")
+    assert isinstance(run(ranks, {"n0": L, "n1": L}), PlanRefusal)
 
 
 def test_invalid_rank_maps_are_refused() -> None:
-    assert run([], {}) == Refusal("job j: no ranks")
-    assert run([RankInfo(0, "a"), RankInfo(0, "b")], {}) == Refusal("job j: rank 0 listed twice (nodes a and b)")
-    assert run([RankInfo(-1, "a")], {}) == Refusal("job j: rank -1 (node a) is negative")
+    assert run([], {}) == PlanRefusal("job j: no ranks")
+    assert run([RankInfo(0, "a"), RankInfo(0, "b")], {}) == PlanRefusal("job j: rank 0 listed twice (nodes a and b)")
+    assert run([RankInfo(-1, "a")], {}) == PlanRefusal("job j: rank -1 (node a) is negative")
 
 
 def test_previous_plan_of_another_job_is_a_caller_bug() -> None:
@@ -357,12 +357,14 @@ def ref_tier(a: str, b: str, labels: Labels) -> int:
     return 3
 
 
-def check_valid(ranks: Sequence[RankInfo], health: Mapping[str, NodeState], cap: int, result: Plan | Refusal) -> None:
+def check_valid(
+    ranks: Sequence[RankInfo], health: Mapping[str, NodeState], cap: int, result: Plan | PlanRefusal
+) -> None:
     node_of = {r.rank: r.node for r in ranks}
     want_part = sorted(r for r, n in node_of.items() if state_of(n, health) in (H, S))
     want_deg = sorted(r for r, n in node_of.items() if state_of(n, health) is D)
     want_exc = sorted(r for r, n in node_of.items() if state_of(n, health) is L)
-    if isinstance(result, Refusal):
+    if isinstance(result, PlanRefusal):
         assert not want_part or len(want_deg) > len(want_part) * cap
         assert result.reason
         return

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.ratelimit import Bucket, Decision, RateLimiter, take
+from services.ratelimit import Bucket, RateDecision, RateLimiter, take
 
 
 class Clock:
@@ -38,9 +38,9 @@ def test_refill_is_capped_at_the_burst_and_a_clock_stepping_back_refills_nothing
 
 
 def test_retry_after_header_is_whole_seconds_and_at_least_one() -> None:
-    assert Decision(False, 0.01).retry_after_header == "1"
-    assert Decision(False, 1.2).retry_after_header == "2"
-    assert Decision(False, 30.0).retry_after_header == "30"
+    assert RateDecision(False, 0.01).retry_after_header == "1"
+    assert RateDecision(False, 1.2).retry_after_header == "2"
+    assert RateDecision(False, 30.0).retry_after_header == "30"
 
 
 @settings(max_examples=300, deadline=None)

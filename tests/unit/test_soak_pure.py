@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from agent.simulated import FAULT_KINDS
-from tools.soak import Fault, Timing, Transition, judge, schedule
+from tools.soak import SeenTransition, SoakFault, Timing, judge, schedule
 
 TIMING = Timing(interval_s=2.0, degraded_after_s=12.0, throttle_sustain_s=6.0, recover_after=3, slack_s=8.0)
 NODES = [f"n{i:02d}" for i in range(40)]
@@ -24,7 +24,7 @@ def test_schedule_is_deterministic_and_every_fault_fits_in_the_run() -> None:
 
 def test_schedule_never_overlaps_faults_on_one_node_nor_reuses_a_permanently_broken_one() -> None:
     faults = schedule(NODES[:6], seed=1, fault_every_s=2.0, duration_s=900.0, timing=TIMING)
-    by_node: dict[str, list[Fault]] = {}
+    by_node: dict[str, list[SoakFault]] = {}
     for f in faults:
         by_node.setdefault(f.node, []).append(f)
     for mine in by_node.values():
@@ -34,29 +34,29 @@ def test_schedule_never_overlaps_faults_on_one_node_nor_reuses_a_permanently_bro
             assert nxt.start_s >= prev.end_s + TIMING.recover_within
 
 
-def _ok(f: Fault, detect: float = 1.0, recover: float = 4.0) -> list[Transition]:
-    out = [Transition(f.node, "SUSPECT", f.start_s + 0.5), Transition(f.node, "DEGRADED", f.start_s + detect)]
-    return [*out, Transition(f.node, "HEALTHY", f.end_s + recover)] if f.clears else out
+def _ok(f: SoakFault, detect: float = 1.0, recover: float = 4.0) -> list[SeenTransition]:
+    out = [SeenTransition(f.node, "SUSPECT", f.start_s + 0.5), SeenTransition(f.node, "DEGRADED", f.start_s + detect)]
+    return [*out, SeenTransition(f.node, "HEALTHY", f.end_s + recover)] if f.clears else out
 
 
 def test_every_fault_seen_and_cleared_is_a_clean_verdict() -> None:
     faults = [
-        Fault("a", "xid", 10.0, 40.0),
-        Fault("b", "silent", 12.0, 50.0),
-        Fault("c", "ecc", 20.0, 60.0, clears=False),
+        SoakFault("a", "xid", 10.0, 40.0),
+        SoakFault("b", "silent", 12.0, 50.0),
+        SoakFault("c", "ecc", 20.0, 60.0, clears=False),
     ]
     ts = _ok(faults[0]) + _ok(faults[1], detect=13.5) + _ok(faults[2])
-    v = judge(faults, [*ts, Transition("d", "SUSPECT", 30.0)], timing=TIMING)  # SUSPECT alone is no false DEGRADED
+    v = judge(faults, [*ts, SeenTransition("d", "SUSPECT", 30.0)], timing=TIMING)  # SUSPECT alone is no false DEGRADED
     assert v.lost == [] and v.false_degraded == []
     assert v.detection_s == {"xid": [1.0], "silent": [13.5], "ecc": [1.0]} and v.recovery_s == [4.0, 4.0]
 
 
 def test_missing_late_or_unexplained_transitions_are_reported() -> None:
-    xid, thermal = Fault("a", "xid", 10.0, 40.0), Fault("b", "thermal", 10.0, 40.0)
-    late = Transition("a", "DEGRADED", 10.0 + TIMING.detect_within("xid") + 0.5)  # too late: lost (not false)
+    xid, thermal = SoakFault("a", "xid", 10.0, 40.0), SoakFault("b", "thermal", 10.0, 40.0)
+    late = SeenTransition("a", "DEGRADED", 10.0 + TIMING.detect_within("xid") + 0.5)  # too late: lost (not false)
     never_back = _ok(thermal)[:-1]  # DEGRADED, but no HEALTHY after it cleared: lost
-    stray = Transition("z", "DEGRADED", 25.0)  # a node without a fault: false
-    after = Transition("b", "LOST", 40.0 + TIMING.recover_within + 1)  # after its fault's window: false
+    stray = SeenTransition("z", "DEGRADED", 25.0)  # a node without a fault: false
+    after = SeenTransition("b", "LOST", 40.0 + TIMING.recover_within + 1)  # after its fault's window: false
     v = judge([xid, thermal], [late, *never_back, stray, after], timing=TIMING)
     assert [(x["node"], x["missing"].split()[0]) for x in v.lost] == [
         ("a", "DEGRADED"),

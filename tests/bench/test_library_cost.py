@@ -75,8 +75,14 @@ def _world(
         runner = ["-m", "trainer.run"] if library else []
         with (out / f"rank{rank}.log").open("wb") as log:
             procs.append(subprocess.Popen([sys.executable, *runner, *argv], env=env, stdout=log, stderr=log))
-    for p in procs:
-        p.wait(timeout=600)
+    try:
+        for p in procs:
+            p.wait(timeout=600)
+    finally:  # a failed run leaves no rank behind
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{name}: exit codes {[p.returncode for p in procs]}; logs in {out}")
     times: list[float] = json.loads((out / "rank0.json").read_text())["times"]

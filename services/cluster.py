@@ -17,6 +17,7 @@ import msgspec
 from clusterpulse import wire
 from services import health
 from services.health import NodeHealth, Policy, State, Transition
+from services.slurm_sync import SlurmNode
 
 log = logging.getLogger("pulse.orchestrator.cluster")
 
@@ -31,6 +32,7 @@ class NodeView:
     schedulable: bool = True
     labels: dict[str, str] = field(default_factory=dict)
     dirty: bool = False  # telemetry changed since the last flush to the database
+    scheduler: SlurmNode | None = None  # Slurm's view at the last sync (PULSE_SLURM=on), else None
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def _pg_reset() -> None:
     with eng.begin() as conn:
         conn.execute(
             text(
-                "DROP TABLE IF EXISTS leader_lease, tokens, plans, job_ranks, jobs, events, gpus, nodes, alembic_version CASCADE"
+                "DROP TABLE IF EXISTS slurm_drains, leader_lease, tokens, plans, job_ranks, jobs, events, gpus, nodes, alembic_version CASCADE"
             )
         )
     eng.dispose()

@@ -86,7 +86,7 @@ class SlurmCluster:
         key = self.tmp / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        for d in ("state", "spool", "log", "run"):
+        for d in ("state", "spool", "log", "run", *(f"spool/{n}" for n in self.nodes)):
             (self.tmp / d).mkdir(exist_ok=True)
         t = self.tmp
         lines = [

@@ -173,6 +173,10 @@ class SlurmSync:
         self._events: list[SlurmEvent] = []  # recorded, not yet stored
         self._dirty: set[str] = set()  # nodes whose slurm_drains row is not stored yet
         self._held: tuple[str, ...] = ()
+        # per node: a drain or resume that failed is not tried again before this time (one clock),
+        # backing off like the loop does, so a command Slurm refuses is not an event every period
+        self._node_backoff: dict[str, Backoff] = {}
+        self._not_before: dict[str, float] = {}
 
     # --- state across restarts ------------------------------------------------------------------
     def load(self, session: Session, *, now: float) -> None:
@@ -229,6 +233,7 @@ class SlurmSync:
         decision = decide(
             ours, theirs, self.memory, self.policy,
             now=now, recent=self.recent, breaker=self.breaker, partitioned=cluster.partitioned,
+            backing_off={n for n, t in self._not_before.items() if now < t},
         )  # fmt: skip
         await self._apply(decision, now=now)
         await self.flush(write)
@@ -239,17 +244,33 @@ class SlurmSync:
         self.last_error = str(exc)
         log.warning("event=slurm_command_failed op=%s error=%r", exc.op, str(exc))
 
+    def _node_failed(self, node: str, now: float) -> None:
+        backoff = self._node_backoff.setdefault(
+            node, Backoff(self.settings.slurm_sync_period_s, self.settings.slurm_backoff_max_s)
+        )
+        self._not_before[node] = now + backoff.next_delay()
+
+    def _node_ok(self, node: str) -> None:
+        self._node_backoff.pop(node, None)
+        self._not_before.pop(node, None)
+
     async def _apply(self, decision: Decision, *, now: float) -> None:
         record = self._events.append
+        drain_failed = False
         for a in decision.actions:
+            if drain_failed and a.kind in ("drain", "trip"):
+                continue  # the count this decision made no longer holds: the next tick decides again
             if a.kind == "drain":
                 argv = self.client.drain_argv(a.node, a.slurm_reason)
                 try:
                     await self.client.run("drain", argv)
                 except SlurmError as exc:
                     self._failed(exc)
+                    self._node_failed(a.node, now)
                     record(SlurmEvent("slurm_drain_failed", a.node, f"{a.why}: {exc}", now))
+                    drain_failed = True
                     continue
+                self._node_ok(a.node)
                 self.memory[a.node] = Drain(a.slurm_reason, now)
                 self.recent.append(now)
                 self._dirty.add(a.node)
@@ -261,8 +282,10 @@ class SlurmSync:
                     await self.client.run("resume", argv)
                 except SlurmError as exc:
                     self._failed(exc)
+                    self._node_failed(a.node, now)
                     record(SlurmEvent("slurm_resume_failed", a.node, f"{a.why}: {exc}", now))
                     continue
+                self._node_ok(a.node)
                 self.memory.pop(a.node, None)
                 self._dirty.add(a.node)
                 record(SlurmEvent("slurm_resume", a.node, f"{a.why}: {shlex.join(argv)}: ok", now))
@@ -275,7 +298,8 @@ class SlurmSync:
             elif a.kind == "trip":
                 record(SlurmEvent("slurm_breaker_open", a.node, a.why, now))
                 log.error("event=slurm_breaker_open node=%s why=%r", a.node, a.why)
-        self.breaker = decision.breaker
+        if not drain_failed:
+            self.breaker = decision.breaker
         if decision.held != self._held:
             self._held = decision.held
             if decision.held:

@@ -32,7 +32,7 @@ The contract:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -157,10 +157,13 @@ def decide(
     recent: Sequence[float] = (),
     breaker: Breaker = Breaker(),
     partitioned: bool = False,
+    backing_off: Collection[str] = (),
 ) -> Decision:
     """The actions that bring Slurm in line with our view (module docstring: the contract).
 
     ``recent``: when ClusterPulse's drains were made (for the window; may hold older ones).
+    ``backing_off``: nodes whose last drain or resume failed lately; nothing is tried on them
+    now, and they do not count against the breaker.
     """
     names = sorted(ours.keys() & theirs.keys())
     allowance = policy.allowance(len(names))
@@ -193,6 +196,9 @@ def decide(
             elif partitioned:
                 held.append(f"{name}: resume held, the orchestrator suspects a partition")
                 continue
+            elif name in backing_off:
+                held.append(f"{name}: resume held, backing off after a failed command")
+                continue
             else:
                 actions.append(Action("resume", name, f"{name} is HEALTHY and schedulable again ({o.reason}); "
                                       f"resuming the drain ClusterPulse made ({mine.reason!r})"))  # fmt: skip
@@ -202,6 +208,8 @@ def decide(
         reason = slurm_reason(o)
         if partitioned:
             held.append(f"{name}: drain held, the orchestrator suspects a partition")
+        elif name in backing_off:
+            held.append(f"{name}: drain held, backing off after a failed command")
         elif breaker.open:
             held.append(f"{name}: drain held, the drain breaker is open since {breaker.since}: {breaker.reason}")
         elif used + 1 > allowance:

@@ -259,3 +259,10 @@ def test_invariants(
 
 def test_action_is_hashable_value() -> None:
     assert Action("drain", "sn1", "why", "r") == Action("drain", "sn1", "why", "r")
+
+
+def test_a_node_backing_off_is_neither_tried_nor_counted() -> None:
+    o, t = cluster(4, {"sn1": "DEGRADED", "sn2": "DEGRADED"})
+    d = decide(o, t, {}, P, now=NOW, backing_off={"sn1"})
+    assert kinds(d) == [("drain", "sn2")] and not d.breaker.open
+    assert any(h.startswith("sn1: drain held, backing off") for h in d.held)

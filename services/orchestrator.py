@@ -18,9 +18,13 @@
 - **persist** flushes the latest telemetry of changed nodes every ``persist_interval_s`` and then
   acknowledges the stream entries.
 
+- **slurm** (``PULSE_SLURM=on`` only): the node sync with Slurm, its own loop so that a Slurm
+  that does not answer never delays health (services/slurm.py; the decision is
+  services/slurm_sync.py).
+
 Each loop catches transient errors, backs off and goes on; no loop ever stops on bad input.
 
-Only the **leader** among the replicas runs ingest, evaluate, persist and jobs (services/leader.py
+Only the **leader** among the replicas runs ingest, evaluate, persist, jobs and slurm (services/leader.py
 says how it is elected and how a stale leader's writes are refused): the ``lease`` loop renews or
 acquires the lease and takes over (:meth:`Orchestrator._lead`) or steps down; a follower's
 ``follow`` loop refreshes its read snapshot from the database. Every database write goes through

@@ -42,7 +42,7 @@ SEP = "\x1f"  # the unit separator: no Slurm name, state or reason holds it
 SINFO_FIELDS = ("NodeList", "StateComplete", "Reason", "User", "Timestamp")
 SINFO_ARGS = ("--Node", "--noheader", "--Format=" + ",".join(f"{f}:0{SEP}" for f in SINFO_FIELDS))
 OPS = ("sinfo", "drain", "resume")
-EVENT_KINDS = ("slurm_drain", "slurm_resume", "slurm_drain_failed", "slurm_resume_failed", "slurm_drain_disowned",
+EVENT_KINDS = ("slurm_drain", "slurm_drain_cordon", "slurm_resume", "slurm_drain_failed", "slurm_resume_failed", "slurm_drain_disowned",
                "slurm_breaker_open", "slurm_breaker_reset")  # fmt: skip
 # sinfo appends these to a state: * not responding, ~ powered off, # powering up, ! pending power
 # down, % powering down, $ maintenance reservation, @ reboot pending, ^ rebooting, - planned
@@ -272,9 +272,11 @@ class SlurmSync:
                     continue
                 self._node_ok(a.node)
                 self.memory[a.node] = Drain(a.slurm_reason, now)
-                self.recent.append(now)
+                if a.counted:
+                    self.recent.append(now)
                 self._dirty.add(a.node)
-                record(SlurmEvent("slurm_drain", a.node, f"{a.why}: {shlex.join(argv)}: ok", now))
+                kind = "slurm_drain" if a.counted else "slurm_drain_cordon"  # only the first counts (load)
+                record(SlurmEvent(kind, a.node, f"{a.why}: {shlex.join(argv)}: ok", now))
                 log.warning("event=slurm_drain node=%s reason=%r", a.node, a.slurm_reason)
             elif a.kind == "resume":
                 argv = self.client.resume_argv(a.node)

@@ -21,11 +21,13 @@ The contract:
 - **Partition brake:** while the orchestrator suspects it is partitioned from the nodes, nothing
   changes in Slurm (neither drain nor resume): its view of the nodes cannot be trusted then.
 - **Drain breaker:** at most ``allowance(total)`` = max(1, floor(``max_drain_fraction`` x the
-  nodes both sides know)) drains within ``drain_window_s`` (drains since the last operator reset
-  only). The drain that would exceed it is not made; the breaker **opens** instead (a ``trip``
-  action) and stays open, holding every further drain, until an operator resets it. Resumes go
-  on while it is open (they give capacity back). Nodes are considered in name order, so the same
-  input gives the same drains.
+  nodes both sides know)) drains for health within ``drain_window_s`` (drains since the last
+  operator reset only). The drain that would exceed it is not made; the breaker **opens** instead
+  (a ``trip`` action) and stays open, holding every further drain for health, until an operator
+  resets it. Resumes go on while it is open (they give capacity back), and so do drains of nodes
+  an operator cordoned (a person's explicit decision, not ClusterPulse's judgement at scale:
+  neither held nor counted). Nodes are considered in name order, so the same input gives the
+  same drains.
 - Nodes only one side knows are left alone.
 """
 
@@ -124,6 +126,7 @@ class Action:
     node: str
     why: str
     slurm_reason: str = ""
+    counted: bool = True  # a drain for health (counts against the breaker); False: for a cordon
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,8 @@ def decide(
             held.append(f"{name}: drain held, the orchestrator suspects a partition")
         elif name in backing_off:
             held.append(f"{name}: drain held, backing off after a failed command")
+        elif o.state not in BAD_STATES:  # cordoned by an operator: not the breaker's business
+            actions.append(Action("drain", name, f"{name} is cordoned: draining it in Slurm", reason, counted=False))
         elif breaker.open:
             held.append(f"{name}: drain held, the drain breaker is open since {breaker.since}: {breaker.reason}")
         elif used + 1 > allowance:
@@ -223,6 +228,5 @@ def decide(
             held.append(f"{name}: drain held, the drain breaker just opened")
         else:
             used += 1
-            actions.append(Action("drain", name, f"{name} is {o.state if o.state in BAD_STATES else 'cordoned'}: "
-                                  f"draining it in Slurm", slurm_reason=reason))  # fmt: skip
+            actions.append(Action("drain", name, f"{name} is {o.state}: draining it in Slurm", slurm_reason=reason))
     return Decision(actions=tuple(actions), breaker=breaker, held=tuple(held))

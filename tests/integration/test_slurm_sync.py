@@ -91,7 +91,7 @@ def drained(slurm: SlurmCluster) -> dict[str, str]:
     return {n: r for n, (s, r) in slurm.states().items() if s.startswith(("drain", "drng"))}
 
 
-def test_psu_sag_is_drained_with_our_reason_and_resumed_an_admin_drain_never(slurm: SlurmCluster, start: Start) -> None:
+def test_psu_sag_and_cordon_are_drained_and_resumed_an_admin_drain_never(slurm: SlurmCluster, start: Start) -> None:
     stack = start(8, "sn-002=psu_imbalance@4+5")
     with diagnosed(stack, slurm):
         stack.wait_healthy(NODES, timeout=30)
@@ -134,8 +134,16 @@ def test_psu_sag_is_drained_with_our_reason_and_resumed_an_admin_drain_never(slu
         assert all(e["reason"].endswith(": ok") for e in slurm_events(stack, "sn-002"))
         assert "scontrol update NodeName=sn-002 State=DRAIN" in slurm_events(stack, "sn-002")[0]["reason"]
 
+        # an operator's cordon drains, the uncordon resumes
+        assert stack.post("/v1/nodes/sn-007/cordon", {"reason": "bad cable"}).status_code == 200
+        wait_for(lambda: "sn-007" in drained(slurm), timeout=5, what="cordoned sn-007 drained")
+        assert drained(slurm)["sn-007"] == "clusterpulse: cordoned in ClusterPulse"
+        assert stack.post("/v1/nodes/sn-007/uncordon").status_code == 200
+        wait_for(lambda: slurm.states()["sn-007"][0] == "idle", timeout=5, what="uncordoned sn-007 resumed")
+        assert [e["kind"] for e in slurm_events(stack, "sn-007")] == ["slurm_drain_cordon", "slurm_resume"]
+
         # the admin's drain is still there, never resumed by us; nothing recorded about it
-        time.sleep(3 * SYNC_S)
+        time.sleep(2 * SYNC_S)
         assert drained(slurm) == {"sn-005": "maint"}
         assert slurm_events(stack, "sn-005") == []
 

@@ -245,15 +245,18 @@ def test_invariants(
     resumes = [a for a in d.actions if a.kind == "resume"]
     if partitioned:
         assert not drains and not resumes and not any(a.kind == "trip" for a in d.actions)
+    counted = [a for a in drains if a.counted]
     if br.open:
-        assert not drains
+        assert not counted
+    for a in drains:  # only drains for an operator's cordon are not counted
+        assert a.counted == (o[a.node].state in ("DEGRADED", "LOST"))
     for a in resumes:  # only our own, unchanged drain of a HEALTHY, schedulable node that is not down
         assert a.node in mem and t[a.node].reason == mem[a.node].reason and t[a.node].drained
         assert o[a.node].state == "HEALTHY" and o[a.node].schedulable and not t[a.node].down
     for a in drains:
         assert a.slurm_reason.startswith(TAG) and not t[a.node].drained and not t[a.node].down
     used = sum(1 for x in recent if x > NOW - P.drain_window_s)
-    assert used + len(drains) <= max(P.allowance(len(o)), used)
+    assert used + len(counted) <= max(P.allowance(len(o)), used)
     assert sum(a.kind == "trip" for a in d.actions) <= 1
 
 
@@ -266,3 +269,15 @@ def test_a_node_backing_off_is_neither_tried_nor_counted() -> None:
     d = decide(o, t, {}, P, now=NOW, backing_off={"sn1"})
     assert kinds(d) == [("drain", "sn2")] and not d.breaker.open
     assert any(h.startswith("sn1: drain held, backing off") for h in d.held)
+
+
+def test_cordon_drains_are_neither_held_by_the_breaker_nor_counted() -> None:
+    o, t = cluster(4, {"sn1": "DEGRADED", "sn2": "DEGRADED"})
+    o["sn3"] = ours("sn3", schedulable=False)
+    o["sn4"] = ours("sn4", schedulable=False)
+    d = decide(o, t, {}, P, now=NOW)
+    assert kinds(d) == [("drain", "sn1"), ("trip", "sn2"), ("drain", "sn3"), ("drain", "sn4")]
+    assert [a.counted for a in d.actions if a.kind == "drain"] == [True, False, False]
+    d = decide(o, t, {}, P, now=NOW, breaker=Breaker(open=True, since=1.0))
+    assert kinds(d) == [("drain", "sn3"), ("drain", "sn4")]
+    assert kinds(decide(o, t, {}, P, now=NOW, partitioned=True)) == []

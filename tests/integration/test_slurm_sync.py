@@ -149,17 +149,21 @@ def test_psu_sag_and_cordon_are_drained_and_resumed_an_admin_drain_never(slurm: 
 
 
 def test_partition_drains_nobody(slurm: SlurmCluster, start: Start) -> None:
-    # 5 of 8 agents silent together (a partition as the orchestrator sees it) while sn-006's PSU
-    # sags: sn-006 goes DEGRADED on its fresh heartbeats, but nothing is drained until it ends.
+    # 5 of 8 agents silent together from t=5 s to 11 s (a partition as the orchestrator sees it
+    # from about 5.6 s, past suspect_after) while sn-006's PSU sags from t=7 s: sn-006 goes
+    # DEGRADED on its fresh heartbeats, but nothing is drained until the partition ends.
     silent = [f"{n}=silent@5+6" for n in NODES[:5]]
-    stack = start(8, *silent, "sn-006=psu_imbalance@5")
+    stack = start(8, *silent, "sn-006=psu_imbalance@7")
     with diagnosed(stack, slurm):
         stack.wait_healthy(NODES, timeout=30)
         wait_for(lambda: stack.metric("pulse_partition_suspected") == 1, timeout=15, what="partition suspected")
         wait_for(lambda: stack.nodes()["sn-006"]["state"] == "DEGRADED", timeout=10, what="sn-006 DEGRADED")
         deadline = time.monotonic() + 4 * SYNC_S
-        while time.monotonic() < deadline and stack.metric("pulse_partition_suspected") == 1:
-            assert drained(slurm) == {}
+        while time.monotonic() < deadline:
+            now_drained = drained(slurm)
+            if stack.metric("pulse_partition_suspected") == 0:
+                break  # it ended meanwhile: what sinfo said may be from after the end
+            assert now_drained == {}, "drained while the partition brake held"
             time.sleep(0.1)
         # the partition ends: the held drain is made, and only that one
         wait_for(lambda: stack.metric("pulse_partition_suspected") == 0, timeout=20, what="partition over")
@@ -180,7 +184,8 @@ def test_four_bad_at_once_with_a_quarter_breaker_drains_one_and_survives_a_resta
     with diagnosed(stack, slurm):
         wait_for(lambda: stack.metric("pulse_slurm_drain_breaker_open") == 1, timeout=30, what="breaker open")
         time.sleep(3 * SYNC_S)
-        assert list(drained(slurm)) == ["sn-000"]
+        first = list(drained(slurm))
+        assert len(first) == 1, first  # sn-000 unless a sync ran between the nodes' first heartbeats
         assert stack.metric("pulse_slurm_drained_nodes") == 1
         opened = [e for e in slurm_events(stack) if e["kind"] == "slurm_breaker_open"]
         assert len(opened) == 1 and "at most 1 allowed" in opened[0]["reason"], opened
@@ -190,28 +195,29 @@ def test_four_bad_at_once_with_a_quarter_breaker_drains_one_and_survives_a_resta
         os.kill(stack.procs["orch"].pid, signal.SIGKILL)
         stack.procs["orch"].wait(10)
         stack.orchestrator()
-        wait_for(lambda: stack.get("/v1/nodes/sn-000").get("scheduler"), timeout=10, what="first sync after restart")
-        assert stack.get("/v1/nodes/sn-000")["scheduler"]["drained_by_clusterpulse"] is True
+        wait_for(lambda: stack.get(f"/v1/nodes/{first[0]}").get("scheduler"), timeout=10, what="a sync after restart")
+        assert stack.get(f"/v1/nodes/{first[0]}")["scheduler"]["drained_by_clusterpulse"] is True
         assert stack.metric("pulse_slurm_drain_breaker_open") == 1
         time.sleep(2 * SYNC_S)
-        assert list(drained(slurm)) == ["sn-000"]
+        assert list(drained(slurm)) == first
 
         # an operator resets it: one more drain, and it opens again
         r = stack.post("/v1/slurm/breaker/reset")
         assert r.status_code == 200 and r.json()["changed"] is True, r.text
         wait_for(lambda: len(drained(slurm)) == 2, timeout=10, what="a second drain after the reset")
         wait_for(lambda: stack.metric("pulse_slurm_drain_breaker_open") == 1, timeout=10, what="breaker open again")
-        assert sorted(drained(slurm)) == ["sn-000", "sn-001"]
+        assert len(drained(slurm)) == 2 and first[0] in drained(slurm)
         reset = [e for e in stack.events() if e["kind"] == "slurm_breaker_reset"]
         assert len(reset) == 1 and reset[0]["actor"] == "env"
 
 
 def test_slurm_down_never_stops_health_and_sync_catches_up(slurm: SlurmCluster, start: Start) -> None:
-    stack = start(4, "sn-001=psu_imbalance@6")
+    stack = start(4, "sn-001=psu_imbalance@10")
     try:
         with diagnosed(stack, slurm):
             stack.wait_healthy(NODES[:4], timeout=30)
             wait_for(lambda: stack.get("/v1/slurm")["last_sync_at"], timeout=10, what="a first sync")
+            assert stack.nodes()["sn-001"]["state"] == "HEALTHY"  # its PSU sags once Slurm is down
             slurm.stop_controller()
             # health goes on: the PSU sag is a transition while Slurm does not answer
             wait_for(lambda: stack.nodes()["sn-001"]["state"] == "DEGRADED", timeout=20, what="sn-001 DEGRADED")

@@ -28,7 +28,8 @@ The contract:
   an operator cordoned (a person's explicit decision, not ClusterPulse's judgement at scale:
   neither held nor counted). Nodes are considered in name order, so the same input gives the
   same drains.
-- Nodes only one side knows are left alone.
+- Nodes only one side knows are left alone; a drain of ours whose node Slurm no longer lists is
+  disowned.
 """
 
 from __future__ import annotations
@@ -229,4 +230,6 @@ def decide(
         else:
             used += 1
             actions.append(Action("drain", name, f"{name} is {o.state}: draining it in Slurm", slurm_reason=reason))
+    for name in sorted(memory.keys() - theirs.keys()):  # e.g. taken out of every partition
+        actions.append(Action("disown", name, f"{name} is no longer in Slurm's node list: our drain is forgotten"))
     return Decision(actions=tuple(actions), breaker=breaker, held=tuple(held))

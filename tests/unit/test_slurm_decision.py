@@ -89,6 +89,12 @@ def test_nodes_one_side_does_not_know_are_left_alone() -> None:
     assert decide(o, t, {"sn9": Drain(f"{TAG} old", 1.0)}, P, now=NOW).actions == ()
 
 
+def test_our_drain_of_a_node_slurm_no_longer_lists_is_disowned() -> None:
+    o, t = cluster(2)
+    o["sn7"] = ours("sn7")
+    assert kinds(decide(o, t, {"sn7": Drain(f"{TAG} x", 1.0)}, P, now=NOW)) == [("disown", "sn7")]
+
+
 def test_our_drain_is_resumed_once_healthy() -> None:
     o, t = cluster(4)
     r = f"{TAG} DEGRADED: {PSU}"

@@ -93,6 +93,19 @@ class Settings(BaseSettings):
     retry_backoff_s: float = Field(0.2, gt=0)
     retry_backoff_max_s: float = Field(5.0, gt=0)
 
+    # Slurm node sync (services/slurm_sync.py, services/slurm.py): the leader drains in Slurm the
+    # nodes that are DEGRADED, LOST or cordoned here, and resumes the drains it made once they are
+    # HEALTHY again. Off unless PULSE_SLURM=on.
+    slurm: bool = False
+    slurm_max_drain_fraction: float = Field(0.1, gt=0, le=1)  # drains within the window, of the nodes
+    slurm_drain_window_s: float = Field(3600.0, gt=0)
+    slurm_sync_period_s: float = Field(10.0, gt=0)  # also the first retry delay when Slurm fails
+    slurm_backoff_max_s: float = Field(120.0, gt=0)  # the longest retry delay while Slurm fails
+    slurm_command_timeout_s: float = Field(10.0, gt=0)  # each sinfo / scontrol call
+    slurm_conf: str = ""  # SLURM_CONF for the commands; empty: Slurm's own default
+    slurm_sinfo: str = "sinfo"  # the commands (a path, or a command line such as "sudo -n sinfo")
+    slurm_scontrol: str = "scontrol"
+
     # High availability (services/leader.py): replicas on one database and Redis, one leader
     replica_id: str = Field("", max_length=128)  # this replica's name; default <hostname>-<pid>
     leader_lease_s: float = Field(15.0, gt=0)  # failover within one lease

@@ -50,6 +50,7 @@ from services.models import TokenRow
 from services.orchestrator import IdempotencyKeyReused, Orchestrator, PlacementRefused
 from services.ratelimit import SAFE_METHODS, RateLimiter
 from services.schemas import (
+    BreakerResetPublic,
     CheckpointPublic,
     CheckpointRequest,
     CordonPublic,
@@ -63,12 +64,16 @@ from services.schemas import (
     NodePublic,
     NodesPublic,
     PlanPublic,
+    SchedulerPublic,
+    SlurmPublic,
     TokenCreate,
     TokenCreated,
     TokenPublic,
     TokenRevoked,
     TokensPublic,
 )
+from services.slurm import SlurmSync
+from services.slurm import metric_lines as slurm_lines
 from services.tokens import NameTaken, Role, TokenStore
 
 log = logging.getLogger("pulse.orchestrator.api")
@@ -88,14 +93,31 @@ def redact(url: str) -> str:
     return f"{scheme}://{user}:***@{tail}"
 
 
-def node_public(view: NodeView, *, now: float) -> NodePublic:
+def scheduler_public(view: NodeView, slurm: SlurmSync | None) -> SchedulerPublic | None:
+    t = view.scheduler
+    if slurm is None or t is None:
+        return None
+    mine = slurm.memory.get(view.health.name)
+    return SchedulerPublic(
+        state=t.state_text,
+        available=t.available,
+        reason=t.reason,
+        reason_set_by=t.reason_user,
+        reason_set_at=t.reason_time,
+        drained_by_clusterpulse=mine is not None and t.drained and t.reason == mine.reason,
+    )
+
+
+def node_public(view: NodeView, *, now: float, slurm: SlurmSync | None = None) -> NodePublic:
     h, hb = view.health, view.latest
+    scheduler = scheduler_public(view, slurm)
     return NodePublic(
         name=h.name,
         state=h.state.value,
         reason=h.reason,
         state_since=h.since,
-        schedulable=view.schedulable,
+        schedulable=view.schedulable and (scheduler is None or scheduler.available),
+        scheduler=scheduler,
         heartbeat_age_seconds=None if h.last_seen is None else round(now - h.last_seen, 3),
         last_heartbeat_at=h.last_seen,
         clock_skew_seconds=None if view.clock_skew_s is None else round(view.clock_skew_s, 3),
@@ -336,6 +358,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
                 *plan_lines(orch.plans.plans, orch.plans.refused),
                 *app.state.limiter.metric_lines(),
                 *leader_lines(orch.leader, leading=orch.leading),
+                *slurm_lines(orch.slurm if orch.leading else None),
             ),
         )
         return Response(text, media_type=CONTENT_TYPE)
@@ -357,7 +380,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             raise bad_query("state", state, f"one of {', '.join(NodeState.__members__)}")
         now = orch.clock.now()
         data = [
-            node_public(v, now=now)
+            node_public(v, now=now, slurm=orch.slurm)
             for _, v in sorted(orch.cluster.nodes.items())
             if state is None or v.health.state.value == state.upper()
         ]
@@ -372,12 +395,14 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
 
     @app.get("/v1/nodes/{name}", response_model=NodePublic)
     async def get_node(name: str, orch: OrchestratorDep, _: Viewer) -> NodePublic:
-        return node_public(_view(orch, name), now=orch.clock.now())
+        return node_public(_view(orch, name), now=orch.clock.now(), slurm=orch.slurm)
 
     async def _cordon(name: str, orch: Orchestrator, actor: str, body: CordonRequest | None, on: bool) -> CordonPublic:
         _view(orch, name)
         changed = await orch.set_schedulable(name, not on, reason=body.reason if body else "", actor=actor)
-        return CordonPublic(node=node_public(_view(orch, name), now=orch.clock.now()), changed=changed)
+        return CordonPublic(
+            node=node_public(_view(orch, name), now=orch.clock.now(), slurm=orch.slurm), changed=changed
+        )
 
     @app.post("/v1/nodes/{name}/cordon", response_model=CordonPublic)
     async def cordon(
@@ -396,6 +421,31 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         body: Annotated[CordonRequest | None, Body()] = None,
     ) -> CordonPublic:
         return await _cordon(name, orch, caller.name, body, False)
+
+    # --- Slurm --------------------------------------------------------------------------------
+    def _slurm(orch: Orchestrator) -> SlurmPublic:
+        if orch.slurm is None:
+            return SlurmPublic(enabled=False)
+        return SlurmPublic(**orch.slurm.status())
+
+    @app.get("/v1/slurm", response_model=SlurmPublic)
+    async def slurm_status(orch: OrchestratorDep, _: Viewer) -> SlurmPublic:
+        """The Slurm node sync (``PULSE_SLURM``): the drain breaker, the drains ClusterPulse owns,
+        failed commands. A follower answers from its own (idle) copy: ask the leader."""
+        return _slurm(orch)
+
+    @app.post(
+        "/v1/slurm/breaker/reset",
+        response_model=BreakerResetPublic,
+        responses={409: {"model": ErrorPublic, "description": "Slurm sync is off (PULSE_SLURM)"}},
+    )
+    async def reset_breaker(orch: OrchestratorDep, caller: Operator) -> BreakerResetPublic:
+        """Close the Slurm drain breaker after looking at why it opened (the
+        ``slurm_breaker_open`` event): drains go on, counted afresh from now. Idempotent."""
+        if orch.slurm is None:
+            raise HTTPException(status.HTTP_409_CONFLICT, detail="Slurm sync is off: set PULSE_SLURM=on to use it")
+        changed = await orch.reset_slurm_breaker(actor=caller.name)
+        return BreakerResetPublic(slurm=_slurm(orch), changed=changed)
 
     # --- jobs ---------------------------------------------------------------------------------
     def _job_public(orch: Orchestrator, row: Any) -> JobPublic:

@@ -18,6 +18,7 @@ from clusterpulse import wire
 from clusterpulse.states import EventKind, NodeState
 from services import health
 from services.health import NodeHealth, Policy, Transition
+from services.slurm_sync import SlurmNode
 
 log = logging.getLogger("pulse.orchestrator.cluster")
 
@@ -32,6 +33,7 @@ class NodeView:
     schedulable: bool = True
     labels: dict[str, str] = field(default_factory=dict)
     dirty: bool = False  # telemetry changed since the last flush to the database
+    scheduler: SlurmNode | None = None  # Slurm's view at the last sync (PULSE_SLURM=on), else None
 
 
 @dataclass(frozen=True)

@@ -148,3 +148,14 @@ class LeaseRow(Base):
     expires_at: Mapped[float] = mapped_column(Float, default=0.0)
     acquired_at: Mapped[float] = mapped_column(Float, default=0.0)
     renewed_at: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class SlurmDrainRow(Base):
+    """A Slurm drain ClusterPulse made and still owns (services/slurm_sync.py): the exact reason it
+    set, so that it resumes only a drain nobody changed since. Deleted when resumed or disowned."""
+
+    __tablename__ = "slurm_drains"
+
+    node: Mapped[str] = mapped_column(String(64), primary_key=True)
+    reason: Mapped[str] = mapped_column(Text)
+    at: Mapped[float] = mapped_column(Float)

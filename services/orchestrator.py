@@ -18,9 +18,13 @@
 - **persist** flushes the latest telemetry of changed nodes every ``persist_interval_s`` and then
   acknowledges the stream entries.
 
+- **slurm** (``PULSE_SLURM=on`` only): the node sync with Slurm, its own loop so that a Slurm
+  that does not answer never delays health (services/slurm.py; the decision is
+  services/slurm_sync.py).
+
 Each loop catches transient errors, backs off and goes on; no loop ever stops on bad input.
 
-Only the **leader** among the replicas runs ingest, evaluate, persist and jobs (services/leader.py
+Only the **leader** among the replicas runs ingest, evaluate, persist, jobs and slurm (services/leader.py
 says how it is elected and how a stale leader's writes are refused): the ``lease`` loop renews or
 acquires the lease and takes over (:meth:`Orchestrator._lead`) or steps down; a follower's
 ``follow`` loop refreshes its read snapshot from the database. Every database write goes through
@@ -59,6 +63,7 @@ from services.planner import PlannerPolicy
 from services.plans import PlanChange, PlanKeeper, PlanRefused
 from services.progress import Progress
 from services.sender import SenderCheck
+from services.slurm import SlurmClient, SlurmSync
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -167,6 +172,8 @@ class Orchestrator:
         self.db_ok = True
         self._redis_down_since: float | None = None  # on the one clock, while Redis does not answer
         self._crash_hits: dict[str, int] = {}
+        # Slurm node sync (services/slurm.py), leader only, off unless PULSE_SLURM=on
+        self.slurm = SlurmSync(settings, SlurmClient.from_settings(settings)) if settings.slurm else None
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -189,6 +196,7 @@ class Orchestrator:
             ("evaluate", self._evaluate_loop),
             ("persist", self._persist_loop),
             ("jobs", self._jobs_loop),
+            *((("slurm", self._slurm_loop),) if self.slurm is not None else ()),
         ):
             self._tasks.append(asyncio.create_task(self._supervised(name, loop), name=name))
 
@@ -224,6 +232,8 @@ class Orchestrator:
         for r in rows:
             cluster.restore(**r)
         self.cluster = cluster  # whole: reads never see a half-loaded snapshot
+        if self.slurm is not None:
+            await asyncio.to_thread(self._load_slurm, now)
         ranks, plans = await asyncio.to_thread(self._load_plans)
         keeper = PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=self.settings.max_proxied_per_rank))
         keeper.restore(ranks=ranks, plans=plans)
@@ -991,6 +1001,44 @@ class Orchestrator:
             }
         return sends
 
+    # --- Slurm ----------------------------------------------------------------------------------
+    async def _slurm_loop(self) -> None:
+        """Slurm node sync, its own loop: a Slurm that does not answer never delays health."""
+        assert self.slurm is not None
+        while not self._stop.is_set():
+            delay = self.settings.slurm_sync_period_s
+            if self.leading and self.cluster is not None:
+                delay = await self.slurm.tick(self.cluster, now=self.clock.now(), write=self._slurm_write)
+            await asyncio.sleep(delay)
+
+    def _load_slurm(self, now: float) -> None:
+        assert self.slurm is not None
+        with self.sessions() as s:
+            self.slurm.load(s, now=now)
+
+    async def _slurm_write(self, fn: Callable[[Session], Any]) -> Any:
+        def run() -> Any:
+            with self._leader_tx("slurm") as s:
+                return fn(s)
+
+        async with self._db_lock:
+            return await asyncio.to_thread(run)
+
+    async def reset_slurm_breaker(self, *, actor: str) -> bool:
+        """An operator closes the Slurm drain breaker (an event with the actor). False when it
+        was not open. Raises NotLeader on a follower."""
+        assert self.slurm is not None
+        self.leader.fence()
+        ev = self.slurm.reset_breaker(now=self.clock.now(), actor=actor)
+        if ev is None:
+            return False
+
+        def store(s: Session) -> None:
+            db.record_event(s, kind=ev.kind, reason=ev.reason, at=ev.at, actor=actor)
+
+        await self._slurm_write(store)
+        return True
+
     # --- persist --------------------------------------------------------------------------------
     async def _persist_loop(self) -> None:
         while not self._stop.is_set():
@@ -1086,6 +1134,12 @@ class Orchestrator:
                         gpus=sum(1 for g in v.latest.gpus if not g.lost) if v.latest else 0,
                         gpus_used=used.get(name, 0),
                         labels=v.labels,
+                        blocked=(
+                            f"Slurm {v.scheduler.state_text}"
+                            + (f": {v.scheduler.reason}" if v.scheduler.reason else "")
+                            if v.scheduler is not None and not v.scheduler.available
+                            else ""
+                        ),
                     )
                     for name, v in list(cluster.nodes.items())
                 ]

@@ -3,7 +3,8 @@
 ``place(nodes, request)`` returns a :class:`Placement` or a :class:`PlacementRefusal` that names the
 constraint that failed. Rules:
 
-- only HEALTHY, schedulable nodes whose labels match the request's selector, with at least
+- only HEALTHY, schedulable nodes (not cordoned here, and, with Slurm sync on, not drained or
+  down in Slurm: ``blocked`` says why) whose labels match the request's selector, with at least
   ``gpus_per_node`` GPUs free (reported GPUs, none lost, minus the GPUs of jobs already placed
   there), are eligible; never a SUSPECT, DEGRADED, LOST or cordoned node;
 - pack: the smallest topology domain that holds the whole job wins, NVLink domain first, then
@@ -27,6 +28,7 @@ class NodeCapacity:
     gpus: int  # GPUs on the node that are not lost
     gpus_used: int = 0  # by jobs already placed there
     labels: Mapping[str, str] = field(default_factory=dict)
+    blocked: str = ""  # why the cluster's scheduler keeps it out, e.g. "Slurm idle+drain: maint"; "" when it does not
 
     @property
     def free(self) -> int:
@@ -56,6 +58,8 @@ def _why_not(n: NodeCapacity, req: PlacementRequest) -> str | None:
         return f"state {n.state}"
     if not n.schedulable:
         return "cordoned"
+    if n.blocked:
+        return n.blocked
     for k, v in req.selector.items():
         if n.labels.get(k) != v:
             return f"label {k}={n.labels.get(k)!r}, selector wants {v!r}"

@@ -9,12 +9,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from services.tokens import RESERVED_NAMES
 
 
+class SchedulerPublic(BaseModel):
+    """The node as Slurm sees it (``PULSE_SLURM=on``), at the last sync."""
+
+    kind: Literal["slurm"] = "slurm"
+    state: str  # Slurm's state and flags, e.g. idle, idle+drain, down+not_responding
+    available: bool  # Slurm would start new work on it
+    reason: str  # Slurm's reason ("" when none)
+    reason_set_by: str  # the user who set the reason
+    reason_set_at: str  # when, as Slurm prints it (the controller's local time)
+    drained_by_clusterpulse: bool  # a drain ClusterPulse made and still owns (it will resume it)
+
+
 class NodePublic(BaseModel):
     name: str
     state: str
     reason: str
     state_since: float
-    schedulable: bool
+    schedulable: bool  # not cordoned here, and (with Slurm on) not drained or down in Slurm
     heartbeat_age_seconds: float | None
     last_heartbeat_at: float | None
     clock_skew_seconds: float | None
@@ -25,6 +37,7 @@ class NodePublic(BaseModel):
     faults: list[str]
     warnings: list[str]
     agent: dict[str, Any]
+    scheduler: SchedulerPublic | None = None  # null while Slurm sync is off or Slurm does not know the node
 
 
 class NodesPublic(BaseModel):
@@ -182,6 +195,25 @@ class TokensPublic(BaseModel):
 class TokenRevoked(BaseModel):
     token: TokenPublic
     changed: bool  # False: it already was revoked
+
+
+class SlurmPublic(BaseModel):
+    """``GET /v1/slurm``: the Slurm node sync of the leader."""
+
+    enabled: bool
+    breaker_open: bool = False
+    breaker_since: float | None = None
+    breaker_reason: str = ""
+    breaker_reset_at: float | None = None
+    drained_by_clusterpulse: dict[str, str] = Field(default_factory=dict)  # node -> the reason it set
+    sync_errors: dict[str, int] = Field(default_factory=dict)  # op -> failed commands
+    last_sync_at: float | None = None
+    last_error: str = ""
+
+
+class BreakerResetPublic(BaseModel):
+    slurm: SlurmPublic
+    changed: bool  # False: the breaker was not open
 
 
 class ErrorPublic(BaseModel):

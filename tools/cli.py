@@ -166,14 +166,37 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.1f}m"
 
 
+def _sched(n: dict[str, Any]) -> str:
+    """yes; cordoned (here); slurm (drained or down in Slurm, by whoever)."""
+    if n["schedulable"]:
+        return "yes"
+    sch = n.get("scheduler")
+    return "slurm" if sch is not None and not sch["available"] else "cordoned"
+
+
+def _slurm_state(n: dict[str, Any]) -> str:
+    """Slurm's state beside ours: ``idle``, ``idle+drain (ours)``, ``down (root: maint)``."""
+    sch = n.get("scheduler")
+    if sch is None:
+        return "-"
+    if sch["drained_by_clusterpulse"]:
+        return f"{sch['state']} (ours)"
+    if sch["reason"]:
+        who = f"{sch['reason_set_by']}: " if sch["reason_set_by"] else ""
+        return f"{sch['state']} ({who}{sch['reason'][:40]})"
+    return str(sch["state"])
+
+
 def format_nodes(nodes: Sequence[dict[str, Any]]) -> str:
-    rows = [("NODE", "STATE", "SCHED", "HB AGE", "GPUS", "PSUS", "REASON")]
+    slurm = any(n.get("scheduler") is not None for n in nodes)
+    rows = [("NODE", "STATE", *(("SLURM",) if slurm else ()), "SCHED", "HB AGE", "GPUS", "PSUS", "REASON")]
     for n in nodes:
         rows.append(
             (
                 n["name"],
                 n["state"],
-                "yes" if n["schedulable"] else "cordoned",
+                *((_slurm_state(n),) if slurm else ()),
+                _sched(n),
                 _age(n["heartbeat_age_seconds"]),
                 str(len(n["gpus"])),
                 str(len(n["psus"])),
@@ -240,11 +263,17 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 def format_node(n: dict[str, Any]) -> str:
     lines = [
-        f"{n['name']}  {n['state']}  since {_when(n['state_since'])}  {'schedulable' if n['schedulable'] else 'CORDONED'}",
+        f"{n['name']}  {n['state']}  since {_when(n['state_since'])}  {'schedulable' if n['schedulable'] else 'NOT SCHEDULABLE (' + _sched(n) + ')'}",
         f"  reason:    {n['reason']}",
         f"  heartbeat: {_age(n['heartbeat_age_seconds'])} ago, clock skew {n['clock_skew_seconds']}s, agent {n['agent']}",
         f"  labels:    {n['labels']}",
     ]
+    if (sch := n.get("scheduler")) is not None:
+        by = f" (set by {sch['reason_set_by']} at {sch['reason_set_at']})" if sch["reason_set_by"] else ""
+        ours = ", drained by ClusterPulse" if sch["drained_by_clusterpulse"] else ""
+        lines.append(
+            f"  slurm:     {sch['state']}{ours}" + (f", reason {sch['reason']!r}{by}" if sch["reason"] else "")
+        )
     lines += [f"  fault:     {f}" for f in n["faults"]] + [f"  warning:   {w}" for w in n["warnings"]]
     rows = [("GPU", "NAME", "UTIL", "TEMP", "POWER", "PCIE", "THROTTLE", "ECC-U", "XID")]
     for g in n["gpus"]:
@@ -280,6 +309,28 @@ def format_node(n: dict[str, Any]) -> str:
     if n["psus"]:
         lines.append(_table(prow))
     return "\n".join(lines)
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    """``pulse slurm status`` and ``pulse slurm reset-breaker`` (operator)."""
+    out = _call("POST", "/v1/slurm/breaker/reset") if args.action == "reset-breaker" else _call("GET", "/v1/slurm")
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    st = out["slurm"] if args.action == "reset-breaker" else out
+    if args.action == "reset-breaker":
+        print("drain breaker closed" if out["changed"] else "drain breaker was not open (no change)")
+    if not st["enabled"]:
+        print("Slurm sync is off (PULSE_SLURM)")
+        return 0
+    print(
+        f"drain breaker: {'OPEN since ' + _when(st['breaker_since']) + ': ' + st['breaker_reason'] if st['breaker_open'] else 'closed'}"
+    )
+    print(f"last sync:     {_when(st['last_sync_at']) if st['last_sync_at'] else 'never'}  {st['last_error']}")
+    print(f"sync errors:   {st['sync_errors']}")
+    for node, reason in st["drained_by_clusterpulse"].items():
+        print(f"drained by us: {node}  {reason}")
+    return 0
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -620,6 +671,11 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--json", action="store_true")
     n.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, help="refresh every S seconds")
     n.set_defaults(fn=cmd_nodes)
+
+    sl = sub.add_parser("slurm", help="Slurm node sync: status, reset the drain breaker (operator)")
+    sl.add_argument("action", choices=("status", "reset-breaker"))
+    sl.add_argument("--json", action="store_true")
+    sl.set_defaults(fn=cmd_slurm)
 
     e = sub.add_parser("events", help="health transitions and operator actions")
     e.add_argument("--node")

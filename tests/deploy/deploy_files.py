@@ -57,6 +57,8 @@ SPEC_ALERTS: dict[str, str] = {
     "GradNormExplosion": "job",
     "ControlPlanePartition": "cluster",
     "OrchestratorDown": "cluster",
+    "SlurmDrainBreakerOpen": "cluster",
+    "SlurmSyncFailing": "cluster",
 }
 PER_NODE_HEARTBEAT_ALERTS = ("NodeHeartbeatStale", "NodeDegraded", "NodeLost")
 LOW_MFU_EXPR = "avg_over_time(pulse_job_mfu_ratio[5m]) < 0.3"

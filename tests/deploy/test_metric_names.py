@@ -45,6 +45,9 @@ EXPORTED = frozenset(
         "pulse_health_transitions_total",
         "pulse_partition_suspected",
         "pulse_leader",
+        "pulse_slurm_drained_nodes",
+        "pulse_slurm_sync_errors_total",
+        "pulse_slurm_drain_breaker_open",
     }
 )
 

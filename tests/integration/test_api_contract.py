@@ -219,3 +219,11 @@ def test_every_405_allows_every_method_of_its_path(http: httpx.Client, method: s
     r = http.request(method, path)
     assert r.status_code == 405, r.text
     assert r.headers["allow"] == allow
+
+
+def test_slurm_off_says_so_and_the_breaker_reset_is_a_409(http: httpx.Client) -> None:
+    assert http.get("/v1/slurm").json() == {**http.get("/v1/slurm").json(), "enabled": False}
+    r = http.post("/v1/slurm/breaker/reset")
+    assert r.status_code == 409 and "PULSE_SLURM" in r.json()["detail"], r.text
+    node = http.get("/v1/nodes").json()["data"][0]
+    assert node["scheduler"] is None and node["schedulable"] is True

@@ -74,5 +74,5 @@ def test_schemathesis_with_every_check_against_a_live_orchestrator_on_postgresql
         run = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False)
         out = run.stdout + run.stderr
         assert run.returncode == 0, out[-20000:] + "\n--- orchestrator\n" + stack.logs()[-3000:]
-        assert "Tested: 18" in out and "failures" not in out.rsplit("SUMMARY", 1)[-1].lower(), out[-5000:]
+        assert "Tested: 20" in out and "failures" not in out.rsplit("SUMMARY", 1)[-1].lower(), out[-5000:]
         print(out.rsplit("SUMMARY", 1)[-1])

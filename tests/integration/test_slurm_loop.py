@@ -12,9 +12,10 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from clusterpulse.settings import load_settings
+from clusterpulse.states import NodeState
 from services import db
 from services.cluster import Cluster, NodeView
-from services.health import NodeHealth, Policy, State
+from services.health import NodeHealth, Policy
 from services.slurm import SEP, SlurmClient, SlurmError, SlurmSync
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
@@ -45,7 +46,7 @@ class RecordedSlurm(SlurmClient):
         return ""
 
 
-def make_cluster(states: dict[str, State]) -> Cluster:
+def make_cluster(states: dict[str, NodeState]) -> Cluster:
     c = Cluster(policy=Policy(), grace_start=0.0)
     for name, st in states.items():
         c.nodes[name] = NodeView(health=NodeHealth(name=name, state=st, reason=f"{st.value} because", since=0.0))
@@ -65,7 +66,9 @@ def test_drain_is_recorded_persisted_and_remembered_by_a_new_leader(session: Ses
     settings = load_settings(slurm=True, slurm_max_drain_fraction=0.25)
     client = RecordedSlurm(["sn1", "sn2", "sn3", "sn4"])
     sync = SlurmSync(settings, client)
-    c = make_cluster({"sn1": State.HEALTHY, "sn2": State.DEGRADED, "sn3": State.HEALTHY, "sn4": State.HEALTHY})
+    c = make_cluster(
+        {"sn1": NodeState.HEALTHY, "sn2": NodeState.DEGRADED, "sn3": NodeState.HEALTHY, "sn4": NodeState.HEALTHY}
+    )
     assert asyncio.run(sync.tick(c, now=NOW, write=writer(session))) == settings.slurm_sync_period_s
     assert client.table["sn2"][:2] == ["idle+drain", "clusterpulse: DEGRADED: DEGRADED because"]
     ev = db.list_events(session, kinds=["slurm_drain"])
@@ -75,7 +78,7 @@ def test_drain_is_recorded_persisted_and_remembered_by_a_new_leader(session: Ses
     again = SlurmSync(settings, client)
     again.load(session, now=NOW + 5)
     assert again.memory["sn2"].reason == "clusterpulse: DEGRADED: DEGRADED because" and again.recent == [NOW]
-    c.nodes["sn2"].health = NodeHealth(name="sn2", state=State.HEALTHY, reason="recovered", since=NOW)
+    c.nodes["sn2"].health = NodeHealth(name="sn2", state=NodeState.HEALTHY, reason="recovered", since=NOW)
     asyncio.run(again.tick(c, now=NOW + 10, write=writer(session)))
     assert client.table["sn2"][0] == "idle" and again.memory == {}
     assert [e.kind for e in db.list_events(session, kinds=["slurm_drain", "slurm_resume"])] == [
@@ -92,7 +95,7 @@ def test_a_refused_drain_is_an_event_backs_off_and_trips_nothing(session: Sessio
     client = RecordedSlurm(["sn1", "sn2", "sn3", "sn4"])
     client.fail["drain"] = "slurm_update error: Invalid user id"
     sync = SlurmSync(settings, client)
-    c = make_cluster(dict.fromkeys(["sn1", "sn2", "sn3", "sn4"], State.DEGRADED))
+    c = make_cluster(dict.fromkeys(["sn1", "sn2", "sn3", "sn4"], NodeState.DEGRADED))
     asyncio.run(sync.tick(c, now=NOW, write=writer(session)))
     failed = db.list_events(session, kinds=["slurm_drain_failed"])
     assert [e.node for e in failed] == ["sn1"] and "Invalid user id" in failed[0].reason
@@ -127,6 +130,8 @@ def test_sinfo_failing_is_counted_and_backs_off() -> None:
         raise AssertionError("nothing to store")
 
     sync = SlurmSync(settings, client)
-    delays = [asyncio.run(sync.tick(make_cluster({"sn1": State.DEGRADED}), now=NOW, write=no_write)) for _ in range(5)]
+    delays = [
+        asyncio.run(sync.tick(make_cluster({"sn1": NodeState.DEGRADED}), now=NOW, write=no_write)) for _ in range(5)
+    ]
     assert sync.errors["sinfo"] == 5 and "Unable to contact slurm controller" in sync.last_error
     assert all(d <= 8 for d in delays) and max(delays) > 2

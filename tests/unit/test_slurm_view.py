@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from clusterpulse.cli import format_nodes
-
 from clusterpulse.settings import load_settings
 from services.placement import NodeCapacity, PlacementRequest, Refusal, place
 from services.slurm import SlurmClient, SlurmSync, metric_lines
 from services.slurm_sync import Breaker, Drain
+from tools.cli import format_nodes
 
 
 def test_metric_families_are_typed_always_and_sampled_when_on() -> None:

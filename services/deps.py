@@ -136,7 +136,7 @@ async def require_health_reader(request: Request, settings: SettingsDep, tokens:
 def role_needed(call: object, settings: Settings) -> Role | None:
     """The role a request through the dependency ``call`` needs under ``settings``; None when
     it lets everyone through (a read the ``PULSE_AUTH_*`` settings leave open) or is no auth
-    dependency. The OpenAPI schema is written from this (services/api.py ``document_auth``)."""
+    dependency. The OpenAPI schema is written from this (services/openapi.py ``document``)."""
     if call is require_viewer:
         return Role.VIEWER if settings.reads_need_token else None
     if call is require_metrics_reader:

@@ -117,7 +117,7 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
 
 def cmd_db(args: argparse.Namespace) -> int:
     from services import db
-    from services.api import redact
+    from services.routes.common import redact
 
     settings = _settings()
     db.ensure_sqlite_dir(settings.database_url)

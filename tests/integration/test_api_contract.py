@@ -6,8 +6,8 @@ run (issue #20, item 7), through the real app (its lifespan, real Redis, SQLite 
 - ``gpus_per_node: 0``: 422 naming the field, nothing stored;
 - a key reused with another body: 409 naming the key; with the same body: 200 and the same
   job, as the schema documents;
-- the schema's security says which routes need a token in each mode (services/api.py
-  ``document_auth``), and the app does what it says;
+- the schema's security says which routes need a token in each mode (see
+  ``services/openapi.py document``), and the app does what it says;
 - every 405 carries ``Allow`` with every method of the path.
 """
 

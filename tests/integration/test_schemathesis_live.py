@@ -6,7 +6,7 @@ fuzzing, and stateful sequences (``use_after_free``, ``ensure_resource_availabil
 
 The orchestrator runs in development mode with a bootstrap token, the mode the findings of
 issue #20 item 7 came from: reads, /metrics and probes open, mutations behind a token. The
-schema says so (services/api.py ``document_auth``), so ``ignored_auth`` holds the app to it.
+schema says so (services/openapi.py ``document``), so ``ignored_auth`` holds the app to it.
 Path parameters name things that exist (a HEALTHY node, a job placed on it), so that 404 does
 not hide the handlers. Rate limiting is off (429s would hide handlers; tests/integration/
 test_ratelimit.py covers it). tests/integration/test_schemathesis.py runs in process with

@@ -1,0 +1,46 @@
+"""Events: transitions, job and plan changes, operator actions, from the database."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from services import db
+from services.deps import OrchestratorDep, Viewer
+from services.schemas import EventPublic, EventsPublic
+
+router = APIRouter()
+
+
+@router.get("/v1/events", response_model=EventsPublic)
+async def events(
+    orch: OrchestratorDep,
+    _: Viewer,
+    node: str | None = None,
+    job: str | None = None,
+    since: Annotated[float | None, Query(description="epoch seconds")] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
+) -> EventsPublic:
+    def read() -> list[dict[str, Any]]:
+        with orch.sessions() as s:
+            return [
+                {
+                    "id": e.id,
+                    "at": e.at,
+                    "time": dt.datetime.fromtimestamp(e.at, dt.UTC).isoformat(timespec="milliseconds"),
+                    "kind": e.kind,
+                    "node": e.node,
+                    "job": e.job,
+                    "from_state": e.from_state,
+                    "to_state": e.to_state,
+                    "reason": e.reason,
+                    "actor": e.actor,
+                }
+                for e in db.list_events(s, node=node, job=job, since=since, limit=limit)
+            ]
+
+    rows = await asyncio.to_thread(read)
+    return EventsPublic(data=[EventPublic(**r) for r in rows], count=len(rows))

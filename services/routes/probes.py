@@ -1,0 +1,57 @@
+"""Probes and metrics: ``/healthz``, ``/readyz`` (Redis and the database reachable), ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from services import db
+from services.deps import HealthReader, MetricsReader, OrchestratorDep
+from services.leader import leader_lines
+from services.metrics import CONTENT_TYPE, Renderer, job_state_lines, plan_lines
+from services.slurm import metric_lines as slurm_lines
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz(_: HealthReader) -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", responses={503: {"description": "Redis or the database unreachable (the body says which)"}})
+async def readyz(orch: OrchestratorDep, _: HealthReader) -> JSONResponse:
+    checks: dict[str, str] = {}
+    try:
+        await orch.redis.ping()
+        checks["redis"] = "ok"
+    except Exception as exc:
+        checks["redis"] = f"unreachable: {exc}"
+    try:
+        await asyncio.to_thread(db.ping, orch.engine)
+        checks["database"] = "ok" if orch.db_ok else "reachable, writes pending"
+    except Exception as exc:
+        checks["database"] = f"unreachable: {exc}"
+    ok = all(v == "ok" for v in checks.values())
+    return JSONResponse(checks, status_code=200 if ok else 503)
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request, orch: OrchestratorDep, _: MetricsReader) -> Response:
+    assert orch.cluster is not None
+    renderer: Renderer = request.app.state.renderer
+    text = renderer.render(
+        orch.cluster,
+        now=orch.clock.now(),
+        progress=orch.progress,
+        extra=(
+            *job_state_lines(orch.job_states),
+            *plan_lines(orch.plans.plans, orch.plans.refused),
+            *request.app.state.limiter.metric_lines(),
+            *leader_lines(orch.leader, leading=orch.leading),
+            *slurm_lines(orch.slurm if orch.leading else None),
+        ),
+    )
+    return Response(text, media_type=CONTENT_TYPE)

@@ -151,6 +151,15 @@ def wants_drain(ours: Ours) -> bool:
     return ours.state in BAD_STATES or not ours.schedulable
 
 
+def drains_counted(recent: Sequence[float], *, policy: SyncPolicy, breaker: Breaker, now: float) -> int:
+    """How many of our drains (made at ``recent``) count against the breaker now: those within
+    the window, and after the last reset of the breaker."""
+    since = now - policy.drain_window_s
+    if breaker.reset_at is not None:
+        since = max(since, breaker.reset_at)
+    return sum(1 for t in recent if t > since)
+
+
 def decide(
     ours: Mapping[str, Ours],
     theirs: Mapping[str, SlurmNode],
@@ -171,10 +180,7 @@ def decide(
     """
     names = sorted(ours.keys() & theirs.keys())
     allowance = policy.allowance(len(names))
-    since = now - policy.drain_window_s
-    if breaker.reset_at is not None:
-        since = max(since, breaker.reset_at)
-    used = sum(1 for t in recent if t > since)
+    used = drains_counted(recent, policy=policy, breaker=breaker, now=now)
     actions: list[Action] = []
     held: list[str] = []
     for name in names:

@@ -629,7 +629,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pulse", description="ClusterPulse: the control plane of a GPU training cluster.")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
+    _daemon_commands(sub)
+    _api_commands(sub)
+    _tool_commands(sub)
+    return p
 
+
+Subparsers = Any  # argparse's _SubParsersAction, private in typeshed
+
+
+def _daemon_commands(sub: Subparsers) -> None:
+    """The processes: agent, simulate, orchestrator, db."""
     a = sub.add_parser("agent", help="run one node's agent")
     a.add_argument("--node", required=True)
     a.add_argument("--source", choices=("auto", "nvml", "simulated"), default="auto")
@@ -663,6 +673,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("action", choices=("upgrade",))
     d.set_defaults(fn=cmd_db)
 
+
+def _api_commands(sub: Subparsers) -> None:
+    """On call, over the REST API: nodes, slurm, events, jobs, plan, tokens, agent credentials."""
     n = sub.add_parser("nodes", help="list, show, cordon, uncordon nodes")
     n.add_argument("action", choices=("list", "show", "cordon", "uncordon"))
     n.add_argument("name", nargs="?")
@@ -726,6 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ac.set_defaults(fn=cmd_agent_credentials)
 
+
+def _tool_commands(sub: Subparsers) -> None:
+    """On this machine: the demo, the checks, the benchmarks (:func:`_bench_commands`)."""
     m = sub.add_parser("demo", help="orchestrator + 16 simulated nodes on this machine, with a fault")
     m.add_argument("--nodes", type=int, default=16)
     m.add_argument("--port", type=int, default=0, help="orchestrator port (0: a free one)")
@@ -762,7 +778,11 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: CPUs / world size)")
     cr.add_argument("--json", action="store_true", help="one JSON object (default: key: value lines)")
     cr.set_defaults(fn=cmd_check)
+    _bench_commands(sub)
 
+
+def _bench_commands(sub: Subparsers) -> None:
+    """`pulse bench ...`: ingest, agent, soak, goodput."""
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     bi = bsub.add_parser("ingest", help="heartbeat ingest, detection latency and /metrics render")
@@ -804,6 +824,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-rss-growth", type=float, default=1.05, help="orchestrator RSS end / warm allowed (1.05)")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(fn=cmd_bench)
+    _goodput_command(bsub)
+
+
+def _goodput_command(bsub: Subparsers) -> None:
+    """`pulse bench goodput`: the fault campaign (tools/goodput.py)."""
     bg = bsub.add_parser("goodput", help="a fault campaign against a real stack and a DeepSpeed job: goodput")
     bg.add_argument("--ranks", type=int, default=4, help="simulated nodes, one rank each (default 4)")
     bg.add_argument("--duration", type=float, default=600.0, help="seconds of training per run (default 600)")
@@ -845,7 +870,6 @@ def build_parser() -> argparse.ArgumentParser:
         "the campaign stops it after the expected steps with PULSE_MAX_STEPS",
     )
     bg.set_defaults(fn=cmd_goodput)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,8 @@ trees built to break them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,15 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_this_tree_keeps_the_layers_and_owes_no_new_size() -> None:
-    assert import_violations(REPO) == []
-    assert size_violations(sizes(REPO)) == []
+    # In a process of its own: CPython 3.11's AST constructor keeps a recursion count per
+    # interpreter that threads parsing at the same time (hypothesis does, in schemathesis's
+    # threads) can leave wrong ("AST constructor recursion depth mismatch"), so the worker
+    # running the rest of the suite parses as little as it can.
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.architecture"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 upward imports" in done.stdout
 
 
 @pytest.mark.parametrize(

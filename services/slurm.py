@@ -34,7 +34,7 @@ from clusterpulse.states import EventKind
 from services import db
 from services.cluster import Cluster
 from services.models import SlurmDrainRow
-from services.slurm_sync import Breaker, Decision, Drain, Ours, SlurmNode, SyncPolicy, decide
+from services.slurm_sync import Action, Breaker, Decision, Drain, Ours, SlurmNode, SyncPolicy, decide
 
 log = logging.getLogger("pulse.orchestrator.slurm")
 
@@ -254,6 +254,20 @@ class SlurmSync:
         self._node_backoff.pop(node, None)
         self._not_before.pop(node, None)
 
+    async def _command(self, op: str, a: Action, argv: list[str], failed: EventKind, *, now: float) -> bool:
+        """Run a drain or resume; on failure count it, back the node off and record ``failed``;
+        on success the node's owned drain (or its absence) is to be stored again."""
+        try:
+            await self.client.run(op, argv)
+        except SlurmError as exc:
+            self._failed(exc)
+            self._node_failed(a.node, now)
+            self._events.append(SlurmEvent(failed, a.node, f"{a.why}: {exc}", now))
+            return False
+        self._node_ok(a.node)
+        self._dirty.add(a.node)
+        return True
+
     async def _apply(self, decision: Decision, *, now: float) -> None:
         record = self._events.append
         drain_failed = False
@@ -262,36 +276,20 @@ class SlurmSync:
                 continue  # the count this decision made no longer holds: the next tick decides again
             if a.kind == "drain":
                 argv = self.client.drain_argv(a.node, a.slurm_reason)
-                try:
-                    await self.client.run("drain", argv)
-                except SlurmError as exc:
-                    self._failed(exc)
-                    self._node_failed(a.node, now)
-                    record(SlurmEvent(EventKind.SLURM_DRAIN_FAILED, a.node, f"{a.why}: {exc}", now))
+                if not await self._command("drain", a, argv, EventKind.SLURM_DRAIN_FAILED, now=now):
                     drain_failed = True
                     continue
-                self._node_ok(a.node)
                 self.memory[a.node] = Drain(a.slurm_reason, now)
                 if a.counted:
                     self.recent.append(now)
-                self._dirty.add(a.node)
-                kind = (
-                    EventKind.SLURM_DRAIN if a.counted else EventKind.SLURM_DRAIN_CORDON
-                )  # only the first counts (load)
+                kind = EventKind.SLURM_DRAIN if a.counted else EventKind.SLURM_DRAIN_CORDON  # only the first counts
                 record(SlurmEvent(kind, a.node, f"{a.why}: {shlex.join(argv)}: ok", now))
                 log.warning("event=slurm_drain node=%s reason=%r", a.node, a.slurm_reason)
             elif a.kind == "resume":
                 argv = self.client.resume_argv(a.node)
-                try:
-                    await self.client.run("resume", argv)
-                except SlurmError as exc:
-                    self._failed(exc)
-                    self._node_failed(a.node, now)
-                    record(SlurmEvent(EventKind.SLURM_RESUME_FAILED, a.node, f"{a.why}: {exc}", now))
+                if not await self._command("resume", a, argv, EventKind.SLURM_RESUME_FAILED, now=now):
                     continue
-                self._node_ok(a.node)
                 self.memory.pop(a.node, None)
-                self._dirty.add(a.node)
                 record(SlurmEvent(EventKind.SLURM_RESUME, a.node, f"{a.why}: {shlex.join(argv)}: ok", now))
                 log.info("event=slurm_resume node=%s", a.node)
             elif a.kind == "disown":

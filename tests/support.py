@@ -52,6 +52,19 @@ def stop(proc: subprocess.Popen[bytes], *, timeout: float = 10.0) -> None:
             proc.wait(timeout)
 
 
+def wait_all(procs: list[subprocess.Popen[bytes]], *, timeout: float) -> None:
+    """Wait for every process to exit; whatever is still running when that fails (a timeout, a
+    test error) is killed, so that a failed run leaves no process behind."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 @contextlib.contextmanager
 def fresh_database(kind: str, tmp_path: Path) -> Iterator[str]:
     """The URL of an empty database nobody else uses: a SQLite file under ``tmp_path``, or

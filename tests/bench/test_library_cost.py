@@ -40,7 +40,7 @@ import redis
 
 from clusterpulse import wire
 from tests.stack import Stack, reports
-from tests.support import REDIS_URL, REPO, free_port, pulse_env, wait_for
+from tests.support import REDIS_URL, REPO, free_port, pulse_env, wait_all, wait_for
 
 SCRIPT = REPO / "tests" / "fixtures" / "scripts" / "user_train.py"
 CONFIG = {
@@ -75,14 +75,7 @@ def _world(
         runner = ["-m", "trainer.run"] if library else []
         with (out / f"rank{rank}.log").open("wb") as log:
             procs.append(subprocess.Popen([sys.executable, *runner, *argv], env=env, stdout=log, stderr=log))
-    try:
-        for p in procs:
-            p.wait(timeout=600)
-    finally:  # a failed run leaves no rank behind
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    wait_all(procs, timeout=600)
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{name}: exit codes {[p.returncode for p in procs]}; logs in {out}")
     times: list[float] = json.loads((out / "rank0.json").read_text())["times"]

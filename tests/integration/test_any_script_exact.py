@@ -23,7 +23,7 @@ import redis
 import torch
 
 from clusterpulse import wire
-from tests.support import REPO, free_port, pulse_env
+from tests.support import REPO, free_port, pulse_env, wait_all
 from trainer.run import reroutable
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,14 +60,7 @@ def _run(redis_url: str, tmp: Path, *, job: str, stage: int, backward: str) -> l
         with (out / f"rank{rank}.log").open("wb") as log:
             cmd = [sys.executable, "-u", "-m", "trainer.run", *argv]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
-    try:
-        for p in procs:
-            p.wait(timeout=240)
-    finally:  # a failed run leaves no rank behind
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    wait_all(procs, timeout=240)
     logs = {r: (out / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(WORLD)}
     assert [p.returncode for p in procs] == [0] * WORLD, logs
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]

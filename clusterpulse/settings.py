@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     retry_backoff_s: float = Field(0.2, gt=0)
     retry_backoff_max_s: float = Field(5.0, gt=0)
 
+    # Retention (services/retention.py): events, finished jobs, superseded plans and stored GPU rows
+    # older than this many days are deleted by the leader, a batch per transaction; 0 keeps all.
+    retention_days: float = Field(30.0, ge=0)
+    retention_interval_s: float = Field(3600.0, gt=0)  # how often the leader prunes
+    retention_batch: int = Field(1000, ge=1)  # rows per transaction
+
     # Slurm node sync (services/slurm_sync.py, services/slurm.py): the leader drains in Slurm the
     # nodes that are DEGRADED, LOST or cordoned here, and resumes the drains it made once they are
     # HEALTHY again. Off unless PULSE_SLURM=on.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, inspect, make_url, select, text
+from sqlalchemy import Engine, create_engine, delete, event, func, inspect, make_url, select, text, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -453,6 +453,59 @@ def latest_plans(session: Session) -> list[PlanRow]:
     newest = select(PlanRow.job, func.max(PlanRow.generation).label("g")).group_by(PlanRow.job).subquery()
     q = select(PlanRow).join(newest, (PlanRow.job == newest.c.job) & (PlanRow.generation == newest.c.g))
     return list(session.scalars(q.order_by(PlanRow.job)))
+
+
+# --- retention (services/retention.py) ----------------------------------------------------------
+# Each deletes at most ``limit`` rows, oldest first, and returns how many: the caller commits a
+# batch at a time so that no transaction holds the database for long.
+
+
+def prune_events(session: Session, *, before: float, limit: int, keep_kinds: Sequence[str] = ()) -> int:
+    """Events older than ``before``, except those of ``keep_kinds``."""
+    q = select(EventRow.id).where(EventRow.at < before)
+    if keep_kinds:
+        q = q.where(EventRow.kind.not_in(list(keep_kinds)))
+    ids = list(session.scalars(q.order_by(EventRow.id).limit(limit)))
+    if ids:
+        session.execute(delete(EventRow).where(EventRow.id.in_(ids)))
+    return len(ids)
+
+
+def prune_jobs(session: Session, *, before: float, limit: int, terminal: Sequence[str]) -> int:
+    """Jobs in a ``terminal`` state last changed before ``before``, with their ranks and plans."""
+    q = select(JobRow.id).where(JobRow.state.in_(list(terminal)), JobRow.updated_at < before)
+    ids = list(session.scalars(q.order_by(JobRow.updated_at).limit(limit)))
+    if ids:
+        session.execute(delete(JobRankRow).where(JobRankRow.job.in_(ids)))
+        session.execute(delete(PlanRow).where(PlanRow.job.in_(ids)))
+        session.execute(delete(JobRow).where(JobRow.id.in_(ids)))
+    return len(ids)
+
+
+def prune_plans(session: Session, *, before: float, limit: int) -> int:
+    """Plan generations older than ``before`` that a newer generation of their job superseded
+    (the plan in force is never deleted)."""
+    newest = select(PlanRow.job, func.max(PlanRow.generation).label("g")).group_by(PlanRow.job).subquery()
+    q = (
+        select(PlanRow.job, PlanRow.generation)
+        .join(newest, PlanRow.job == newest.c.job)
+        .where(PlanRow.at < before, PlanRow.generation < newest.c.g)
+        .order_by(PlanRow.at)
+        .limit(limit)
+    )
+    keys = [(j, g) for j, g in session.execute(q)]
+    if keys:
+        session.execute(delete(PlanRow).where(tuple_(PlanRow.job, PlanRow.generation).in_(keys)))
+    return len(keys)
+
+
+def prune_gpus(session: Session, *, before: float, limit: int) -> int:
+    """Stored GPU rows not updated since ``before`` (a GPU gone from its node, a node gone)."""
+    q = select(GpuRow.node, GpuRow.index).where(GpuRow.updated_at < before).order_by(GpuRow.updated_at).limit(limit)
+    keys = [(n, i) for n, i in session.execute(q)]
+    if keys:
+        session.execute(delete(GpuRow).where(tuple_(GpuRow.node, GpuRow.index).in_(keys)))
+    return len(keys)
 
 
 # --- API tokens --------------------------------------------------------------------------------

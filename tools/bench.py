@@ -122,7 +122,8 @@ async def _detection(args: argparse.Namespace, url: str, workdir: Path) -> dict[
     from services.orchestrator import Orchestrator
 
     nodes, gpus = args.nodes, args.gpus_per_node
-    interval = max(1.0, nodes / 2048)  # one simulator process keeps up with ~2,048 heartbeats/s
+    # one simulator process keeps up with ~2,048 heartbeats/s: that sets the default interval
+    interval = args.interval if args.interval else max(1.0, nodes / 2048)
     degraded_after = 3.0 * interval
     redis.Redis.from_url(url).flushdb()
     settings = load_settings(

@@ -790,6 +790,9 @@ def _bench_commands(sub: Subparsers) -> None:
     bi.add_argument("--gpus-per-node", type=int, default=8)
     bi.add_argument("--duration", type=float, default=10.0)
     bi.add_argument("--silences", type=int, default=64, help="nodes silenced to measure detection")
+    bi.add_argument(
+        "--interval", type=float, default=0.0, help="heartbeat interval of the detection run, s (0: nodes / 2048, >= 1)"
+    )
     bi.add_argument("--json", action="store_true")
     bi.set_defaults(fn=cmd_bench)
     ba = bsub.add_parser("agent", help="agent CPU and memory at a 1 s interval")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from clusterpulse.settings import load_settings
-from services.placement import NodeCapacity, PlacementRequest, Refusal, place
+from services.placement import NodeCapacity, PlacementRefusal, PlacementRequest, place
 from services.slurm import SlurmClient, SlurmSync, metric_lines
 from services.slurm_sync import Breaker, Drain
 from tools.cli import format_nodes
@@ -36,7 +36,7 @@ def test_placement_skips_a_node_slurm_keeps_out_and_names_it() -> None:
     ]
     assert place(nodes, PlacementRequest(nodes=1, gpus_per_node=1)).nodes == ("a",)  # type: ignore[union-attr]
     refused = place(nodes, PlacementRequest(nodes=2, gpus_per_node=1))
-    assert isinstance(refused, Refusal) and "1 Slurm idle+drain: maint" in refused.reason
+    assert isinstance(refused, PlacementRefusal) and "1 Slurm idle+drain: maint" in refused.reason
 
 
 def node(name: str, schedulable: bool, scheduler: dict[str, Any] | None) -> dict[str, Any]:

@@ -41,7 +41,6 @@ SIZE_DEBT: dict[str, int] = {
     "tools/soak.py:_soak": 205,
     "services/slurm_sync.py:decide": 82,
     "services/metrics.py:Renderer.render": 105,
-    "services/orchestrator.py:Orchestrator": 1117,
     "trainer/check_reroute.py:summarize": 104,
     "trainer/check_reroute.py:worker": 112,
     "trainer/collective.py:ReroutedAllReduce": 497,

@@ -10,7 +10,8 @@ step (:data:`clusterpulse.wire.CHECKPOINT_WRITTEN`); the orchestrator records on
 directory and the rank. The later ranks' reports of the same step add nothing.
 
 Pure: :func:`refusal` and :class:`WrittenLedger` take their inputs as arguments; the
-orchestrator does the I/O (services/orchestrator.py).
+orchestrator does the I/O (services/operator.py asks, services/ingest.py observes, services/outbox.py
+stores).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """High availability: one leader among the orchestrator replicas, under a lease with a fencing token.
 
 Two or more replicas run on the same Redis and database. Exactly one of them, the **leader**,
-evaluates health, plans and launches (the ingest, evaluate, persist and jobs loops of
-services/orchestrator.py); the others are **followers**: they serve reads from a snapshot they
+evaluates health, plans and launches (the ingest, evaluate, persist and jobs loops that
+services/orchestrator.py composes); the others are **followers**: they serve reads from a snapshot they
 refresh from the database every ``persist_interval_s``, and answer mutations (cordon, jobs) with
 503 naming the leader. Token management (services/tokens.py) works on any replica: it writes only
 the ``tokens`` table, which no loop touches.

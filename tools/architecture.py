@@ -39,7 +39,6 @@ SIZE_DEBT: dict[str, int] = {
     "tools/goodput.py:Campaign._result": 96,
     "tools/soak.py:_soak": 205,
     "services/metrics.py:Renderer.render": 105,
-    "services/orchestrator.py:Orchestrator": 1117,
     "trainer/check_reroute.py:summarize": 104,
     "trainer/check_reroute.py:worker": 112,
     "trainer/collective.py:ReroutedAllReduce": 497,

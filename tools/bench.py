@@ -229,7 +229,7 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     t0 = time.perf_counter()
     await orch.start()
     assert orch.cluster is not None
-    while orch.cluster.received < nodes or orch._outbox:
+    while orch.cluster.received < nodes or orch.outbox.pending:
         await asyncio.sleep(0.01)
     first_contact_s = time.perf_counter() - t0
     # Steady state: the other rounds, written while the loop is blocked, then consumed.

@@ -11,7 +11,8 @@ from services import db
 from services.checkpoints import CheckpointRefused
 from services.deps import Operator, OrchestratorDep, Viewer
 from services.jobs import JOB_STATES
-from services.orchestrator import IdempotencyKeyReused, Orchestrator, PlacementRefused
+from services.operator import IdempotencyKeyReused, PlacementRefused
+from services.orchestrator import Orchestrator
 from services.routes.common import bad_query
 from services.schemas import (
     CheckpointPublic,

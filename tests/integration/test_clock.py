@@ -1,4 +1,4 @@
-"""The orchestrator's one clock (services/orchestrator.py ``RedisClock``) on a real Redis."""
+"""The orchestrator's one clock (services/clock.py ``RedisClock``) on a real Redis."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from services.orchestrator import RedisClock
+from services.clock import RedisClock
 
 
 def test_the_clock_never_goes_backwards_when_a_sync_lands_behind_it(redis_url: str) -> None:

@@ -25,7 +25,8 @@ from services import db
 from services.cluster import ClusterEvent
 from services.leader import FENCED_PLANS, StaleEpoch, plans_args
 from services.models import EventRow, JobRow, NodeRow
-from services.orchestrator import Orchestrator, _Send
+from services.orchestrator import Orchestrator
+from services.reconcile import Send
 from tests.support import fresh_database
 
 SPEC = {"name": "j", "nodes": 1, "gpus_per_node": 1, "selector": {}, "entrypoint": ["-m", "x"]}
@@ -103,7 +104,7 @@ def _leads(orch: Orchestrator) -> bool:
 
 def _pretend_leading(orch: Orchestrator, epoch: int) -> None:
     """The stale leader's view: its own clock has not noticed the lease ran out (a pause)."""
-    orch.leader.epoch, orch.leader.deadline, orch._led_epoch = epoch, float("inf"), epoch
+    orch.leader.epoch, orch.leader.deadline, orch.led_epoch = epoch, float("inf"), epoch
 
 
 def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, database_url: str) -> None:
@@ -123,10 +124,8 @@ def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, 
                 name="n1", state="HEALTHY", since=0.0, reason="", last_seen=None, schedulable=True,
                 labels={}, telemetry={},
             )  # fmt: skip
-            await _until(lambda: not a._outbox, "a's own events stored")
-            for task in a._tasks:  # a is paused: it renews no more, its loops stand still
-                task.cancel()
-            await asyncio.gather(*a._tasks, return_exceptions=True)
+            await _until(lambda: not a.outbox.pending, "a's own events stored")
+            await a.pause()  # a is paused: it renews no more, its loops stand still
             _pretend_leading(a, old)
             mark = _max_event_id(engine)
             with db.session_factory(engine).begin() as s:  # the lease runs out meanwhile
@@ -136,18 +135,18 @@ def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, 
             assert new == old + 1
 
             # events (and health states): refused, rolled back, a steps down
-            a._outbox.append(ClusterEvent("stale", "written by a stale leader", a.clock.now(), "n1"))
-            await a._write_outbox()
+            a.outbox.append(ClusterEvent("stale", "written by a stale leader", a.clock.now(), "n1"))
+            await a.outbox.write()
             assert not _leads(a) and a.leader.refused["events"] == 1
 
             # telemetry of a node
             _pretend_leading(a, old)
-            a._outbox.clear()
+            a.outbox.clear()
             before = _node(engine, "n1")
             view = a.cluster.nodes["n1"]
             view.dirty = True
             view.latest = msgspec_heartbeat("n1")
-            await a._flush()
+            await a.persister.flush()
             assert a.leader.refused["telemetry"] == 1 and _node(engine, "n1") == before
 
             # a job written by the stale leader (the placement passes: a node with a GPU)
@@ -168,9 +167,9 @@ def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, 
             _pretend_leading(a, old)
             spec = {"gpus_per_node": 1, "entrypoint": ["-m", "x"]}
             with pytest.raises(StaleEpoch):
-                await a._send(_Send("launch", "job1", ["n1"], spec, "127.0.0.1", 1))
+                await a.jobs.send(Send("launch", "job1", ["n1"], spec, "127.0.0.1", 1))
             assert await client.xlen(wire.node_commands_key("n1")) == 0
-            await b._send(_Send("launch", "job1", ["n1"], spec, "127.0.0.1", 1))
+            await b.jobs.send(Send("launch", "job1", ["n1"], spec, "127.0.0.1", 1))
             entries: list[tuple[bytes, dict[bytes, bytes]]] = await client.xrange(wire.node_commands_key("n1"))  # type: ignore[assignment]
             assert [int(f[wire.COMMAND_EPOCH_FIELD]) for _, f in entries] == [new]
 

@@ -15,7 +15,8 @@ from clusterpulse import wire
 from clusterpulse.retry import Backoff
 from clusterpulse.settings import Settings, load_settings
 from services import db
-from services.orchestrator import Entries, Orchestrator
+from services.ingest import Entries
+from services.orchestrator import Orchestrator
 
 
 def _settings(redis_url: str, sqlite_url: str, **kw: object) -> Settings:
@@ -145,11 +146,9 @@ def test_restart_rereads_unacknowledged_entries_and_keeps_state(redis_url: str, 
         client = aioredis.from_url(redis_url)
         await run_agents(_agents(2), _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=3)
         await _until(lambda: len(orch.cluster.nodes) == 2)
-        for t in orch._tasks:  # die without the clean shutdown's flush
-            t.cancel()
-        orch._tasks.clear()
-        orch._outbox.clear()
-        orch._unacked = {s: [] for s in orch.streams}
+        await orch.pause()  # die without the clean shutdown's flush
+        orch.outbox.clear()
+        orch.ingest.drop_unacked()
         orch.cluster.nodes.clear()
         pending = await client.xpending(wire.heartbeat_stream_key(0), wire.ORCHESTRATOR_GROUP)
         assert pending["pending"] == 6
@@ -174,7 +173,7 @@ def test_a_read_whose_reply_is_lost_loses_no_entry(redis_url: str, sqlite_url: s
 
     async def body(orch: Orchestrator) -> None:
         assert orch.cluster is not None
-        real = orch._xreadgroup
+        real = orch.ingest.read
         lost: list[int] = []
 
         async def lossy(streams: dict[str, str], *, block_ms: int | None) -> list[tuple[str, Entries]]:
@@ -184,7 +183,7 @@ def test_a_read_whose_reply_is_lost_loses_no_entry(redis_url: str, sqlite_url: s
                 raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
             return resp
 
-        orch._xreadgroup = lossy  # type: ignore[method-assign]
+        orch.ingest.read = lossy  # type: ignore[method-assign]
         agent = _agents(1)[0]
         for _ in range(3):
             payload = wire.encode(agent.heartbeat(agent.sim.sample()))  # type: ignore[union-attr]

@@ -118,7 +118,7 @@ def test_a_rank_its_carrier_gave_up_on_stays_excluded_until_it_registers_again(r
 
     async def after_restart(orch: Orchestrator) -> None:
         assert orch.plans.plans["job2"].excluded == [2]
-        orch._ranks_changed = True  # replan with nothing new: rank 2 must stay out
+        orch.shared.ranks_changed = True  # replan with nothing new: rank 2 must stay out
         await asyncio.sleep(0.3)
         assert orch.plans.plans["job2"].generation == 2
         _register(redis_url, "job2", 4)  # the job restarted: every rank registers again
@@ -178,7 +178,7 @@ def test_an_excluded_healthy_node_is_relaunched_to_rejoin_up_to_the_cap_across_a
             orch.plans.register(
                 wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=rank, node=node, world_size=2)
             )
-        orch._ranks_changed = True  # as a registration read from Redis does: replan
+        orch.shared.ranks_changed = True  # as a registration read from Redis does: replan
         await _until(lambda: "j" in orch.plans.plans)
         orch.plans.node_exited("j", "n1")
         n1_status({"state": "exited", "exit_code": -9})

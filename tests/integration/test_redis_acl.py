@@ -24,7 +24,8 @@ from clusterpulse import acl, wire
 from clusterpulse.retry import Backoff
 from clusterpulse.settings import load_settings
 from services import db
-from services.orchestrator import Orchestrator, _Send
+from services.orchestrator import Orchestrator
+from services.reconcile import Send
 from tests.support import free_port, wait_for
 
 SHARDS = 4
@@ -183,7 +184,7 @@ def test_orchestrator_user_ingests_and_refuses_a_heartbeat_claiming_another_node
             await _until(lambda: getattr(cluster.nodes[b].latest, "seq", None) == 8)
             assert cluster.rejected["sender"] == 2
             # The orchestrator's writes: a job command to B that B reads and A may not.
-            await orch._send(_Send("stop", "job1", [b], {"gpus_per_node": 1, "entrypoint": ["x"]}, "h", 1))
+            await orch.jobs.send(Send("stop", "job1", [b], {"gpus_per_node": 1, "entrypoint": ["x"]}, "h", 1))
             resp = await client_b.xread({wire.node_commands_key(b): "0"}, count=10)
             assert resp
             with pytest.raises(redis.exceptions.NoPermissionError):

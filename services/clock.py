@@ -1,0 +1,41 @@
+"""The one clock: Redis server time. A heartbeat's time is the server time stamped in its stream
+entry id by ``XADD *`` (:func:`entry_time`); "now" is Redis ``TIME``, re-synced every evaluation
+tick and extrapolated with the monotonic clock in between, so no replica's or agent's own clock
+decides anything."""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+
+class RedisClock:
+    """The one clock: Redis server time, extrapolated with the monotonic clock between syncs.
+
+    It never goes backwards: a sync that lands behind the extrapolation (the reply's round trip,
+    a loaded machine) holds ``now`` until the clock catches up, so what happened later is never
+    stamped earlier (events, transitions)."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._redis = client
+        self._base = time.time()
+        self._mono = time.monotonic()
+        self._last = 0.0
+        self.synced = False
+
+    async def sync(self) -> None:
+        sent = time.monotonic()
+        secs, micros = await self._redis.time()
+        # the server read its clock somewhere in the round trip: take the middle
+        self._base, self._mono, self.synced = secs + micros / 1e6, (sent + time.monotonic()) / 2, True
+
+    def now(self) -> float:
+        self._last = max(self._last, self._base + (time.monotonic() - self._mono))
+        return self._last
+
+
+def entry_time(entry_id: bytes | str) -> float:
+    """Redis server time (seconds) at which a stream entry was added: its id's millisecond part."""
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(raw.split("-", 1)[0]) / 1000.0

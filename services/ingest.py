@@ -1,0 +1,324 @@
+"""Ingest: the streams read with the consumer group, folded into the shared state.
+
+Heartbeats, trainer reports, job statuses and rank registrations are read with ``XREADGROUP``
+(group ``orchestrator``, this replica's consumer name). Every entry read is remembered as
+unacknowledged until services/persist.py has stored what it carried, so an orchestrator killed at
+any point re-reads it: its own pending entries (:meth:`Ingest.read_pending`) and, at a take-over, a
+predecessor's (:meth:`Ingest.claim_pending`). Redelivery is harmless: folding an older entry
+changes nothing, and :meth:`Ingest.read_pending` starts after the last entry folded. An entry
+claiming a node whose own latest key does not vouch for it is refused (reason ``sender``;
+``PULSE_HEARTBEAT_SENDER_CHECK``, services/sender.py). What the folds decide goes to the outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from clusterpulse import wire
+from clusterpulse.settings import Settings
+from clusterpulse.states import EventKind, JobState
+from services import checkpoints
+from services.clock import entry_time
+from services.cluster import ClusterEvent
+from services.outbox import Outbox, Registered
+from services.sender import SenderCheck
+from services.shared import Shared, until_ok
+
+log = logging.getLogger("pulse.orchestrator")
+
+Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+def stream_keys(settings: Settings) -> list[str]:
+    """Every stream the orchestrator reads."""
+    return [
+        *wire.heartbeat_stream_keys(settings.heartbeat_stream_shards),
+        wire.TRAINER_STREAM,
+        wire.JOB_STATUS_STREAM,
+        wire.REGISTRATION_STREAM,
+    ]
+
+
+class Ingest:
+    """The reading side of the streams. ``leading`` says whether to read at all: a consumer group
+    gives each entry to one consumer, so followers read nothing."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        redis_client: aioredis.Redis,
+        consumer: str,
+        shared: Shared,
+        outbox: Outbox,
+        leading: Callable[[], bool],
+    ) -> None:
+        self.settings = settings
+        self.redis = redis_client
+        self.consumer = consumer
+        self.shared = shared
+        self.outbox = outbox
+        self.leading = leading
+        self.streams = stream_keys(settings)
+        self.unacked: dict[str, list[bytes]] = {s: [] for s in self.streams}
+        self._folded_upto: dict[str, str] = {}  # per stream: the last entry id folded
+        self._senders = SenderCheck()
+        self._stragglers: set[tuple[str, int]] = set()
+        self._checkpoints = checkpoints.WrittenLedger()  # (job, step) checkpoints already recorded
+
+    # --- what the other loops ask of it ---------------------------------------------------------
+    def reset(self) -> None:
+        """A take-over reloaded the state from the database: refold everything pending."""
+        self.unacked = {s: [] for s in self.streams}
+        self._folded_upto = {}
+        self._stragglers = set()
+
+    def drop_unacked(self) -> None:
+        """Stepping down: unacknowledged entries stay pending for the next leader to claim."""
+        self.unacked = {s: [] for s in self.streams}
+
+    def take_acks(self) -> dict[str, list[bytes]]:
+        """The entries read so far, per stream, to acknowledge once what they carried is stored."""
+        acks = {s: ids for s, ids in self.unacked.items() if ids}
+        self.unacked = {s: [] for s in self.streams}
+        return acks
+
+    def return_acks(self, acks: dict[str, list[bytes]]) -> None:
+        """Storing failed: the entries taken by :meth:`take_acks` stay unacknowledged, first."""
+        for s, ids in acks.items():
+            self.unacked[s][:0] = ids
+
+    def forget_job(self, job: str) -> None:
+        """A job's progress expired: its stragglers and recorded checkpoints go with it."""
+        self._stragglers = {k for k in self._stragglers if k[0] != job}
+        self._checkpoints.forget(job)  # the database still refuses a second event of a step
+
+    # --- reading --------------------------------------------------------------------------------
+    async def ensure_group(self, stream: str) -> None:
+        try:
+            await self.redis.xgroup_create(stream, wire.ORCHESTRATOR_GROUP, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def claim_pending(self, *, min_idle_ms: int) -> None:
+        """Entries other consumers (a previous leader) read and never acknowledged become this
+        replica's (``XAUTOCLAIM``), for :meth:`read_pending` to fold."""
+        for stream in self.streams:
+            start: Any = "0-0"
+            while True:
+                resp = await self.redis.xautoclaim(
+                    stream, wire.ORCHESTRATOR_GROUP, self.consumer, min_idle_ms, start_id=start, count=1000
+                )
+                start = resp[0]  # the cursor: 0-0 once the whole pending list was scanned
+                if start in (b"0-0", "0-0"):
+                    break
+
+    async def read_pending(self) -> None:
+        """Fold entries delivered to this consumer but not folded yet: after a takeover (from the
+        start: a predecessor's, claimed), and after an ingest error, whose XREADGROUP reply may
+        have been lost on the way (a timeout) although Redis counts its entries as delivered."""
+        for stream in self.streams:
+            last = self._folded_upto.get(stream, "0")
+            while True:
+                try:
+                    resp = await self.read({stream: last}, block_ms=None)
+                except redis.exceptions.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    await self.ensure_group(stream)  # deleted with a Redis restart: nothing is pending
+                    break
+                entries = resp[0][1] if resp else []
+                if not entries:
+                    break
+                await self.fold(stream, entries)
+                last = entries[-1][0].decode()
+
+    async def loop(self, stop: asyncio.Event) -> None:
+        block_ms = max(1, int(self.settings.ingest_block_s * 1000))
+        streams = dict.fromkeys(self.streams, ">")
+        if self.leading():  # (re)started after an error: what the failed read was given comes first
+            await self.read_pending()
+        while not stop.is_set():
+            if not self.leading():  # followers read nothing: a consumer group gives each entry to one
+                await asyncio.sleep(self.settings.ingest_block_s)
+                continue
+            try:
+                resp = await self.read(streams, block_ms=block_ms)
+            except redis.exceptions.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self.read_pending()  # a Redis restart deleted a stream: it recreates the group
+                continue
+            for stream, entries in resp:
+                await self.fold(stream, entries)
+            await asyncio.sleep(0)
+
+    async def read(self, streams: dict[str, str], *, block_ms: int | None) -> list[tuple[str, Entries]]:
+        """XREADGROUP, normalised to [(stream, [(id, fields)])] for RESP2 and RESP3 replies."""
+        resp: Any = await self.redis.xreadgroup(
+            wire.ORCHESTRATOR_GROUP,
+            self.consumer,
+            cast(Any, streams),
+            count=self.settings.ingest_batch,
+            block=block_ms,
+        )
+        items = resp.items() if isinstance(resp, dict) else (resp or [])
+        out: list[tuple[str, Entries]] = []
+        for stream, entries in items:
+            name = stream.decode() if isinstance(stream, bytes) else str(stream)
+            out.append((name, entries[0] if entries and isinstance(entries[0], list) else entries))
+        return out
+
+    # --- folding --------------------------------------------------------------------------------
+    async def fold(self, stream: str, entries: Entries) -> None:
+        assert self.shared.cluster is not None
+        if entries:
+            self._folded_upto[stream] = entries[-1][0].decode()
+        unacked = self.unacked[stream]
+        if stream == wire.TRAINER_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                self._fold_report(fields.get(wire.TRAINER_FIELD) if fields else None, entry_time(entry_id))
+            return
+        if stream == wire.REGISTRATION_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                try:
+                    reg = wire.decode_registration((fields or {}).get(wire.REGISTRATION_FIELD, b""))
+                except wire.WireError as exc:
+                    log.warning("event=registration_rejected reason=%s detail=%s", exc.reason, exc)
+                    continue
+                if self.shared.plans.register(reg):
+                    self.shared.ranks_changed = True
+                    self.outbox.append(Registered(reg, entry_time(entry_id)))
+            return
+        if stream == wire.JOB_STATUS_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                try:
+                    st = wire.decode_job_status((fields or {}).get(wire.JOB_STATUS_FIELD, b""))
+                except wire.WireError as exc:
+                    log.warning("event=job_status_rejected reason=%s detail=%s", exc.reason, exc)
+                    continue
+                self.shared.job_statuses.append(st)
+                self._ranks_exited(st, entry_time(entry_id))
+            return
+        await self._fold_heartbeats(stream, entries)
+
+    def _ranks_exited(self, st: wire.JobStatus, at: float) -> None:
+        """A node's ranks of a plan-following job exited non-zero or were lost: exclude them
+        (services/plans.py), so the others train on and the job lifecycle does not fail the job."""
+        if st.state not in ("exited", "lost") or (st.state == "exited" and st.exit_code == 0):
+            return
+        if self.shared.job_states.get(st.job, ("", 0.0))[0] != JobState.RUNNING:
+            return  # stopping (ranks exit on SIGTERM), or not started by us
+        prog = self.shared.progress.jobs.get(st.job)
+        if prog is None or not any(p.report.plan_generation is not None for p in prog.ranks.values()):
+            return  # not following plans: the job fails as before
+        for rank in self.shared.plans.node_exited(st.job, st.node):
+            self.shared.ranks_changed = True
+            code = "" if st.exit_code is None else f" with {st.exit_code}"
+            reason = (
+                f"job {st.job} rank {rank}: the ranks on {st.node} {st.state}{code}; excluded until it registers again"
+            )
+            self.outbox.append(ClusterEvent(EventKind.RANK_UNREACHABLE, reason, at, st.node))
+
+    async def _fold_heartbeats(self, stream: str, entries: Entries) -> None:
+        """Decode, check each entry's sender against its node's own latest key (one pipelined
+        read per batch of the keys whose earlier contents do not vouch for the entry already,
+        see :class:`services.sender.SenderCheck`), fold what passes."""
+        assert self.shared.cluster is not None
+        decoded: list[tuple[bytes, bytes | None, wire.Heartbeat | wire.WireError | None]] = []
+        for entry_id, fields in entries:
+            payload = fields.get(wire.HEARTBEAT_FIELD) if fields else None
+            item: wire.Heartbeat | wire.WireError | None = None
+            if payload is not None:
+                try:
+                    item = wire.decode_heartbeat(payload)
+                except wire.WireError as exc:
+                    item = exc
+            decoded.append((entry_id, payload, item))
+        check = self.settings.heartbeat_sender_check
+        senders = self._senders
+        nodes = sorted(
+            {hb.node for _, p, hb in decoded if isinstance(hb, wire.Heartbeat) and p and not senders.vouched(hb, p)}
+            if check
+            else ()
+        )
+        own: dict[str, bytes | None] = {}
+        if nodes:
+
+            async def read_own() -> None:
+                pipe = self.redis.pipeline(transaction=False)
+                for node in nodes:
+                    pipe.get(wire.node_latest_key(node))
+                own.update(zip(nodes, await pipe.execute(), strict=True))
+
+            await until_ok(self.settings, "sender check", read_own)
+        cluster = self.shared.cluster
+        assert cluster is not None
+        unacked = self.unacked[stream]
+        for entry_id, payload, item in decoded:
+            unacked.append(entry_id)
+            cluster.received += 1
+            if payload is None or item is None:
+                cluster.rejected["missing_field"] += 1
+            elif isinstance(item, wire.WireError):
+                cluster.rejected[item.reason] += 1
+                log.debug("event=heartbeat_rejected reason=%s detail=%s", item.reason, item)
+            elif check and (reason := senders.verdict(item, payload, own.get(item.node))) is not None:
+                cluster.rejected[reason] += 1
+                log.warning(
+                    "event=heartbeat_rejected reason=%s node=%s boot_id=%s seq=%d entry=%s stream=%s detail=%r",
+                    reason, item.node, item.boot_id, item.seq, entry_id.decode(), stream,
+                    "its node's own latest key does not hold this heartbeat or a newer one of the same boot",
+                )  # fmt: skip
+            elif (ev := cluster.fold(item, received_at=entry_time(entry_id))) is not None:
+                self.outbox.append(ev)
+
+    def _fold_report(self, payload: bytes | None, at: float) -> None:
+        """One trainer report: job figures, the node's progress (for LOST), training events and
+        stragglers (an event when a rank becomes one, with its node's hardware signals)."""
+        cluster, plans, progress = self.shared.cluster, self.shared.plans, self.shared.progress
+        assert cluster is not None
+        if payload is None:
+            progress.received += 1
+            progress.rejected["missing_field"] += 1
+            return
+        report = progress.ingest(payload, received_at=at)
+        if report is None:
+            return
+        cluster.set_progress(report.node, at)
+        for rank in report.unreachable_ranks or ():
+            if plans.rank_unreachable(report.job, rank):
+                self.shared.ranks_changed = True
+                reason = (
+                    f"job {report.job} rank {rank}: rank {report.rank} (its carrier, or a survivor of a failed "
+                    f"collective) reported it unreachable at step {report.step}; excluded until it registers again"
+                )
+                node = plans.ranks[report.job][rank].node
+                self.outbox.append(ClusterEvent(EventKind.RANK_UNREACHABLE, reason, at, node))
+        if report.event and checkpoints.written_path(report.event) is not None:
+            if (written := self._checkpoints.observe(report, at=at)) is not None:  # one per (job, step)
+                self.outbox.append(written)
+        elif report.event:
+            kind = report.event.split(" ", 1)[0]
+            reason = f"job {report.job} rank {report.rank} step {report.step}: {report.event}"
+            self.outbox.append(ClusterEvent(kind, reason, at, report.node))
+        job = progress.jobs[report.job]
+        now_slow = job.stragglers(progress.straggler_factor)
+        for rank, why in now_slow.items():
+            if (report.job, rank) not in self._stragglers:
+                node = job.ranks[rank].report.node
+                view = cluster.nodes.get(node)
+                signals = "; ".join([*view.health.signals.faults, *view.health.signals.warnings]) if view else ""
+                reason = f"job {report.job}: {why}" + (f"; node signals: {signals}" if signals else "")
+                self.outbox.append(ClusterEvent(EventKind.STRAGGLER, reason, at, node))
+        self._stragglers = {k for k in self._stragglers if k[0] != report.job} | {(report.job, r) for r in now_slow}

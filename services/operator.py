@@ -1,0 +1,205 @@
+"""Operator actions on the leader: create, stop and checkpoint a job, cordon a node, close the
+Slurm drain breaker. Each is written to the database first, under the leader's epoch (a follower
+or a stale leader is refused, ``NotLeader``), then applied in memory or sent to the agents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from clusterpulse.settings import Settings
+from clusterpulse.states import JobState
+from services import checkpoints, db
+from services.clock import RedisClock
+from services.reconcile import JobReconciler, Send
+from services.shared import Shared, Writer
+from services.slurm import SlurmSync
+
+
+class PlacementRefused(Exception):
+    """No placement fits the job; the message names the constraint that failed."""
+
+
+class IdempotencyKeyReused(Exception):
+    """An Idempotency-Key came back with another body than the job it created; the message names
+    the key, the job and the fields that differ."""
+
+
+class OperatorActions:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        shared: Shared,
+        writer: Writer,
+        clock: RedisClock,
+        jobs: JobReconciler,
+        slurm: SlurmSync | None,
+    ) -> None:
+        self.settings = settings
+        self.shared = shared
+        self.writer = writer
+        self.clock = clock
+        self.jobs = jobs
+        self.slurm = slurm
+
+    async def create_job(self, spec: dict[str, Any], *, idempotency_key: str | None, actor: str) -> tuple[str, bool]:
+        """Place and store a job. Returns (job id, created); a repeated idempotency key returns
+        the first job when the body is the same, else raises :class:`IdempotencyKeyReused`.
+        Raises :class:`PlacementRefused` with the failed constraint; nothing is written then."""
+        from services.jobs import ACTIVE, master_addr, master_port
+        from services.placement import NodeCapacity, Placement, PlacementRequest, place
+
+        assert self.shared.cluster is not None
+        cluster = self.shared.cluster
+
+        def write() -> tuple[str, bool]:
+            with self.writer.tx("job create") as s:
+                if idempotency_key:
+                    prior = db.job_by_idempotency_key(s, key=idempotency_key)
+                    if prior is not None:
+                        stored = dict(prior.spec)
+                        if stored != spec:
+                            changed = sorted(k for k in {*spec, *stored} if spec.get(k) != stored.get(k))
+                            raise IdempotencyKeyReused(
+                                f"Idempotency-Key {idempotency_key!r} was used for job {prior.id} with another body "
+                                f"(differs in {', '.join(changed)}); use a new key for a new job"
+                            )
+                        return prior.id, False
+                used: dict[str, int] = {}
+                for j in db.list_jobs(s, states=ACTIVE):
+                    for n in j.assigned_nodes:
+                        used[n] = used.get(n, 0) + int(j.spec.get("gpus_per_node", 0))
+                caps = [
+                    NodeCapacity(
+                        name=name,
+                        state=v.health.state.value,
+                        schedulable=v.schedulable,
+                        gpus=sum(1 for g in v.latest.gpus if not g.lost) if v.latest else 0,
+                        gpus_used=used.get(name, 0),
+                        labels=v.labels,
+                        blocked=(
+                            f"Slurm {v.scheduler.state_text}"
+                            + (f": {v.scheduler.reason}" if v.scheduler.reason else "")
+                            if v.scheduler is not None and not v.scheduler.available
+                            else ""
+                        ),
+                    )
+                    for name, v in list(cluster.nodes.items())
+                ]
+                req = PlacementRequest(
+                    nodes=spec["nodes"], gpus_per_node=spec["gpus_per_node"], selector=spec["selector"]
+                )
+                result = place(caps, req)
+                if not isinstance(result, Placement):
+                    raise PlacementRefused(result.reason)
+                job_id = uuid.uuid4().hex[:12]
+                first = cluster.nodes[result.nodes[0]]
+                published = first.latest.addr if first.latest is not None else ""
+                addr = master_addr(result.nodes[0], first.labels.get(self.settings.job_master_addr_label), published)
+                db.create_job(
+                    s,
+                    job_id=job_id,
+                    name=spec["name"],
+                    spec=spec,
+                    assigned_nodes=list(result.nodes),
+                    master_addr=addr,
+                    master_port=master_port(job_id),
+                    idempotency_key=idempotency_key,
+                    at=self.clock.now(),
+                    actor=actor,
+                )
+                return job_id, True
+
+        async with self.writer.lock:
+            return await asyncio.to_thread(write)
+
+    async def stop_job(self, job_id: str, *, actor: str) -> bool:
+        """Ask a job to stop: STOPPING and a stop command to every assigned node. Idempotent;
+        a job already finished stays as it is. Raises KeyError for an unknown job."""
+        from services.jobs import TERMINAL
+
+        def write(s: Session) -> tuple[bool, list[str], dict[str, Any], str, int]:
+            job = db.get_job(s, job_id=job_id)
+            if job is None:
+                raise KeyError(job_id)
+            if job.state in TERMINAL or job.state == JobState.STOPPING:
+                return False, [], {}, "", 0
+            db.set_job_state(
+                s,
+                job_id=job_id,
+                state=JobState.STOPPING,
+                reason=f"stop asked by {actor}",
+                at=self.clock.now(),
+                actor=actor,
+            )
+            return True, list(job.assigned_nodes), dict(job.spec), job.master_addr, job.master_port
+
+        changed, nodes, spec, addr, port = await self.writer.run("job stop", write)
+        if changed:
+            self.jobs.last_send[(job_id, "stop")] = self.clock.now()
+            await self.jobs.send(Send("stop", job_id, nodes, spec, addr, port))
+        return changed
+
+    async def request_checkpoint(self, job_id: str, *, actor: str, reason: str) -> tuple[str, list[str]]:
+        """An emergency checkpoint of every rank of a RUNNING job (services/checkpoints.py): a
+        ``checkpoint_requested`` event, then a checkpoint command to every assigned node. Returns
+        (request id, nodes). Raises KeyError for an unknown job, CheckpointRefused when it is not
+        RUNNING (nothing written or sent then)."""
+        request = uuid.uuid4().hex[:16]
+
+        def write(s: Session) -> tuple[list[str], dict[str, Any], str, int]:
+            job = db.get_job(s, job_id=job_id)
+            if job is None:
+                raise KeyError(job_id)
+            if (why := checkpoints.refusal(job_id, job.state)) is not None:
+                raise checkpoints.CheckpointRefused(why)
+            nodes = list(job.assigned_nodes)
+            text = checkpoints.requested_reason(actor=actor, reason=reason, nodes=nodes)
+            db.record_event(
+                s, kind=checkpoints.REQUESTED, job=job_id, reason=f"{text} [request {request}]",
+                at=self.clock.now(), actor=actor,
+            )  # fmt: skip
+            return nodes, dict(job.spec), job.master_addr, job.master_port
+
+        nodes, spec, addr, port = await self.writer.run("job checkpoint", write)
+        await self.jobs.send(Send("checkpoint", job_id, nodes, spec, addr, port, request=request))
+        return request, nodes
+
+    async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:
+        """Cordon/uncordon: written to the database first, then applied in memory."""
+
+        known = self.shared.cluster is not None and name in self.shared.cluster.nodes
+
+        def write() -> bool:
+            with self.writer.tx("cordon") as s:
+                if known:
+                    db.ensure_node(s, name=name, at=self.clock.now())
+                return db.set_schedulable(
+                    s, name=name, schedulable=schedulable, reason=reason, at=self.clock.now(), actor=actor
+                )
+
+        changed = await asyncio.to_thread(write)
+        cluster = self.shared.cluster
+        if cluster is not None and name in cluster.nodes:
+            cluster.set_schedulable(name, schedulable)
+        return changed
+
+    async def reset_slurm_breaker(self, *, actor: str) -> bool:
+        """An operator closes the Slurm drain breaker (an event with the actor). False when it
+        was not open. Raises NotLeader on a follower."""
+        assert self.slurm is not None
+        self.writer.leader.fence()
+        ev = self.slurm.reset_breaker(now=self.clock.now(), actor=actor)
+        if ev is None:
+            return False
+
+        def store(s: Session) -> None:
+            db.record_event(s, kind=ev.kind, reason=ev.reason, at=ev.at, actor=actor)
+
+        await self.writer.run("slurm", store)
+        return True

@@ -1,0 +1,162 @@
+"""What the orchestrator's loops share, and how each of them runs (services/orchestrator.py composes
+them).
+
+- :class:`Shared`: the leader's in-memory state. The cluster snapshot, the plans, the trainers'
+  progress and the job states are replaced whole at a take-over (or by a follower's refresh), so
+  every loop reads them through this one object, never through a reference of its own.
+- :class:`Writer`: every database write under the leader's epoch (:meth:`Writer.tx` commits only
+  if the lease is still at the epoch the write began under), one writer at a time
+  (:attr:`Writer.lock`: the outbox keeps its order), and whether the last write went through
+  (``ok``, /readyz).
+- :func:`until_ok` and :func:`supervised`: a call retried while its error is transient, a loop
+  restarted with backoff whatever it raised.
+- :class:`CrashPoints`: ``PULSE_CRASH_AT`` (tests/faults), dying as a SIGKILL does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis.exceptions
+from sqlalchemy.orm import Session, sessionmaker
+
+from clusterpulse import wire
+from clusterpulse.retry import Backoff, is_transient
+from clusterpulse.settings import Settings
+from services import db
+from services.cluster import Cluster
+from services.leader import LeaderLease, NotLeader
+from services.planner import PlannerPolicy
+from services.plans import PlanKeeper
+from services.progress import Progress
+
+log = logging.getLogger("pulse.orchestrator")
+
+T = TypeVar("T")
+
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+def new_plans(settings: Settings) -> PlanKeeper:
+    return PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=settings.max_proxied_per_rank))
+
+
+def new_progress(settings: Settings) -> Progress:
+    return Progress(straggler_factor=settings.straggler_factor, stale_after=settings.job_stale_after_s)
+
+
+@dataclass
+class Shared:
+    """The state the loops share. Owned by the event loop: no locks, and a loop that awaits reads
+    it again afterwards (a take-over may have replaced any of it meanwhile)."""
+
+    cluster: Cluster | None
+    plans: PlanKeeper
+    progress: Progress
+    job_states: dict[str, tuple[str, float]] = field(default_factory=dict)  # job -> (state, updated_at)
+    job_statuses: list[wire.JobStatus] = field(default_factory=list)  # read by ingest, stored by reconcile
+    ranks_changed: bool = False  # a registration or an exclusion: the evaluate loop replans
+    redis_down_since: float | None = None  # on the one clock, while Redis does not answer
+
+    @classmethod
+    def empty(cls, settings: Settings) -> Shared:
+        return cls(cluster=None, plans=new_plans(settings), progress=new_progress(settings))
+
+
+class Writer:
+    """Database writes under the leader's epoch."""
+
+    def __init__(self, sessions: sessionmaker[Session], leader: LeaderLease) -> None:
+        self.sessions = sessions
+        self.leader = leader
+        self.lock = asyncio.Lock()  # one database writer at a time: the outbox keeps its order
+        self.ok = True
+
+    @contextlib.contextmanager
+    def tx(self, what: str) -> Iterator[Session]:
+        """A write transaction under this replica's epoch: every event and plan row it adds
+        carries the epoch, and it commits only if the lease still is at that epoch."""
+        epoch = self.leader.fence()
+        with self.sessions.begin() as s:
+            s.info[db.EPOCH] = epoch
+            yield s
+            s.flush()
+            self.leader.check(s, epoch=epoch, what=what)
+
+    async def run(self, what: str, fn: Callable[[Session], T]) -> T:
+        """``fn`` in a thread, in one :meth:`tx`, holding :attr:`lock`."""
+
+        def go() -> T:
+            with self.tx(what) as s:
+                return fn(s)
+
+        async with self.lock:
+            return await asyncio.to_thread(go)
+
+
+class CrashPoints:
+    """Tests only (``PULSE_CRASH_AT=point[:nth]``, tests/faults): die at the nth pass through a
+    named point as a SIGKILL does, no cleanup."""
+
+    def __init__(self, crash_at: str) -> None:
+        self._crash_at = crash_at
+        self._hits: dict[str, int] = {}
+
+    def __call__(self, name: str) -> None:
+        point, _, nth = self._crash_at.partition(":")
+        if point != name:
+            return
+        self._hits[name] = self._hits.get(name, 0) + 1
+        if self._hits[name] >= int(nth or 1):
+            log.warning("event=crash_point point=%s hit=%d", name, self._hits[name])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def until_ok(settings: Settings, what: str, fn: Callable[[], Any]) -> None:
+    """Await ``fn()`` until it returns; a transient error is retried with backoff, any other raised."""
+    backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
+    while True:
+        try:
+            await fn()
+            return
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            delay = backoff.next_delay()
+            log.warning("event=waiting what=%r error=%r retry_in_s=%.2f", what, str(exc), delay)
+            await asyncio.sleep(delay)
+
+
+async def supervised(settings: Settings, stop: asyncio.Event, name: str, loop: Callable[[], Any]) -> None:
+    """Run a loop forever; a transient error backs off, anything else is logged and retried
+    with backoff too, so one bad day of Redis never ends the orchestrator."""
+    backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
+    while not stop.is_set():
+        try:
+            await loop()
+        except asyncio.CancelledError:
+            raise
+        except NotLeader as exc:  # it stopped leading mid-write: the loop idles as a follower
+            log.info("event=loop_not_leader loop=%s detail=%r", name, str(exc))
+            await asyncio.sleep(settings.evaluate_interval_s)
+        except Exception as exc:
+            delay = backoff.next_delay()
+            level = logging.WARNING if is_transient(exc) else logging.ERROR
+            log.log(
+                level,
+                "event=loop_error loop=%s error=%r retry_in_s=%.2f",
+                name,
+                exc,
+                delay,
+                exc_info=not is_transient(exc),
+            )
+            await asyncio.sleep(delay)
+        else:
+            return

@@ -61,6 +61,7 @@ from services.plan_loop import PlanPublisher
 from services.plans import PlanKeeper
 from services.progress import Progress
 from services.reconcile import JobReconciler
+from services.retention import Retention
 from services.shared import CrashPoints, Shared, Writer, new_plans, new_progress, supervised, until_ok
 from services.slurm import SlurmClient, SlurmSync
 
@@ -131,6 +132,7 @@ class Orchestrator:
         self.operator = OperatorActions(
             settings, shared=self.shared, writer=self.writer, clock=self.clock, jobs=self.jobs, slurm=self.slurm
         )
+        self.retention = Retention(self.sessions, days=settings.retention_days, batch=settings.retention_batch)
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
 
@@ -181,6 +183,15 @@ class Orchestrator:
             ("evaluate", lambda: self.evaluator.loop(stop)),
             ("persist", lambda: self.persister.loop(stop)),
             ("jobs", lambda: self.jobs.loop(stop)),
+            (
+                "retention",
+                lambda: self.retention.loop(
+                    stop,
+                    leading=lambda: self.leading,
+                    now=self.clock.now,
+                    interval_s=self.settings.retention_interval_s,
+                ),
+            ),
         ]
         if self.slurm is not None:
             loops.append(("slurm", self._slurm_loop))

@@ -77,6 +77,15 @@ class Retention:
             log.info("event=retention_pruned before=%.0f deleted=%s", before, deleted)
         return deleted
 
+    async def loop(
+        self, stop: asyncio.Event, *, leading: Callable[[], bool], now: Callable[[], float], interval_s: float
+    ) -> None:
+        """The leader's: prune every ``interval_s`` on the one clock (events carry its time)."""
+        while not stop.is_set():
+            if leading():
+                await self.run_once(now())
+            await asyncio.sleep(interval_s)
+
     def _batch(self, prune: Pruner, before: float) -> int:
         with self.sessions.begin() as s:
             return prune(s, before, self.batch)

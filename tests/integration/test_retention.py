@@ -89,3 +89,59 @@ def test_zero_days_keeps_everything(sessions: sessionmaker[Session]) -> None:
         assert s.scalar(select(func.count()).select_from(JobRow)) == 3
     assert cutoff(NOW, days=0) is None
     assert cutoff(NOW, days=1) == NOW - DAY_S
+
+
+def test_the_leader_prunes_while_ingest_and_evaluation_go_on(redis_url: str, tmp_path: Path) -> None:
+    """A running orchestrator with retention every 0.2 s: events 40 days old (on the Redis clock)
+    are gone within a few ticks, while a node's heartbeats keep being folded and evaluated."""
+    import redis
+    import redis.asyncio as aioredis
+
+    from clusterpulse.settings import load_settings
+    from services.orchestrator import Orchestrator
+    from tests.stack import publish_heartbeat
+
+    url = f"sqlite:///{tmp_path / 'pulse.db'}"
+    db.upgrade(url)
+    sync = redis.Redis.from_url(redis_url)
+    seconds, micros = sync.time()
+    now = seconds + micros / 1e6
+    engine = db.make_engine(url)
+    sessions = db.session_factory(engine)
+    with sessions.begin() as s:
+        for i in range(25):
+            db.record_event(s, kind=EventKind.HEALTH, reason=f"old {i}", at=now - 40 * DAY_S + i, node="gone")
+
+    async def main() -> None:
+        client = aioredis.from_url(redis_url)
+        settings = load_settings(
+            redis_url=redis_url, database_url=url, heartbeat_interval_s=0.2, degraded_after_s=30.0,
+            lost_after_s=60.0, evaluate_interval_s=0.05, persist_interval_s=0.1, ingest_block_s=0.05,
+            retention_days=30, retention_interval_s=0.2, retention_batch=10,
+        )  # fmt: skip
+        orch = Orchestrator(settings, redis_client=client, engine=engine)
+        await orch.start()
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while True:
+                publish_heartbeat(sync, "live-1", gpus=2)  # ingest goes on meanwhile
+                with sessions() as s:
+                    old = s.scalar(select(func.count()).select_from(EventRow).where(EventRow.at < now - DAY_S))
+                    registered = s.scalar(
+                        select(func.count()).select_from(EventRow).where(EventRow.kind == EventKind.REGISTERED)
+                    )
+                if old == 0 and registered:
+                    break
+                assert loop.time() < deadline, f"{old} old events left, node registered: {registered}"
+                await asyncio.sleep(0.1)
+            assert orch.cluster is not None and orch.cluster.nodes["live-1"].health.state == "HEALTHY"
+        finally:
+            await orch.stop()
+            await client.aclose()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), timeout=60))
+    finally:
+        sync.close()
+        engine.dispose()

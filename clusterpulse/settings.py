@@ -92,6 +92,10 @@ class Settings(BaseSettings):
     persist_interval_s: float = Field(5.0, gt=0)
     retry_backoff_s: float = Field(0.2, gt=0)
     retry_backoff_max_s: float = Field(5.0, gt=0)
+    # The event stream GET /v1/stream (services/routes/stream.py): how often it polls the events
+    # table for new rows, and how long a quiet stream waits before a ": keepalive" comment.
+    stream_poll_s: float = Field(0.5, gt=0)
+    stream_keepalive_s: float = Field(15.0, gt=0)
 
     # Slurm node sync (services/slurm_sync.py, services/slurm.py): the leader drains in Slurm the
     # nodes that are DEGRADED, LOST or cordoned here, and resumes the drains it made once they are

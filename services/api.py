@@ -30,11 +30,13 @@ from services.metrics import Renderer
 from services.openapi import allowed_methods, api_routes, document, mutating
 from services.orchestrator import Orchestrator
 from services.ratelimit import RateLimiter
-from services.routes import admin, events, jobs, nodes, probes, slurm
+from services.routes import admin, events, jobs, nodes, probes, slurm, stream
 from services.routes.common import redact
 from services.tokens import TokenStore
 
 log = logging.getLogger("pulse.orchestrator.api")
+
+ROUTERS = (probes.router, nodes.router, slurm.router, jobs.router, events.router, stream.router, admin.router)
 
 
 def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
@@ -109,7 +111,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         response: Response = await call_next(request)
         return response
 
-    for router in (probes.router, nodes.router, slurm.router, jobs.router, events.router, admin.router):
+    for router in ROUTERS:
         app.include_router(router)
     document(app, settings)
     return app

@@ -96,6 +96,8 @@ class Settings(BaseSettings):
     # table for new rows, and how long a quiet stream waits before a ": keepalive" comment.
     stream_poll_s: float = Field(0.5, gt=0)
     stream_keepalive_s: float = Field(15.0, gt=0)
+    # The status page GET / (services/routes/status_page.py): how often it re-reads the API.
+    status_refresh_s: float = Field(3.0, ge=0.2)
 
     # Slurm node sync (services/slurm_sync.py, services/slurm.py): the leader drains in Slurm the
     # nodes that are DEGRADED, LOST or cordoned here, and resumes the drains it made once they are

@@ -30,7 +30,7 @@ from services.metrics import Renderer
 from services.openapi import allowed_methods, api_routes, document, mutating
 from services.orchestrator import Orchestrator
 from services.ratelimit import RateLimiter
-from services.routes import admin, docs, events, jobs, nodes, probes, slurm, stream
+from services.routes import admin, docs, events, jobs, nodes, probes, slurm, status_page, stream
 from services.routes.common import redact
 from services.tokens import TokenStore
 
@@ -45,6 +45,7 @@ ROUTERS = (
     stream.router,
     admin.router,
     docs.router,
+    status_page.router,
 )
 
 
@@ -124,5 +125,6 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     docs.mount_assets(app)
+    status_page.mount_assets(app)
     document(app, settings)
     return app

@@ -122,7 +122,7 @@ def run_demo(args: argparse.Namespace) -> int:
             )
         started = time.monotonic()
         print(f"ClusterPulse demo: {args.nodes} simulated nodes x 8 GPUs, Redis {redis_url}")
-        print(f"  API docs  {api}/docs\n  metrics   {api}/metrics\n  nodes     {api}/v1/nodes")
+        print(f"  status    {api}/\n  API docs  {api}/docs\n  metrics   {api}/metrics\n  nodes     {api}/v1/nodes")
         print(f"  logs      {workdir}")
         print(f"  in another shell: PULSE_API_URL={api} pulse nodes show sim-005")
         print(f"At t={fault_at:g}s PS2 of sim-005 sags 12 A below PS1; at t={fault_at + 10:g}s sim-011 goes silent.")

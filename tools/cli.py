@@ -658,6 +658,18 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     return run_goodput(args)
 
 
+def _demo_parser(sub: Any) -> None:
+    m = sub.add_parser("demo", help="orchestrator + 16 simulated nodes on this machine, a training job, a fault")
+    m.add_argument("--nodes", type=int, default=16)
+    m.add_argument("--port", type=int, default=0, help="orchestrator port (0: a free one)")
+    m.add_argument(
+        "--fault-after", type=float, default=20.0, help="seconds to the PSU fault (training: after the first step)"
+    )
+    m.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: until Ctrl-C)")
+    m.add_argument("--no-train", action="store_true", help="no trainer.example job on 4 of the nodes")
+    m.set_defaults(fn=cmd_demo)
+
+
 def _events_parser(sub: Any) -> None:
     e = sub.add_parser("events", help="health transitions and operator actions")
     e.add_argument("--node")
@@ -769,12 +781,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ac.set_defaults(fn=cmd_agent_credentials)
 
-    m = sub.add_parser("demo", help="orchestrator + 16 simulated nodes on this machine, with a fault")
-    m.add_argument("--nodes", type=int, default=16)
-    m.add_argument("--port", type=int, default=0, help="orchestrator port (0: a free one)")
-    m.add_argument("--fault-after", type=float, default=20.0)
-    m.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: until Ctrl-C)")
-    m.set_defaults(fn=cmd_demo)
+    _demo_parser(sub)
 
     c = sub.add_parser("check", help="self-checks on this machine")
     csub = c.add_subparsers(dest="check", required=True)

@@ -115,12 +115,14 @@ def _start(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen
     }
     procs.append(_spawn(["orchestrator", "--port", api.rsplit(":", 1)[1]], env, workdir / "orchestrator.log"))
     _wait_ready(api, procs[-1], workdir / "orchestrator.log")
-    cannot = None if args.no_train else why_not()
+    cannot = f"--nodes {args.nodes}: training needs more than {JOB_NODES}" if args.nodes <= JOB_NODES else why_not()
+    cannot = None if args.no_train else cannot
     train = not args.no_train and cannot is None
     fault_at = args.fault_after
     simulated = args.nodes - JOB_NODES if train else args.nodes
-    faults = [] if train else ["--fault", f"sim-005=psu_imbalance@{fault_at:g}"]
-    faults += ["--fault", f"sim-011=silent@{fault_at + 10:g}"]
+    planned = [] if train else [(5, f"psu_imbalance@{fault_at:g}")]
+    planned += [(11, f"silent@{fault_at + 10:g}")]
+    faults = [x for i, f in planned if i < simulated for x in ("--fault", f"sim-{i:03d}={f}")]  # nodes that exist
     procs.append(
         _spawn(["simulate", "--nodes", str(simulated), "--gpus-per-node", "8", *faults], env, workdir / "simulate.log")
     )

@@ -1,16 +1,16 @@
 """Simulated GPUs and power supplies, with injectable faults. Chosen only explicitly.
 
-A :class:`SimulatedNode` models an 8-GPU HGX-style board behind two PSUs on a 54 V bus, with
-noisy but realistic readings: GPUs at ~749 W of a 750 W cap, ~66 A per PSU. Each fault changes the
-readings the way the real failure does, so the orchestrator's health rules see what they would
-see on real hardware:
+A :class:`SimulatedNode` models an 8-GPU HGX-style board (1 to 16 GPUs with ``gpus``) behind two
+redundant PSUs on a 54 V bus that share the whole load, with noisy but realistic readings: GPUs at
+~749 W of a 750 W cap, ~66 A per PSU at 8 GPUs. Each fault changes the readings the way the real
+failure does, so the orchestrator's health rules see what they would see on real hardware:
 
 ==============  ===========================================================================
 kind            what the telemetry shows
 ==============  ===========================================================================
 thermal         all GPUs at 92 C with thermal slowdown and SM clocks pulled down
 power_brake     the BMC asserts power brake: throttle reason set, GPUs near 300 W
-psu_imbalance   PS2 delivers 12 A less than PS1; its GPUs (4-7) sit at 700 W, peers at 749 W
+psu_imbalance   PS2 delivers 12 A less than PS1; GPUs 4-7 (the upper half) sit at 700 W, peers at 749 W
 pcie_x8         GPU 0's link trained at x8 on an x16 slot
 xid             GPU 0 reports XID 48 (double-bit ECC error), a fatal one
 ecc             GPU 1's volatile uncorrectable ECC counter goes up
@@ -161,11 +161,12 @@ class SimulatedNode:
 
     # The power source interface (same readings as agent.ipmi) ---------------------------------
     def power(self) -> tuple[list[PsuSample], list[FanSample]]:
-        half = self.gpus // 2
-        gpu_a = sum(self._last_power[:half]) or 749.0 * half
-        gpu_b = sum(self._last_power[half:]) or 749.0 * (self.gpus - half)
-        amps_a = (gpu_a + BASE_POWER_W / 2) / BUS_VOLTS + self._noise(0.3)
-        amps_b = (gpu_b + BASE_POWER_W / 2) / BUS_VOLTS + self._noise(0.3)
+        # Redundant PSUs share the whole node's load (current sharing on the common 54 V bus), so
+        # a healthy node of any GPU count reads the same current on both; only the fault splits them.
+        total = sum(self._last_power) if any(self._last_power) else 749.0 * self.gpus
+        share = (total + BASE_POWER_W) / 2 / BUS_VOLTS
+        amps_a = share + self._noise(0.3)
+        amps_b = share + self._noise(0.3)
         if "psu_imbalance" in self.faults:
             amps_b = amps_a - 12.0 + self._noise(0.3)  # peers 12 A apart, as in the seed case
         psus = [

@@ -92,6 +92,12 @@ class Settings(BaseSettings):
     persist_interval_s: float = Field(5.0, gt=0)
     retry_backoff_s: float = Field(0.2, gt=0)
     retry_backoff_max_s: float = Field(5.0, gt=0)
+    # The event stream GET /v1/stream (services/routes/stream.py): how often it polls the events
+    # table for new rows, and how long a quiet stream waits before a ": keepalive" comment.
+    stream_poll_s: float = Field(0.5, gt=0)
+    stream_keepalive_s: float = Field(15.0, gt=0)
+    # The status page GET / (services/routes/status_page.py): how often it re-reads the API.
+    status_refresh_s: float = Field(3.0, ge=0.2)
 
     # Retention (services/retention.py): events, finished jobs, superseded plans and stored GPU rows
     # older than this many days are deleted by the leader, a batch per transaction; 0 keeps all.

@@ -30,11 +30,23 @@ from services.metrics import Renderer
 from services.openapi import allowed_methods, api_routes, document, mutating
 from services.orchestrator import Orchestrator
 from services.ratelimit import RateLimiter
-from services.routes import admin, events, jobs, nodes, probes, slurm
+from services.routes import admin, docs, events, jobs, nodes, probes, slurm, status_page, stream
 from services.routes.common import redact
 from services.tokens import TokenStore
 
 log = logging.getLogger("pulse.orchestrator.api")
+
+ROUTERS = (
+    probes.router,
+    nodes.router,
+    slurm.router,
+    jobs.router,
+    events.router,
+    stream.router,
+    admin.router,
+    docs.router,
+    status_page.router,
+)
 
 
 def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
@@ -77,7 +89,8 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             await client.aclose()
             engine.dispose()
 
-    app = FastAPI(title="ClusterPulse orchestrator", version="0.1.0", lifespan=lifespan)
+    # docs_url/redoc_url None: FastAPI's pages load their scripts from a CDN (services/routes/docs.py)
+    app = FastAPI(title="ClusterPulse orchestrator", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
 
     @app.exception_handler(NotLeader)
@@ -109,7 +122,9 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         response: Response = await call_next(request)
         return response
 
-    for router in (probes.router, nodes.router, slurm.router, jobs.router, events.router, admin.router):
+    for router in ROUTERS:
         app.include_router(router)
+    docs.mount_assets(app)
+    status_page.mount_assets(app)
     document(app, settings)
     return app

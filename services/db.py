@@ -322,6 +322,18 @@ def list_events(
     return list(reversed(list(session.scalars(q))))
 
 
+def events_after(session: Session, *, after_id: int, limit: int = 500) -> list[EventRow]:
+    """Up to ``limit`` events with an id above ``after_id``, oldest (lowest id) first: what the
+    event stream (services/routes/stream.py) sends next."""
+    q = select(EventRow).where(EventRow.id > after_id).order_by(EventRow.id).limit(limit)
+    return list(session.scalars(q))
+
+
+def last_event_id(session: Session) -> int:
+    """The newest event's id; 0 when there is none."""
+    return int(session.scalar(select(func.max(EventRow.id))) or 0)
+
+
 # --- Jobs --------------------------------------------------------------------------------------
 
 

@@ -333,6 +333,35 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _follow_events(args: argparse.Namespace, since_id: int | None) -> int:
+    """``pulse events --follow``: the event stream (GET /v1/stream) after ``since_id``, one line
+    (or one JSON object) per event, filtered here by --node/--job; reconnects by itself."""
+    from tools.sse import StreamRefused, follow
+
+    settings = _settings()
+
+    def dropped(exc: Exception) -> None:
+        print(f"pulse: event stream from {settings.api_url} dropped ({exc}); reconnecting", file=sys.stderr)
+
+    with _client(settings) as c:
+        try:
+            for msg in follow(c, since_id=since_id, on_reconnect=dropped):
+                e = msg.data
+                if e is None or (args.node and e["node"] != args.node) or (args.job and e["job"] != args.job):
+                    continue
+                print(json.dumps(e) if args.json else format_event_line(e), flush=True)
+        except StreamRefused as exc:
+            raise ApiError(f"pulse: {exc}") from None
+        except KeyboardInterrupt:
+            return 0
+    return 0
+
+
+def format_event_line(e: dict[str, Any]) -> str:
+    change = f"{e['from_state']} -> {e['to_state']}" if e["to_state"] else ""
+    return "  ".join(x for x in (_when(e["at"]), e["kind"], e["node"] or "-", change, e["actor"], e["reason"]) if x)
+
+
 def cmd_events(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"limit": args.limit}
     if args.node:
@@ -342,6 +371,10 @@ def cmd_events(args: argparse.Namespace) -> int:
     if args.since is not None:
         params["since"] = time.time() - args.since
     data = _call("GET", "/v1/events", params=params)
+    if args.follow:  # the history first, then everything after its last event, one per line
+        for e in data["data"]:
+            print(json.dumps(e) if args.json else format_event_line(e), flush=True)
+        return _follow_events(args, max((e["id"] for e in data["data"]), default=None))
     print(json.dumps(data, indent=2) if args.json else format_events(data["data"]))
     return 0
 
@@ -625,6 +658,34 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     return run_goodput(args)
 
 
+def _demo_parser(sub: Any) -> None:
+    m = sub.add_parser("demo", help="orchestrator + 16 simulated nodes on this machine, a training job, a fault")
+    m.add_argument("--nodes", type=int, default=16)
+    m.add_argument("--port", type=int, default=0, help="orchestrator port (0: a free one)")
+    m.add_argument(
+        "--fault-after", type=float, default=20.0, help="seconds to the PSU fault (training: after the first step)"
+    )
+    m.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: until Ctrl-C)")
+    m.add_argument("--no-train", action="store_true", help="no trainer.example job on 4 of the nodes")
+    m.set_defaults(fn=cmd_demo)
+
+
+def _events_parser(sub: Any) -> None:
+    e = sub.add_parser("events", help="health transitions and operator actions")
+    e.add_argument("--node")
+    e.add_argument("--job", help="only this job's events (its states, checkpoints)")
+    e.add_argument("--since", type=float, help="only the last S seconds")
+    e.add_argument("--limit", type=int, default=100)
+    e.add_argument("--json", action="store_true")
+    e.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="then follow the event stream (GET /v1/stream), one line (--json: one object) per event, until Ctrl-C",
+    )
+    e.set_defaults(fn=cmd_events)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pulse", description="ClusterPulse: the control plane of a GPU training cluster.")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -690,13 +751,7 @@ def _api_commands(sub: Subparsers) -> None:
     sl.add_argument("--json", action="store_true")
     sl.set_defaults(fn=cmd_slurm)
 
-    e = sub.add_parser("events", help="health transitions and operator actions")
-    e.add_argument("--node")
-    e.add_argument("--job", help="only this job's events (its states, checkpoints)")
-    e.add_argument("--since", type=float, help="only the last S seconds")
-    e.add_argument("--limit", type=int, default=100)
-    e.add_argument("--json", action="store_true")
-    e.set_defaults(fn=cmd_events)
+    _events_parser(sub)
 
     j = sub.add_parser("jobs", help="start, list, show, stop, checkpoint training jobs")
     j.add_argument("action", choices=("start", "list", "show", "stop", "checkpoint"))
@@ -742,12 +797,7 @@ def _api_commands(sub: Subparsers) -> None:
 
 def _tool_commands(sub: Subparsers) -> None:
     """On this machine: the demo, the checks, the benchmarks (:func:`_bench_commands`)."""
-    m = sub.add_parser("demo", help="orchestrator + 16 simulated nodes on this machine, with a fault")
-    m.add_argument("--nodes", type=int, default=16)
-    m.add_argument("--port", type=int, default=0, help="orchestrator port (0: a free one)")
-    m.add_argument("--fault-after", type=float, default=20.0)
-    m.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: until Ctrl-C)")
-    m.set_defaults(fn=cmd_demo)
+    _demo_parser(sub)
 
     c = sub.add_parser("check", help="self-checks on this machine")
     csub = c.add_subparsers(dest="check", required=True)

@@ -10,9 +10,26 @@ from fastapi import APIRouter, Query
 
 from services import db
 from services.deps import OrchestratorDep, Viewer
+from services.models import EventRow
 from services.schemas import EventPublic, EventsPublic
 
 router = APIRouter()
+
+
+def event_public(e: EventRow) -> dict[str, Any]:
+    """One event as GET /v1/events and the event stream show it."""
+    return {
+        "id": e.id,
+        "at": e.at,
+        "time": dt.datetime.fromtimestamp(e.at, dt.UTC).isoformat(timespec="milliseconds"),
+        "kind": e.kind,
+        "node": e.node,
+        "job": e.job,
+        "from_state": e.from_state,
+        "to_state": e.to_state,
+        "reason": e.reason,
+        "actor": e.actor,
+    }
 
 
 @router.get("/v1/events", response_model=EventsPublic)
@@ -26,21 +43,7 @@ async def events(
 ) -> EventsPublic:
     def read() -> list[dict[str, Any]]:
         with orch.sessions() as s:
-            return [
-                {
-                    "id": e.id,
-                    "at": e.at,
-                    "time": dt.datetime.fromtimestamp(e.at, dt.UTC).isoformat(timespec="milliseconds"),
-                    "kind": e.kind,
-                    "node": e.node,
-                    "job": e.job,
-                    "from_state": e.from_state,
-                    "to_state": e.to_state,
-                    "reason": e.reason,
-                    "actor": e.actor,
-                }
-                for e in db.list_events(s, node=node, job=job, since=since, limit=limit)
-            ]
+            return [event_public(e) for e in db.list_events(s, node=node, job=job, since=since, limit=limit)]
 
     rows = await asyncio.to_thread(read)
     return EventsPublic(data=[EventPublic(**r) for r in rows], count=len(rows))

@@ -1,8 +1,14 @@
-"""The README's first command: `pulse demo` brings everything up and a node visibly degrades."""
+"""The README's first command: `pulse demo` brings everything up and a node visibly degrades;
+by default a job trains on 4 of the nodes and the PSU fault reroutes one of its ranks."""
 
 from __future__ import annotations
 
+import queue
+import re
+import signal
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -10,10 +16,12 @@ from tests.support import PULSE, REDIS_URL, REPO, pulse_env
 
 pytestmark = pytest.mark.e2e
 
+JOB_ROW = re.compile(r"^[0-9a-f]{12}\s+demo\s+(?P<state>[A-Z]+)\s+\S+\s+(?P<step>\d+|-)", re.M)
+
 
 def test_demo_shows_the_injected_faults_degrading_two_nodes(redis_url: str) -> None:
     out = subprocess.run(
-        [*PULSE, "demo", "--duration", "26", "--fault-after", "3"],
+        [*PULSE, "demo", "--duration", "26", "--fault-after", "3", "--no-train"],
         env=pulse_env(PULSE_REDIS_URL=REDIS_URL),
         cwd=REPO,
         capture_output=True,
@@ -26,4 +34,64 @@ def test_demo_shows_the_injected_faults_degrading_two_nodes(redis_url: str) -> N
     assert "sim-005  DEGRADED" in last and "PSU current imbalance" in last
     assert "sim-011  DEGRADED" in last and "no heartbeat for" in last
     assert last.count("HEALTHY ") >= 14
+    assert "demo stopped" in out
+
+
+def _screens(proc: subprocess.Popen[str], into: queue.Queue[str], everything: list[str]) -> None:
+    """Each screen the demo prints (it starts with ``t=``), as it comes; every line into ``everything``."""
+    assert proc.stdout is not None
+    screen: list[str] = []
+    for line in proc.stdout:
+        everything.append(line)
+        if line.startswith("t=") and screen:
+            into.put("".join(screen))
+            screen = []
+        screen.append(line)
+    into.put("".join(screen))
+
+
+@pytest.mark.timeout(400)
+def test_demo_trains_and_the_psu_fault_reroutes_a_rank(redis_url: str) -> None:
+    """A step, then the PSU fault on one of the job's nodes, the plan in which a neighbour carries
+    its rank, and a later step: training went on."""
+    proc = subprocess.Popen(
+        [*PULSE, "demo", "--fault-after", "3"],
+        env=pulse_env(PULSE_REDIS_URL=REDIS_URL),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    screens: queue.Queue[str] = queue.Queue()
+    lines: list[str] = []
+    reader = threading.Thread(target=_screens, args=(proc, screens, lines), daemon=True)
+    reader.start()
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + 330
+    try:
+        while "later step" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                screen = screens.get(timeout=5)
+            except queue.Empty:
+                continue
+            m = JOB_ROW.search(screen)
+            step = int(m["step"]) if m and m["step"] != "-" else -1
+            if step >= 1:
+                seen.setdefault("step", step)
+            victim = re.search(r"PSU fault injected on (sim-\d+)", screen)
+            rerouted = victim and re.search(
+                rf"plan generation (\d+): rank \d+ \(sim-\d+\) carries rank \d+ \({victim[1]}\)", screen
+            )
+            if victim and rerouted and re.search(rf"^{victim[1]}\s+DEGRADED .*PSU current imbalance", screen, re.M):
+                seen.setdefault("rerouted", step)
+            if "rerouted" in seen and step > seen["rerouted"]:
+                seen["later step"] = step
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+        reader.join(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    out = "".join(lines)
+    assert {"step", "rerouted", "later step"} <= set(seen), (seen, out[-3000:])
     assert "demo stopped" in out

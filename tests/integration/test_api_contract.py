@@ -194,12 +194,14 @@ def _served_as_the_schema_says(bare: httpx.Client, schema: dict[str, Any]) -> No
         if "{" in path:
             continue
         for method, op in ops.items():
-            r = bare.request(method.upper(), path)
+            with bare.stream(method.upper(), path) as r:  # only the head: GET /v1/stream never ends
+                code = r.status_code
+                body = r.read().decode() if code != 200 else ""
             if op.get("security"):
-                assert r.status_code == 401, (method, path, r.status_code)
+                assert code == 401, (method, path, code)
                 assert "401" in op["responses"], (method, path)
             else:
-                assert r.status_code == 200, (method, path, r.status_code, r.text)
+                assert code == 200, (method, path, code, body)
                 assert "401" not in op["responses"], (method, path)
 
 

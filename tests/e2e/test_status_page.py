@@ -1,0 +1,145 @@
+"""The status page (GET /) in headless Chromium against a live orchestrator and simulated agents.
+
+Reads need a token here, so the page first shows its sign-in box; after a viewer token is
+entered it shows every node in its rack and NVLink domain. A PSU fault is injected for real (the
+victim's agent restarted with ``--fault psu_imbalance@0``) and the page shows the node DEGRADED
+with its reason within two refreshes of the orchestrator deciding it. A screenshot goes to the
+test's folder (and to docs/status-page.png with ``PULSE_SCREENSHOT_TO_DOCS=1``: the one the
+README shows). Then /docs, served offline, lists ``POST /v1/jobs``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from tests.stack import AUTH, Stack
+from tests.support import REDIS_URL, REPO, stop, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+REFRESH_S = 1.0
+# rack -> NVLink domain -> nodes
+TOPOLOGY = {"rack-a": {"nvl-a0": ["sp-a0", "sp-a1"], "nvl-a1": ["sp-a2"]}, "rack-b": {"nvl-b0": ["sp-b0"]}}
+NODES = sorted(n for doms in TOPOLOGY.values() for ns in doms.values() for n in ns)
+VICTIM = "sp-a1"
+
+
+def _labels(node: str) -> list[str]:
+    for rack, doms in TOPOLOGY.items():
+        for dom, nodes in doms.items():
+            if node in nodes:
+                return ["--label", f"rack={rack}", "--label", f"nvlink_domain={dom}", "--gpus", "4"]
+    raise KeyError(node)
+
+
+def _states(stack: Stack) -> dict[str, str]:
+    r = httpx.get(f"{stack.api}/v1/nodes", headers=AUTH, timeout=5)
+    r.raise_for_status()
+    return {n["name"]: n["state"] for n in r.json()["data"]}
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if chromium is None or driver_path is None:
+        pytest.skip("Debian's chromium and chromium-driver are not installed (scripts/bootstrap installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,900"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(options=opts, service=Service(driver_path))  # no Selenium Manager download
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    r = redis.Redis.from_url(REDIS_URL)
+    r.flushdb()
+    s = Stack(tmp_path, PULSE_AUTH_READS="true", PULSE_STATUS_REFRESH_S=str(REFRESH_S), PULSE_RECOVER_AFTER="2")
+    try:
+        s.orchestrator()
+        for node in NODES:
+            s.agent(node, *_labels(node))
+        wait_for(lambda: _states(s) == dict.fromkeys(NODES, "HEALTHY"), timeout=60, what="every node HEALTHY")
+        yield s
+    finally:
+        s.close()
+        r.flushdb()
+        r.close()
+
+
+def _page_states(driver: Any) -> dict[str, str]:
+    from selenium.webdriver.common.by import By
+
+    return {
+        e.get_attribute("data-node"): e.get_attribute("data-state")
+        for e in driver.find_elements(By.CSS_SELECTOR, "[data-node]")
+    }
+
+
+def test_status_page_signs_in_shows_the_grid_and_a_psu_fault(stack: Stack, browser: Any, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    viewer = stack.post("/v1/tokens", {"name": "page-viewer", "role": "viewer"})
+    assert viewer.status_code == 201, viewer.text
+    secret = viewer.json()["secret"]
+
+    browser.get(f"{stack.api}/")
+    wait_for(lambda: browser.find_element(By.ID, "signin").is_displayed(), timeout=20, what="the sign-in box")
+    assert not browser.find_element(By.ID, "content").is_displayed()
+    browser.find_element(By.ID, "token").send_keys(secret)
+    browser.find_element(By.ID, "signin-submit").click()
+    wait_for(
+        lambda: _page_states(browser) == dict.fromkeys(NODES, "HEALTHY"), timeout=20, what="every node on the page"
+    )
+    assert secret not in browser.current_url
+    assert browser.execute_script("return sessionStorage.getItem('pulse-token')") == secret
+    for rack, doms in TOPOLOGY.items():
+        for dom, nodes in doms.items():
+            cards = browser.find_elements(By.CSS_SELECTOR, f"[data-rack='{rack}'] [data-domain='{dom}'] [data-node]")
+            assert sorted(c.get_attribute("data-node") for c in cards) == sorted(nodes), (rack, dom)
+
+    stop(stack.procs[VICTIM])  # the same node comes back with its PS2 sagging 12 A
+    stack.agent(VICTIM, *_labels(VICTIM), "--fault", "psu_imbalance@0")
+    wait_for(lambda: _states(stack)[VICTIM] == "DEGRADED", timeout=30, what=f"{VICTIM} DEGRADED in the API")
+    decided = time.monotonic()
+    # Two refreshes, plus 2 s for a browser on a busy 2-core machine under `pytest -n 3` (0.4 s idle).
+    wait_for(
+        lambda: _page_states(browser)[VICTIM] == "DEGRADED", timeout=2 * REFRESH_S + 2.0, what="DEGRADED on the page"
+    )
+    shown_after = time.monotonic() - decided
+    card = browser.find_element(By.CSS_SELECTOR, f"[data-node='{VICTIM}']")
+    assert "PSU current imbalance" in card.text and "DEGRADED" in card.text, card.text
+    assert {n: s for n, s in _page_states(browser).items() if n != VICTIM} == dict.fromkeys(
+        set(NODES) - {VICTIM}, "HEALTHY"
+    )
+    browser.save_screenshot(str(tmp_path / "status-page.png"))
+    if os.environ.get("PULSE_SCREENSHOT_TO_DOCS") == "1":
+        shutil.copyfile(tmp_path / "status-page.png", REPO / "docs" / "status-page.png")
+    print(f"DEGRADED on the page {shown_after:.2f}s after the orchestrator decided it")
+
+    browser.get(f"{stack.api}/docs")
+    wait_for(
+        lambda: any(
+            e.text.strip() == "/v1/jobs"
+            for e in browser.find_elements(By.CSS_SELECTOR, ".opblock-post .opblock-summary-path")
+        ),
+        timeout=30,
+        what="POST /v1/jobs listed on /docs",
+    )

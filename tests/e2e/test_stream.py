@@ -1,0 +1,146 @@
+"""End to end: GET /v1/stream against a live orchestrator with simulated agents.
+
+A PSU fault is injected for real (an agent started with ``--fault psu_imbalance@S+D``); the
+stream shows the node's DEGRADED transition, the client disconnects, the node recovers while
+nobody listens, and a reconnect with ``Last-Event-ID`` delivers the recovery and everything in
+between: the messages of both connections are exactly the stored events, in order, none lost or
+repeated. ``pulse events --follow`` sees the same.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from tests.stack import AUTH, Stack
+from tests.support import PULSE, REDIS_URL, REPO, wait_for
+from tools.sse import Message, parse
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+VICTIM = "st-psu"
+
+
+def _read_until(
+    msgs: Iterator[Message | None], done: Callable[[list[Message]], bool], *, timeout: float, what: str
+) -> list[Message]:
+    """Messages with data until ``done(messages)``; comments (keepalives) let the deadline be checked."""
+    got: list[Message] = []
+    deadline = time.monotonic() + timeout
+    for m in msgs:
+        if m is not None and m.data is not None:
+            got.append(m)
+            if done(got):
+                return got
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError(f"stream: no {what} within {timeout}s; got {[(m.id, m.event, m.data) for m in got]}")
+
+
+def _events(stack: Stack) -> list[dict[str, Any]]:
+    """GET /v1/events with a token (reads need one here), oldest first."""
+    data: list[dict[str, Any]] = stack.get("/v1/events", params={"limit": 10000}, headers=AUTH)["data"]
+    return data
+
+
+def _transition(to: str) -> Callable[[list[Message]], bool]:
+    return lambda got: any(
+        m.event == "transition" and m.data and m.data["node"] == VICTIM and m.data["to_state"] == to for m in got
+    )
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    r = redis.Redis.from_url(REDIS_URL)
+    r.flushdb()
+    s = Stack(
+        tmp_path,
+        PULSE_STREAM_POLL_S="0.1",
+        PULSE_STREAM_KEEPALIVE_S="0.5",
+        PULSE_AUTH_READS="true",
+        PULSE_RECOVER_AFTER="2",
+    )
+    try:
+        s.orchestrator()
+        yield s
+    finally:
+        s.close()
+        r.flushdb()
+        r.close()
+
+
+def test_stream_follows_a_psu_fault_and_its_recovery_across_a_reconnect(stack: Stack, tmp_path: Path) -> None:
+    assert httpx.get(f"{stack.api}/v1/stream", timeout=5).status_code == 401  # viewer role
+    follower_out = tmp_path / "follow.jsonl"
+    with follower_out.open("wb") as out:
+        follower = subprocess.Popen(
+            [*PULSE, "events", "--follow", "--json"],
+            env={**stack.env, "PULSE_API_URL": stack.api},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    try:
+        with httpx.Client(base_url=stack.api, headers=AUTH, timeout=httpx.Timeout(5.0, read=10.0)) as c:
+            with c.stream("GET", "/v1/stream") as r:
+                assert r.status_code == 200, r.read()
+                assert r.headers["content-type"].startswith("text/event-stream")
+                msgs = parse(r.iter_lines())
+                start = next(m for m in msgs if m is not None).id  # the bare id: where it starts
+                stack.agent("st-ok")
+                stack.agent(VICTIM, "--fault", "psu_imbalance@3+4")
+                first = _read_until(msgs, _transition("DEGRADED"), timeout=60, what=f"{VICTIM} DEGRADED")
+            # Disconnected; the node recovers while nobody listens.
+            wait_for(
+                lambda: any(e["node"] == VICTIM and e["to_state"] == "HEALTHY" for e in _events(stack)),
+                timeout=60,
+                what=f"{VICTIM} HEALTHY again",
+            )
+            with c.stream("GET", "/v1/stream", headers={"Last-Event-ID": str(first[-1].id)}) as r:
+                second = _read_until(parse(r.iter_lines()), _transition("HEALTHY"), timeout=30, what="the recovery")
+        stored = [e for e in _events(stack) if e["id"] > start]
+        got = first + second
+        assert [m.data for m in got] == stored[: len(got)], "lost, repeated or reordered"
+        names = {m.data["kind"]: m.event for m in got if m.data}
+        assert names.get("health") == "transition" and names.get("registered") == "event", names
+        changes = [
+            (m.data["from_state"], m.data["to_state"])
+            for m in got
+            if m.event == "transition" and m.data and m.data["node"] == VICTIM
+        ]
+        assert changes == [("HEALTHY", "DEGRADED"), ("DEGRADED", "HEALTHY")], changes
+        degraded = next(m.data for m in got if m.data and m.data["node"] == VICTIM and m.data["to_state"] == "DEGRADED")
+        assert "PSU current imbalance" in degraded["reason"]
+        closed = lambda: (tmp_path / "orch.log").read_text().count("event=stream_closed") >= 2  # noqa: E731
+        wait_for(closed, timeout=10, what="the orchestrator ending both streams its client left")
+        wanted = {m.id for m in got}
+        wait_for(
+            lambda: wanted <= {json.loads(x)["id"] for x in follower_out.read_text().splitlines() if x.startswith("{")},
+            timeout=20,
+            what="pulse events --follow printing every streamed event",
+        )
+    finally:
+        follower.terminate()
+        follower.wait(10)
+
+
+def test_stream_replays_after_since_id_then_keeps_alive(stack: Stack) -> None:
+    stored = _events(stack)
+    assert stored, "the orchestrator's start is an event"
+    got: list[Message] = []
+    client = httpx.Client(base_url=stack.api, headers=AUTH, timeout=httpx.Timeout(5.0, read=10.0))
+    with client, client.stream("GET", "/v1/stream", params={"since_id": 0}) as r:
+        for m in parse(r.iter_lines()):
+            if m is None and got:  # the first keepalive after the history
+                break
+            if m is not None and m.data is not None:
+                got.append(m)
+    assert [m.data for m in got][: len(stored)] == stored

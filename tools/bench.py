@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -191,9 +192,21 @@ async def _detection(args: argparse.Namespace, url: str, workdir: Path) -> dict[
     }
 
 
+def _scrape(cluster: Any, *, now: Callable[[], float]) -> tuple[float, int]:
+    """The median of five /metrics renders of ``cluster``, in seconds, and the body's size."""
+    from services.metrics import Renderer
+
+    renderer = Renderer()
+    renders = []
+    for _ in range(5):
+        r0 = time.perf_counter()
+        renderer.render(cluster, now=now())
+        renders.append(time.perf_counter() - r0)
+    return statistics.median(renders), len(renderer.render(cluster, now=now()))
+
+
 async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str, Any]:
     from services import db
-    from services.metrics import Renderer
     from services.orchestrator import Orchestrator
 
     nodes, gpus = args.nodes, args.gpus_per_node
@@ -240,14 +253,7 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     ingest_s = time.perf_counter() - t0
     rejected = sum(orch.cluster.rejected.values())
 
-    renderer = Renderer()
-    renders = []
-    for _ in range(5):
-        r0 = time.perf_counter()
-        renderer.render(orch.cluster, now=orch.clock.now())
-        renders.append(time.perf_counter() - r0)
-    scrape_s = statistics.median(renders)
-    body_bytes = len(renderer.render(orch.cluster, now=orch.clock.now()))
+    scrape_s, body_bytes = _scrape(orch.cluster, now=orch.clock.now)
     baseline_s = _gauge_baseline(orch.cluster)
 
     import psutil

@@ -19,7 +19,7 @@ from typing import Any
 
 from clusterpulse import wire
 from clusterpulse.wire import THROTTLE_REASONS
-from services.cluster import Cluster
+from services.cluster import Cluster, NodeView
 from services.health import STATES
 from services.progress import Progress
 
@@ -81,13 +81,19 @@ class Renderer:
         self, cluster: Cluster, *, now: float, progress: Progress | None = None, extra: Iterable[str] = ()
     ) -> str:
         out: list[str] = []
-        add = out.append
-
-        def family(name: str, help_: str, kind: str = "gauge") -> None:
-            add(f"# HELP {name} {help_}")
-            add(f"# TYPE {name} {kind}")
-
         views = sorted(cluster.nodes.items())
+        self._nodes(out, cluster, views, now)
+        self._gpus(out, views)
+        self._power(out, views)
+        self._itself(out, cluster)
+        if progress is not None:
+            out.extend(render_jobs(progress))
+        out.extend(extra)
+        out.append("")
+        return "\n".join(out)
+
+    def _nodes(self, out: list[str], cluster: Cluster, views: list[tuple[str, NodeView]], now: float) -> None:
+        add, family = out.append, _family(out)
         family("pulse_node_state", "1 for the node's current health state, 0 for the others.")
         for name, v in views:
             st = v.health.state
@@ -116,6 +122,8 @@ class Renderer:
             if v.clock_skew_s is not None:
                 add(f'pulse_node_clock_skew_seconds{{node="{escape(name)}"}} {_fmt(round(v.clock_skew_s, 3))}')
 
+    def _gpus(self, out: list[str], views: list[tuple[str, NodeView]]) -> None:
+        add, family = out.append, _family(out)
         gpus = [(name, g) for name, v in views if v.latest is not None for g in v.latest.gpus]
         for metric, help_, get in GPU_GAUGES:
             family(metric, help_)
@@ -145,6 +153,8 @@ class Renderer:
             for r in THROTTLE_REASONS:
                 add(f'pulse_gpu_throttle_active{{{lbl},reason="{r}"}} {1 if r in active else 0}')
 
+    def _power(self, out: list[str], views: list[tuple[str, NodeView]]) -> None:
+        add, family = out.append, _family(out)
         psus = [(name, p) for name, v in views if v.latest is not None for p in v.latest.psus]
         for metric, help_, attr in (
             ("pulse_psu_output_current_amperes", "PSU output current.", "output_current_amperes"),
@@ -167,6 +177,8 @@ class Renderer:
                     if f.rpm is not None:
                         add(f'pulse_fan_speed_rpm{{node="{escape(name)}",fan="{escape(f.name)}"}} {_fmt(f.rpm)}')
 
+    def _itself(self, out: list[str], cluster: Cluster) -> None:
+        add, family = out.append, _family(out)
         family("pulse_heartbeats_received_total", "Heartbeat stream entries read.", "counter")
         add(f"pulse_heartbeats_received_total {cluster.received}")
         family("pulse_heartbeats_rejected_total", "Heartbeats rejected, by reason.", "counter")
@@ -177,11 +189,16 @@ class Renderer:
             add(f'pulse_health_transitions_total{{from="{old}",to="{new}"}} {n}')
         family("pulse_partition_suspected", "1 while the orchestrator suspects it is partitioned from the nodes.")
         add(f"pulse_partition_suspected {1 if cluster.partitioned else 0}")
-        if progress is not None:
-            out.extend(render_jobs(progress))
-        out.extend(extra)
-        add("")
-        return "\n".join(out)
+
+
+def _family(out: list[str]) -> Callable[..., None]:
+    """``family(name, help, kind="gauge")``: the HELP and TYPE lines of a metric family, into ``out``."""
+
+    def family(name: str, help_: str, kind: str = "gauge") -> None:
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+
+    return family
 
 
 JOB_GAUGES = (

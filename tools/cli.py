@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import signal
 import sys
 import time
@@ -226,6 +227,7 @@ def format_events(events: Sequence[dict[str, Any]]) -> str:
 def cmd_nodes(args: argparse.Namespace) -> int:
     if args.action == "list":
         params = {"state": args.state} if args.state else {}
+        woken = _woken_by(lambda e: e["node"] is not None) if args.watch and not args.json else None
         while True:
             data = _call("GET", "/v1/nodes", params=params)
             if args.json:
@@ -241,7 +243,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             if not args.watch:
                 return 0
             sys.stdout.flush()
-            time.sleep(args.watch)
+            _wait(woken, args.watch)  # a node's event redraws at once; ages refresh every S s
     if not args.name:
         raise SystemExit(f"pulse nodes {args.action}: NAME is required")
     if args.action == "show":
@@ -399,8 +401,28 @@ def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
     return _table(rows)
 
 
+def _woken_by(wanted: Callable[[dict[str, Any]], bool]) -> queue.Queue[Any]:
+    """The events (GET /v1/stream) ``wanted`` accepts, as they come (tools/sse.py ``wake_on``)."""
+    from tools.sse import wake_on
+
+    return wake_on(_client(_settings()), wanted=wanted)
+
+
+def _wait(woken: queue.Queue[Any] | None, every: float) -> None:
+    """Until an event woke us, or ``every`` seconds; then whatever else came meanwhile is taken too."""
+    if woken is None:
+        time.sleep(every)
+        return
+    with contextlib.suppress(queue.Empty):
+        woken.get(timeout=every)
+        while True:
+            woken.get_nowait()
+
+
 def _follow(job_id: str, every: float = 1.0) -> int:
-    """Stream a job's state and progress until it ends; exit 0 only for SUCCEEDED."""
+    """Follow a job until it ends, exit 0 only for SUCCEEDED: its state changes (and plan and rank
+    events) from the event stream at once, its step and loss every ``every`` seconds."""
+    woken = _woken_by(lambda e: e["job"] == job_id)
     last = ""
     while True:
         j = _call("GET", f"/v1/jobs/{job_id}")
@@ -413,7 +435,7 @@ def _follow(job_id: str, every: float = 1.0) -> int:
             last = line
         if j["state"] in TERMINAL_JOB_STATES:
             return 0 if j["state"] == JobState.SUCCEEDED else 1
-        time.sleep(every)
+        _wait(woken, every)
 
 
 def _pairs(items: Sequence[str], flag: str) -> dict[str, str]:

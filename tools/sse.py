@@ -4,7 +4,10 @@ Used by ``pulse events --follow`` and the tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -76,3 +79,20 @@ def follow(
             if on_reconnect is not None:
                 on_reconnect(exc)
         time.sleep(reconnect_s)
+
+
+def wake_on(client: httpx.Client, *, wanted: Callable[[dict[str, Any]], bool]) -> queue.Queue[Message]:
+    """A queue that receives, from a daemon thread following the stream from now on, every message
+    whose event ``wanted`` accepts: a loop that waits on it with a timeout acts at once on a change
+    and still refreshes what events do not carry (heartbeat ages, a job's step) at its own pace.
+    A stream that refuses (401, 403) ends the thread; the loop then only refreshes."""
+    woken: queue.Queue[Message] = queue.Queue()
+
+    def run() -> None:
+        with contextlib.suppress(StreamRefused):
+            for msg in follow(client):
+                if msg.data is not None and wanted(msg.data):
+                    woken.put(msg)
+
+    threading.Thread(target=run, name="pulse-stream", daemon=True).start()
+    return woken

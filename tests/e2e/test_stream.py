@@ -22,7 +22,7 @@ import redis
 
 from tests.stack import AUTH, Stack
 from tests.support import PULSE, REDIS_URL, REPO, wait_for
-from tools.sse import Message, parse
+from tools.sse import Message, parse, wake_on
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -88,6 +88,8 @@ def test_stream_follows_a_psu_fault_and_its_recovery_across_a_reconnect(stack: S
             stderr=subprocess.STDOUT,
             cwd=REPO,
         )
+    # what `pulse nodes list --watch` and `pulse jobs show --follow` wait on between refreshes
+    woken = wake_on(httpx.Client(base_url=stack.api, headers=AUTH), wanted=lambda e: e["node"] == VICTIM)
     try:
         with httpx.Client(base_url=stack.api, headers=AUTH, timeout=httpx.Timeout(5.0, read=10.0)) as c:
             with c.stream("GET", "/v1/stream") as r:
@@ -127,6 +129,14 @@ def test_stream_follows_a_psu_fault_and_its_recovery_across_a_reconnect(stack: S
             timeout=20,
             what="pulse events --follow printing every streamed event",
         )
+        woke: list[Message] = []
+        while not woken.empty():
+            woke.append(woken.get_nowait())
+        assert [(m.data["from_state"], m.data["to_state"]) for m in woke if m.data and m.event == "transition"] == [
+            ("HEALTHY", "DEGRADED"),
+            ("DEGRADED", "HEALTHY"),
+        ]
+        assert all(m.data and m.data["node"] == VICTIM for m in woke)
     finally:
         follower.terminate()
         follower.wait(10)

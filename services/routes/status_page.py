@@ -2,7 +2,9 @@
 
 The page itself carries no cluster data, so it is served to everyone; the script
 (``services/static/status.js``) reads ``GET /v1/nodes``, ``/v1/jobs``, ``/v1/events`` and the plan
-of each running job every ``PULSE_STATUS_REFRESH_S``, one request per resource per refresh, and
+of each running job, one request per resource per refresh, when the event stream (``GET
+/v1/stream``, read with ``fetch``: ``EventSource`` cannot send the bearer header) says something
+happened and every ``PULSE_STATUS_REFRESH_S`` for what events do not carry, and
 draws: nodes as a grid grouped by rack and NVLink domain (their labels), each with its state in
 words and colour, its reason and its hardware at a glance; running jobs with step, loss, MFU and
 the plan in force; recent events; the partition brake and the leader from the latest events.

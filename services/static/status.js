@@ -1,5 +1,7 @@
 // ClusterPulse status page (served by the orchestrator at GET /; services/routes/status_page.py).
-// Every refresh reads /v1/nodes, /v1/jobs, /v1/events and the plan of each running job, once each.
+// Every refresh reads /v1/nodes, /v1/jobs, /v1/events and the plan of each running job, once each:
+// every REFRESH_MS, and at once when the event stream (GET /v1/stream) says something happened
+// (a burst of events while a refresh is in flight makes one more refresh, not one each).
 // A 401 shows the sign-in box; the token lives in sessionStorage and goes in a bearer header only.
 "use strict";
 
@@ -209,9 +211,67 @@ async function refresh() {
 }
 
 let timer = null;
+let inFlight = false;
+let again = false;
 function loop() {
   clearTimeout(timer);
-  refresh().finally(() => (timer = setTimeout(loop, REFRESH_MS)));
+  inFlight = true;
+  refresh().finally(() => {
+    inFlight = false;
+    if (again) {
+      again = false;
+      loop();
+    } else {
+      timer = setTimeout(loop, REFRESH_MS);
+    }
+  });
+}
+
+function wake() {
+  if (inFlight) again = true;
+  else loop();
+}
+
+// The event stream, read with fetch rather than EventSource: EventSource cannot send the bearer
+// header, and the token never goes in a URL. A dropped stream reconnects with Last-Event-ID; a
+// refused one (no token yet) ends until the next sign-in.
+let streaming = false;
+async function follow() {
+  if (streaming) return;
+  streaming = true;
+  let last = null;
+  try {
+    for (;;) {
+      const t = token();
+      const headers = t ? { Authorization: "Bearer " + t } : {};
+      if (last !== null) headers["Last-Event-ID"] = String(last);
+      try {
+        const r = await fetch("/v1/stream", { headers, cache: "no-store" });
+        if (r.status === 401 || r.status === 403) return;
+        if (!r.ok) throw new Error(`GET /v1/stream: ${r.status}`);
+        const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+        let buf = "";
+        for (;;) {
+          const { value, done } = await reader.read();
+          if (done) break;
+          buf += value.replaceAll("\r\n", "\n");
+          let end;
+          while ((end = buf.indexOf("\n\n")) >= 0) {
+            const lines = buf.slice(0, end).split("\n");
+            buf = buf.slice(end + 2);
+            const id = lines.find((l) => l.startsWith("id:"));
+            if (id) last = Number(id.slice(3).trim());
+            if (lines.some((l) => l.startsWith("data:"))) wake();
+          }
+        }
+      } catch (e) {
+        // dropped or refused for another reason: reconnect after a pause
+      }
+      await new Promise((done) => setTimeout(done, 1000));
+    }
+  } finally {
+    streaming = false;
+  }
 }
 
 document.getElementById("signin").addEventListener("submit", (ev) => {
@@ -220,9 +280,11 @@ document.getElementById("signin").addEventListener("submit", (ev) => {
   sessionStorage.setItem(TOKEN_KEY, input.value.trim());
   input.value = "";
   loop();
+  follow();
 });
 document.getElementById("sign-out").addEventListener("click", () => {
   sessionStorage.removeItem(TOKEN_KEY);
   loop();
 });
 loop();
+follow();

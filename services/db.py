@@ -472,11 +472,17 @@ def latest_plans(session: Session) -> list[PlanRow]:
 # batch at a time so that no transaction holds the database for long.
 
 
-def prune_events(session: Session, *, before: float, limit: int, keep_kinds: Sequence[str] = ()) -> int:
-    """Events older than ``before``, except those of ``keep_kinds``."""
+def prune_events(
+    session: Session, *, before: float, limit: int, keep_kinds: Sequence[str] = (), active: Sequence[str] = ()
+) -> int:
+    """Events older than ``before``, except those of ``keep_kinds`` and those of a job in an
+    ``active`` state (a running job's history counts: its relaunches for rejoin, for one)."""
     q = select(EventRow.id).where(EventRow.at < before)
     if keep_kinds:
         q = q.where(EventRow.kind.not_in(list(keep_kinds)))
+    if active:
+        running = select(JobRow.id).where(JobRow.state.in_(list(active)))
+        q = q.where(EventRow.job.is_(None) | EventRow.job.not_in(running))
     ids = list(session.scalars(q.order_by(EventRow.id).limit(limit)))
     if ids:
         session.execute(delete(EventRow).where(EventRow.id.in_(ids)))

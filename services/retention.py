@@ -5,7 +5,8 @@ cluster: events (transitions, job and plan changes, operator actions), jobs that
 ranks and plans), plan generations a newer one superseded, and stored GPU rows nobody updated.
 What is kept whatever its age:
 
-- the plan in force of every job, and every job that has not ended;
+- the plan in force of every job, and every job that has not ended with its events (the job's
+  history counts while it runs: how often a node was relaunched to rejoin, for one);
 - the Slurm drain breaker's own events (``slurm_breaker_open`` / ``slurm_breaker_reset``): a new
   leader reads the breaker's state from the newest of them (services/slurm.py), so forgetting an
   old open would close a breaker that nobody reset;
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from clusterpulse.states import TERMINAL_JOB_STATES, EventKind
+from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, EventKind
 from services import db
 
 log = logging.getLogger("pulse.orchestrator.retention")
@@ -43,7 +44,9 @@ def cutoff(now: float, *, days: float) -> float | None:
 Pruner = Callable[[Session, float, int], int]
 
 PRUNERS: dict[str, Pruner] = {
-    "events": lambda s, before, n: db.prune_events(s, before=before, limit=n, keep_kinds=KEPT_EVENT_KINDS),
+    "events": lambda s, before, n: db.prune_events(
+        s, before=before, limit=n, keep_kinds=KEPT_EVENT_KINDS, active=ACTIVE_JOB_STATES
+    ),
     "jobs": lambda s, before, n: db.prune_jobs(s, before=before, limit=n, terminal=TERMINAL_JOB_STATES),
     "plans": lambda s, before, n: db.prune_plans(s, before=before, limit=n),
     "gpus": lambda s, before, n: db.prune_gpus(s, before=before, limit=n),
@@ -80,11 +83,12 @@ class Retention:
     async def loop(
         self, stop: asyncio.Event, *, leading: Callable[[], bool], now: Callable[[], float], interval_s: float
     ) -> None:
-        """The leader's: prune every ``interval_s`` on the one clock (events carry its time)."""
+        """The leader's: prune every ``interval_s`` on the one clock (events carry its time), the
+        first time one interval after the start (a start is not slowed by a backlog to prune)."""
         while not stop.is_set():
+            await asyncio.sleep(interval_s)
             if leading():
                 await self.run_once(now())
-            await asyncio.sleep(interval_s)
 
     def _batch(self, prune: Pruner, before: float) -> int:
         with self.sessions.begin() as s:

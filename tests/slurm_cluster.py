@@ -189,7 +189,7 @@ class SlurmCluster:
         for name, (state, _) in self.states().items():
             if state != "idle":
                 self._run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], check=False)
-        self.wait_idle(timeout=30)
+        self.wait_idle(timeout=90)  # slurmds re-register with a restarted slurmctld at their own pace
 
     def logs(self) -> str:
         return "\n".join(

@@ -21,7 +21,7 @@ JOB_ROW = re.compile(r"^[0-9a-f]{12}\s+demo\s+(?P<state>[A-Z]+)\s+\S+\s+(?P<step
 
 def test_demo_shows_the_injected_faults_degrading_two_nodes(redis_url: str) -> None:
     out = subprocess.run(
-        [*PULSE, "demo", "--duration", "26", "--fault-after", "3", "--no-train"],
+        [*PULSE, "demo", "--duration", "30", "--fault-after", "3", "--no-train"],
         env=pulse_env(PULSE_REDIS_URL=REDIS_URL),
         cwd=REPO,
         capture_output=True,

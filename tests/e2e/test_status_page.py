@@ -122,9 +122,7 @@ def test_status_page_signs_in_shows_the_grid_and_a_psu_fault(stack: Stack, brows
     wait_for(lambda: _states(stack)[VICTIM] == "DEGRADED", timeout=30, what=f"{VICTIM} DEGRADED in the API")
     decided = time.monotonic()
     # Woken by the stream: well before the next timed refresh (a busy 2-core machine included).
-    wait_for(
-        lambda: _page_states(browser)[VICTIM] == "DEGRADED", timeout=REFRESH_S / 2, what="DEGRADED on the page"
-    )
+    wait_for(lambda: _page_states(browser)[VICTIM] == "DEGRADED", timeout=REFRESH_S / 2, what="DEGRADED on the page")
     shown_after = time.monotonic() - decided
     card = browser.find_element(By.CSS_SELECTOR, f"[data-node='{VICTIM}']")
     assert "PSU current imbalance" in card.text and "DEGRADED" in card.text, card.text

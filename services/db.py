@@ -18,7 +18,7 @@ from sqlalchemy import Engine, create_engine, delete, event, func, inspect, make
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
-from clusterpulse.states import EventKind, JobState
+from clusterpulse.states import ACTIVE_JOB_STATES, EventKind, JobState
 from services.models import EventRow, GpuRow, JobRankRow, JobRow, NodeRow, PlanRow, TokenRow
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -386,6 +386,16 @@ def list_jobs(session: Session, *, states: Iterable[str] = (), limit: int = 500)
     if states:
         q = q.where(JobRow.state.in_(states))
     return list(session.scalars(q.order_by(JobRow.created_at.desc()).limit(limit)))
+
+
+def job_states(session: Session, *, changed_after: float) -> dict[str, tuple[str, float]]:
+    """Jobs not ended, and those that changed after ``changed_after``: id -> (state, updated_at),
+    the snapshot /metrics shows."""
+    return {
+        j.id: (j.state, j.updated_at)
+        for j in list_jobs(session)
+        if j.state in ACTIVE_JOB_STATES or j.updated_at > changed_after
+    }
 
 
 def set_job_state(

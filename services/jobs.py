@@ -45,9 +45,7 @@ from dataclasses import dataclass
 
 from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState
 
-ACTIVE = ACTIVE_JOB_STATES
-TERMINAL = TERMINAL_JOB_STATES
-JOB_STATES = (*ACTIVE, *TERMINAL)
+JOB_STATES = (*ACTIVE_JOB_STATES, *TERMINAL_JOB_STATES)
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,7 @@ def decide(
     (ranks outside the job's world are ignored). ``rendezvous`` (``addr:port``) is only named in
     reasons. A command in ``send`` with an unchanged state is a resend: the caller sends it at
     most every few seconds, so a command lost in a crash is sent again."""
-    if state in TERMINAL:
+    if state in TERMINAL_JOB_STATES:
         return JobDecision(state, "")
     states = {n: str(status[n]["state"]) for n in nodes if n in status}
     if state == JobState.PENDING:

@@ -68,11 +68,12 @@ def api_routes(app: FastAPI) -> list[APIRoute]:
     return [r for r in routes_of(app) if isinstance(r, APIRoute)]
 
 
-def error_codes(route: APIRoute, settings: Settings) -> list[int]:
-    """The refusals ``route`` can answer with under ``settings``: 401 and 403 where a token is
-    needed in this mode, body size everywhere, 400 where a body is read, 404 where the path names
-    something, 429 and 503 (not the leader) on mutating routes; a 409 only where the route says so."""
-    codes = [401, 403] if route_role(route, settings) is not None else []
+def error_codes(route: APIRoute, role: Role | None) -> list[int]:
+    """The refusals ``route`` can answer with when it needs ``role`` (None: no token, see
+    :func:`route_role`): 401 and 403 where a token is needed, body size everywhere, 400 where a
+    body is read, 404 where the path names something, 429 and 503 (not the leader) on mutating
+    routes; a 409 only where the route says so."""
+    codes = [401, 403] if role is not None else []
     codes += [413]
     codes += [400] if route.body_field is not None else []
     codes += [404] if "{" in route.path else []
@@ -101,7 +102,7 @@ def document(app: FastAPI, settings: Settings) -> None:
             for method in route.methods or ():
                 op = schema["paths"][route.path_format][method.lower()]
                 responses = op.setdefault("responses", {})
-                for code in error_codes(route, settings):  # described, as before; a body schema on
+                for code in error_codes(route, role):  # described, as before; a body schema on
                     # the 401 makes schemathesis take the fixed admin token for a generated one
                     responses.setdefault(str(code), {"description": ERRORS[code]})
                 if role is None:

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from clusterpulse.settings import Settings
-from clusterpulse.states import JobState
+from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState
 from services import checkpoints, db
 from services.clock import RedisClock
 from services.reconcile import JobReconciler, Send
@@ -51,7 +51,7 @@ class OperatorActions:
         """Place and store a job. Returns (job id, created); a repeated idempotency key returns
         the first job when the body is the same, else raises :class:`IdempotencyKeyReused`.
         Raises :class:`PlacementRefused` with the failed constraint; nothing is written then."""
-        from services.jobs import ACTIVE, master_addr, master_port
+        from services.jobs import master_addr, master_port
         from services.placement import NodeCapacity, Placement, PlacementRequest, place
 
         assert self.shared.cluster is not None
@@ -71,7 +71,7 @@ class OperatorActions:
                             )
                         return prior.id, False
                 used: dict[str, int] = {}
-                for j in db.list_jobs(s, states=ACTIVE):
+                for j in db.list_jobs(s, states=ACTIVE_JOB_STATES):
                     for n in j.assigned_nodes:
                         used[n] = used.get(n, 0) + int(j.spec.get("gpus_per_node", 0))
                 caps = [
@@ -121,13 +121,12 @@ class OperatorActions:
     async def stop_job(self, job_id: str, *, actor: str) -> bool:
         """Ask a job to stop: STOPPING and a stop command to every assigned node. Idempotent;
         a job already finished stays as it is. Raises KeyError for an unknown job."""
-        from services.jobs import TERMINAL
 
         def write(s: Session) -> tuple[bool, list[str], dict[str, Any], str, int]:
             job = db.get_job(s, job_id=job_id)
             if job is None:
                 raise KeyError(job_id)
-            if job.state in TERMINAL or job.state == JobState.STOPPING:
+            if job.state in TERMINAL_JOB_STATES or job.state == JobState.STOPPING:
                 return False, [], {}, "", 0
             db.set_job_state(
                 s,

@@ -335,7 +335,12 @@ class Orchestrator:
         keeper = new_plans(self.settings)
         keeper.restore(ranks=ranks, plans=plans)
         cutoff = self.clock.now() - self.settings.job_stale_after_s
-        job_states = await asyncio.to_thread(load_job_states, self.sessions, cutoff)
+
+        def read_job_states() -> dict[str, tuple[str, float]]:
+            with self.sessions() as s:
+                return db.job_states(s, changed_after=cutoff)
+
+        job_states = await asyncio.to_thread(read_job_states)
         if not self.leading:
             self.shared.cluster, self.shared.plans, self.shared.job_states = cluster, keeper, job_states
 
@@ -412,11 +417,3 @@ def load_plans(sessions: sessionmaker[Session]) -> tuple[dict[str, dict[int, str
             for p in db.latest_plans(s)
         }
         return ranks, plans
-
-
-def load_job_states(sessions: sessionmaker[Session], cutoff: float) -> dict[str, tuple[str, float]]:
-    """Active jobs and those that changed after ``cutoff``: (state, updated_at), for /metrics."""
-    from services.jobs import ACTIVE
-
-    with sessions() as s:
-        return {j.id: (j.state, j.updated_at) for j in db.list_jobs(s) if j.state in ACTIVE or j.updated_at > cutoff}

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from clusterpulse import wire
 from clusterpulse.settings import Settings
-from clusterpulse.states import EventKind, JobState, NodeState
+from clusterpulse.states import ACTIVE_JOB_STATES, EventKind, JobState, NodeState
 from services import db
 from services.clock import RedisClock
 from services.leader import FENCED_COMMANDS, LeaderLease, commands_args
@@ -146,7 +146,7 @@ class JobReconciler:
         )
 
     def _reconcile_db(self, statuses: list[wire.JobStatus], now: float) -> list[Send]:
-        from services.jobs import ACTIVE, decide
+        from services.jobs import decide
 
         sends: list[Send] = []
         excluded, joined = self._excluded_nodes, self._joined  # snapshots taken on the event loop
@@ -157,7 +157,7 @@ class JobReconciler:
                     db.set_job_node_status(s, job_id=st.job, node=st.node, status=msgspec.to_builtins(st), at=now)
                 except KeyError:
                     log.warning("event=job_status_unknown_job job=%s node=%s", st.job, st.node)
-            for job in db.list_jobs(s, states=ACTIVE):
+            for job in db.list_jobs(s, states=ACTIVE_JOB_STATES):
                 if job.id not in self._rejoins and job.state == JobState.RUNNING and excluded.get(job.id):
                     self._count_rejoins(s, job.id)
                 d = decide(
@@ -187,15 +187,12 @@ class JobReconciler:
                         Send(d.send, job.id, list(job.assigned_nodes), dict(job.spec), job.master_addr, job.master_port)
                     )
                 sends.extend(self._relaunch(s, job, d.relaunch, now))
-            cutoff = now - self.settings.job_stale_after_s
-            self.shared.job_states = {
-                j.id: (j.state, j.updated_at) for j in db.list_jobs(s) if j.state in ACTIVE or j.updated_at > cutoff
-            }
+            self.shared.job_states = db.job_states(s, changed_after=now - self.settings.job_stale_after_s)
         return sends
 
     def _count_rejoins(self, s: Session, job_id: str) -> None:
         """Counted from the events, so a restarted orchestrator keeps the cap."""
-        done = db.list_events(s, job=job_id, kinds=["rank_rejoin"], limit=100_000)
+        done = db.list_events(s, job=job_id, kinds=[EventKind.RANK_REJOIN], limit=100_000)
         self._rejoins[job_id] = {}
         for ev in done:
             node = ev.node or ""

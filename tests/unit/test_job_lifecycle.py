@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection, Mapping
 
-from services.jobs import TERMINAL, JobDecision, decide, master_addr, master_port
+from clusterpulse.states import TERMINAL_JOB_STATES
+from services.jobs import JobDecision, decide, master_addr, master_port
 
 NODES = ["a", "b"]
 BOTH = (0, 1)  # every rank of a 2-node job, 1 rank a node
@@ -207,7 +208,7 @@ def test_starting_over_every_mix_of_answers_joins_and_times() -> None:
             else:
                 assert all(status[n]["state"] == "exited" for n in names)
             again = run(r.state)
-            if r.state in TERMINAL:
+            if r.state in TERMINAL_JOB_STATES:
                 assert (again.state, again.send) == (r.state, None)
             else:
                 assert again.state == r.state

@@ -115,7 +115,7 @@ def test_the_leader_prunes_while_ingest_and_evaluation_go_on(redis_url: str, tmp
     async def main() -> None:
         client = aioredis.from_url(redis_url)
         settings = load_settings(
-            redis_url=redis_url, database_url=url, heartbeat_interval_s=0.2, degraded_after_s=30.0,
+            redis_url=redis_url, database_url=url, heartbeat_interval_s=1.0, degraded_after_s=30.0,
             lost_after_s=60.0, evaluate_interval_s=0.05, persist_interval_s=0.1, ingest_block_s=0.05,
             retention_days=30, retention_interval_s=0.2, retention_batch=10,
         )  # fmt: skip

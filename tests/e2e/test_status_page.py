@@ -3,7 +3,11 @@
 Reads need a token here, so the page first shows its sign-in box; after a viewer token is
 entered it shows every node in its rack and NVLink domain. A PSU fault is injected for real (the
 victim's agent restarted with ``--fault psu_imbalance@0``) and the page shows the node DEGRADED
-with its reason within two refreshes of the orchestrator deciding it. A screenshot goes to the
+with its reason within two refreshes of the orchestrator deciding it. A job runs on the victim and
+its NVLink neighbour (stand-in ranks the agents launch, registered as the trainer library
+registers, tests/fixtures/jobs/rank.py): before the fault its plan carries nobody, after it the
+page shows the neighbour's rank carrying the victim's (the restarted agent re-attaches to its
+rank, agent/launcher.py). A screenshot goes to the
 test's folder (and to docs/status-page.png with ``PULSE_SCREENSHOT_TO_DOCS=1``: the one the
 README shows). Then /docs, served offline, lists ``POST /v1/jobs``.
 """
@@ -33,6 +37,8 @@ REFRESH_S = 15.0
 TOPOLOGY = {"rack-a": {"nvl-a0": ["sp-a0", "sp-a1"], "nvl-a1": ["sp-a2"]}, "rack-b": {"nvl-b0": ["sp-b0"]}}
 NODES = sorted(n for doms in TOPOLOGY.values() for ns in doms.values() for n in ns)
 VICTIM = "sp-a1"
+NEIGHBOUR = "sp-a0"  # the victim's NVLink domain: the job's other node
+RANK = str(REPO / "tests" / "fixtures" / "jobs" / "rank.py")
 
 
 def _labels(node: str) -> list[str]:
@@ -95,7 +101,26 @@ def _page_states(driver: Any) -> dict[str, str]:
     }
 
 
-def test_status_page_signs_in_shows_the_grid_and_a_psu_fault(stack: Stack, browser: Any, tmp_path: Path) -> None:
+def _plan(stack: Stack, job: str) -> dict[str, Any] | None:
+    """The job's plan in force, or None while not every rank has registered (409)."""
+    r = httpx.get(f"{stack.api}/v1/jobs/{job}/plan", headers=AUTH, timeout=5)
+    if r.status_code == 409:
+        return None
+    r.raise_for_status()
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _job_plan_text(driver: Any, job: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    cells = driver.find_elements(By.CSS_SELECTOR, f"[data-job='{job}'] .job-plan")
+    return str(cells[0].text) if cells else ""
+
+
+def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
+    stack: Stack, browser: Any, tmp_path: Path
+) -> None:
     from selenium.webdriver.common.by import By
 
     viewer = stack.post("/v1/tokens", {"name": "page-viewer", "role": "viewer"})
@@ -117,6 +142,23 @@ def test_status_page_signs_in_shows_the_grid_and_a_psu_fault(stack: Stack, brows
             cards = browser.find_elements(By.CSS_SELECTOR, f"[data-rack='{rack}'] [data-domain='{dom}'] [data-node]")
             assert sorted(c.get_attribute("data-node") for c in cards) == sorted(nodes), (rack, dom)
 
+    # a job on the victim and its neighbour; every rank registered: generation 1 carries nobody
+    spec = {
+        "name": "page-job", "nodes": 2, "gpus_per_node": 1, "selector": {"nvlink_domain": "nvl-a0"},
+        "entrypoint": [RANK, "--seconds", "600"],
+    }  # fmt: skip
+    created = stack.post("/v1/jobs", spec)
+    assert created.status_code == 201, created.text
+    job = created.json()["id"]
+    assert sorted(created.json()["assigned_nodes"]) == [NEIGHBOUR, VICTIM]
+    wait_for(lambda: _plan(stack, job), timeout=60, what=f"job {job}'s first plan")
+    plan = _plan(stack, job)
+    assert plan is not None and plan["proxies"] == {} and plan["excluded"] == [], plan
+    ranks = {node: int(r) for r, node in plan["ranks"].items()}
+    wait_for(
+        lambda: "nobody carried" in _job_plan_text(browser, job), timeout=REFRESH_S * 2, what="the plan on the page"
+    )
+
     stop(stack.procs[VICTIM])  # the same node comes back with its PS2 sagging 12 A
     stack.agent(VICTIM, *_labels(VICTIM), "--fault", "psu_imbalance@0")
     wait_for(lambda: _states(stack)[VICTIM] == "DEGRADED", timeout=30, what=f"{VICTIM} DEGRADED in the API")
@@ -129,6 +171,13 @@ def test_status_page_signs_in_shows_the_grid_and_a_psu_fault(stack: Stack, brows
     assert {n: s for n, s in _page_states(browser).items() if n != VICTIM} == dict.fromkeys(
         set(NODES) - {VICTIM}, "HEALTHY"
     )
+    # the plan that follows: the neighbour's rank carries the victim's, and the page says so
+    wait_for(lambda: (_plan(stack, job) or {}).get("proxies"), timeout=30, what="a plan with a carrier")
+    carried = _plan(stack, job)
+    assert carried is not None and carried["proxies"] == {str(ranks[VICTIM]): ranks[NEIGHBOUR]}, carried
+    says = f"rank {ranks[NEIGHBOUR]} ({NEIGHBOUR}) carries rank {ranks[VICTIM]} ({VICTIM})"
+    wait_for(lambda: says in _job_plan_text(browser, job), timeout=REFRESH_S / 2, what=f"{says!r} on the page")
+    assert f"generation {carried['generation']}" in _job_plan_text(browser, job)
     browser.save_screenshot(str(tmp_path / "status-page.png"))
     if os.environ.get("PULSE_SCREENSHOT_TO_DOCS") == "1":
         shutil.copyfile(tmp_path / "status-page.png", REPO / "docs" / "status-page.png")

@@ -29,6 +29,7 @@ from types import TracebackType
 from tests.support import free_port, wait_for
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "scontrol")
+REREGISTER_AFTER_S = 15.0  # a node not answering this long in reset() gets its slurmd restarted
 
 
 def available() -> str | None:
@@ -174,22 +175,52 @@ class SlurmCluster:
             out[name.strip()] = (state.strip(), reason.strip())
         return out
 
-    def wait_idle(self, *, timeout: float) -> None:
-        wait_for(
-            lambda: {n: s for n, (s, _) in self.states().items()} == dict.fromkeys(self.nodes, "idle"),
-            timeout=timeout,
-            what=f"sinfo showing {', '.join(self.nodes)} idle",
-            every=0.3,
-        )
+    def wait_idle(self, *, timeout: float, mend: bool = False) -> None:
+        """Wait until ``sinfo`` shows every node idle. With ``mend``, what keeps a node from it is
+        undone while waiting: a drained or down node is resumed (again, if it went down after the
+        first resume), and a node still not answering after ``REREGISTER_AFTER_S`` (``unknown``,
+        or a ``*`` state: its slurmd has not registered with a restarted slurmctld, which pings
+        it only every SlurmdTimeout/3 under load) gets its slurmd restarted, which registers at
+        once. At the deadline the error names each node's state."""
+        deadline = time.monotonic() + timeout
+        since: dict[str, float] = {}
+        states: dict[str, tuple[str, str]] | str = {}
+        while time.monotonic() < deadline:
+            try:
+                states = self.states()
+            except AssertionError as exc:  # slurmctld busy or restarting
+                states = str(exc)
+            else:
+                stuck = {n: s for n, (s, _) in states.items() if s != "idle"}
+                if not stuck and set(states) == set(self.nodes):
+                    return
+                if mend:
+                    self._mend(stuck, since)
+            time.sleep(0.3)
+        raise AssertionError(f"timed out after {timeout:g}s waiting for every node idle; sinfo: {states}")
+
+    def _mend(self, stuck: dict[str, str], since: dict[str, float]) -> None:
+        now = time.monotonic()
+        for node in set(since) - set(stuck):
+            del since[node]
+        for node, state in stuck.items():
+            first = since.setdefault(node, now)
+            if state.endswith("*") or state == "unknown":
+                if now - first > REREGISTER_AFTER_S:
+                    _stop(self._slurmd[node])
+                    self._slurmd[node] = self._spawn(
+                        ["slurmd", "-D", "-f", str(self.conf), "-N", node], f"slurmd-{node}"
+                    )
+                    since[node] = now
+            elif not state.startswith(("idle", "alloc", "mix", "comp")):  # drained, draining, down ...
+                self._run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
 
     def reset(self) -> None:
-        """Every node back to idle: resume whatever a previous test drained or downed."""
+        """Every node back to idle: resume whatever a previous test drained or downed, and
+        restart a slurmd that has not registered with a restarted slurmctld."""
         if self._ctld is None:
             self.start_controller()
-        for name, (state, _) in self.states().items():
-            if state != "idle":
-                self._run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], check=False)
-        self.wait_idle(timeout=90)  # slurmds re-register with a restarted slurmctld at their own pace
+        self.wait_idle(timeout=90, mend=True)
 
     def logs(self) -> str:
         return "\n".join(

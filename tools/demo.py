@@ -99,7 +99,9 @@ def _spawn(args: list[str], env: dict[str, Any], log: Path) -> subprocess.Popen[
         return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], env=env, stdout=fh, stderr=fh)
 
 
-def _start(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen[bytes]]) -> tuple[str, DemoJob | None]:
+def _start(
+    args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen[bytes]], since: float
+) -> tuple[str, DemoJob | None]:
     """Redis (if needed), the orchestrator, the simulated nodes and, when training, the job's agents."""
     redis_url, redis_proc = _start_redis(workdir)
     if redis_proc is not None:
@@ -129,7 +131,8 @@ def _start(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen
     job = None
     if train:
         names = [f"sim-{i:03d}" for i in range(simulated, args.nodes)]
-        job = DemoJob(api=api, pulse=[sys.executable, "-m", "tools.cli"], env=env, workdir=workdir, names=names)
+        pulse = [sys.executable, "-m", "tools.cli"]
+        job = DemoJob(api=api, pulse=pulse, env=env, workdir=workdir, names=names, since=since)
         job.start()
     print(f"ClusterPulse demo: {args.nodes} simulated nodes x 8 GPUs, Redis {redis_url}")
     print(f"  status    {api}/\n  API docs  {api}/docs\n  metrics   {api}/metrics\n  nodes     {api}/v1/nodes")
@@ -154,7 +157,7 @@ def run_demo(args: argparse.Namespace) -> int:
     job: DemoJob | None = None
     interactive = sys.stdout.isatty()
     try:
-        api, job = _start(args, workdir, procs)
+        api, job = _start(args, workdir, procs, since=time.monotonic())
         started = time.monotonic()
         last = 0.0
         while not args.duration or time.monotonic() - started < args.duration:

@@ -64,12 +64,16 @@ def plan_line(plan: dict[str, Any] | None) -> str:
 class DemoJob:
     """The demo's job: its agents, its submission, the fault on one of its nodes, its end."""
 
-    def __init__(self, *, api: str, pulse: list[str], env: dict[str, Any], workdir: Path, names: list[str]) -> None:
+    def __init__(
+        self, *, api: str, pulse: list[str], env: dict[str, Any], workdir: Path, names: list[str], since: float
+    ) -> None:
+        """``since``: when the demo command started (monotonic): the first step's delay counts from it."""
         self.api, self.pulse, self.workdir, self.names = api, pulse, workdir, names
         self.env = {**env, "PULSE_AGENT_STATE_DIR": str(workdir / "agents")}
         self.env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.job_id: str | None = None
+        self.since = since
         self.first_step_at: float | None = None
         self.victim: str | None = None
 
@@ -120,7 +124,12 @@ class DemoJob:
         r = httpx.get(f"{self.api}/v1/jobs/{self.job_id}/plan", timeout=2)
         plan = r.json() if r.status_code == 200 else None
         fault = f"PSU fault injected on {self.victim}" if self.victim else "PSU fault: after the first steps"
-        return [format_jobs([job]), plan_line(plan), fault]
+        first = (
+            f"first step {self.first_step_at - self.since:.0f}s after the command started"
+            if self.first_step_at is not None
+            else "first step: not yet (scripts/bootstrap compiled DeepSpeed's CPU ops, so seconds, not minutes)"
+        )
+        return [format_jobs([job]), plan_line(plan), first, fault]
 
     def stop(self) -> None:
         """Stop the job (its ranks outlive their agents by design), then kill what is left."""

@@ -78,6 +78,8 @@ def test_demo_trains_and_the_psu_fault_reroutes_a_rank(redis_url: str) -> None:
             step = int(m["step"]) if m and m["step"] != "-" else -1
             if step >= 1:
                 seen.setdefault("step", step)
+            if first := re.search(r"first step (\d+)s after the command started", screen):
+                seen.setdefault("first step after s", int(first[1]))
             victim = re.search(r"PSU fault injected on (sim-\d+)", screen)
             rerouted = victim and re.search(
                 rf"plan generation (\d+): rank \d+ \(sim-\d+\) carries rank \d+ \({victim[1]}\)", screen
@@ -93,5 +95,6 @@ def test_demo_trains_and_the_psu_fault_reroutes_a_rank(redis_url: str) -> None:
         assert proc.stdout is not None
         proc.stdout.close()
     out = "".join(lines)
-    assert {"step", "rerouted", "later step"} <= set(seen), (seen, out[-3000:])
+    assert {"step", "rerouted", "later step", "first step after s"} <= set(seen), (seen, out[-3000:])
     assert "demo stopped" in out
+    print(f"first step {seen['first step after s']}s after `pulse demo` started")

@@ -382,10 +382,11 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
-    rows = [("JOB", "NAME", "STATE", "NODES", "STEP", "LOSS", "MFU", "REASON")]
+    """One row a job; STEP/S is the pace the slowest rank's last step sets (1 / its step time)."""
+    rows = [("JOB", "NAME", "STATE", "NODES", "STEP", "STEP/S", "LOSS", "MFU", "REASON")]
     for j in jobs:
         p = j.get("progress") or {}
-        loss, mfu = p.get("loss"), p.get("mfu_ratio")
+        loss, mfu, step_s = p.get("loss"), p.get("mfu_ratio"), p.get("step_time_s")
         rows.append(
             (
                 j["id"],
@@ -393,6 +394,7 @@ def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
                 j["state"],
                 ",".join(j["assigned_nodes"]),
                 str(p.get("step", "-")),
+                f"{1 / step_s:.2f}" if step_s else "-",
                 "-" if loss is None else f"{loss:.4f}",
                 "-" if mfu is None else f"{mfu:.3f}",
                 j["reason"][:80],

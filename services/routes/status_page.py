@@ -53,9 +53,12 @@ PAGE = """<!doctype html>
   <p class="hint">Kept in this tab only (sessionStorage), sent as a bearer header.</p>
 </form>
 <main id="content" hidden>
-  <section><h2>Nodes</h2><div id="nodes"></div></section>
-  <section><h2>Running jobs</h2><div id="jobs"></div></section>
-  <section><h2>Recent events</h2><div id="events"></div></section>
+  <div id="overview">
+    <section><h2>Nodes</h2><div id="nodes"></div></section>
+    <section><h2>Running jobs</h2><div id="jobs"></div></section>
+    <section><h2>Recent events</h2><div id="events"></div></section>
+  </div>
+  <section id="node-page" hidden></section>
 </main>
 <script src="{assets}/status.js"></script>
 </body>

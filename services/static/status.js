@@ -2,12 +2,22 @@
 // Every refresh reads /v1/nodes, /v1/jobs, /v1/events and the plan of each running job, once each:
 // every REFRESH_MS, and at once when the event stream (GET /v1/stream) says something happened
 // (a burst of events while a refresh is in flight makes one more refresh, not one each).
+// A node's page (#node=<name>, a click on its card) reads /v1/nodes/<name> and that node's events
+// instead: its hardware in full and its history of transitions.
+// A job's step rate and its loss and MFU trends cover the last TREND_S seconds this tab has seen
+// (kept in memory: a reload starts them again); until they span RATE_MIN_S the rate is the pace
+// of the slowest rank's last step.
 // A 401 shows the sign-in box; the token lives in sessionStorage and goes in a bearer header only.
 "use strict";
 
 const TOKEN_KEY = "pulse-token";
 const REFRESH_MS = Number(document.body.dataset.refreshMs) || 3000;
 const EVENTS_SHOWN = 25;
+const NODE_EVENTS = 500;
+const TREND_S = 300;
+const RATE_S = 60;
+const RATE_MIN_S = 10; // samples closer together than this say too little: the last step time speaks
+const SVG = "http://www.w3.org/2000/svg";
 
 class NeedToken extends Error {}
 
@@ -66,7 +76,12 @@ function nodeCard(n) {
   return el(
     "div",
     { class: `node state-${n.state}`, "data-node": n.name, "data-state": n.state, title: n.reason },
-    el("div", { class: "node-head" }, el("span", { class: "node-name" }, n.name), el("span", { class: "node-state" }, n.state)),
+    el(
+      "div",
+      { class: "node-head" },
+      el("a", { class: "node-name", href: "#node=" + encodeURIComponent(n.name) }, n.name),
+      el("span", { class: "node-state" }, n.state),
+    ),
     el("div", { class: "node-reason" }, n.reason || ""),
     el("div", { class: "node-hw" }, hardware(n).map((p) => el("span", {}, p))),
     n.schedulable ? null : el("div", { class: "node-sched" }, n.scheduler && !n.scheduler.available ? "not schedulable (Slurm)" : "cordoned"),
@@ -113,15 +128,68 @@ function planText(plan, job) {
   return parts.join(" · ");
 }
 
+// job id -> [{t, step, loss, mfu}], the samples of the last TREND_S seconds
+const trends = new Map();
+
+function sample(jobs) {
+  const now = Date.now() / 1000;
+  for (const j of jobs) {
+    const p = j.progress || {};
+    if (p.step === undefined) continue;
+    const points = trends.get(j.id) || [];
+    points.push({ t: now, step: p.step, loss: p.loss, mfu: p.mfu_ratio });
+    trends.set(j.id, points.filter((x) => now - x.t <= TREND_S));
+  }
+  for (const id of trends.keys()) if (!jobs.some((j) => j.id === id)) trends.delete(id);
+}
+
+// steps a second over the last RATE_S seconds seen (when they span RATE_MIN_S at least: a stall
+// shows as 0), else 1 / the slowest rank's last step time
+function stepRate(j) {
+  const points = trends.get(j.id) || [];
+  const recent = points.filter((x) => points[points.length - 1].t - x.t <= RATE_S);
+  if (recent.length >= 2) {
+    const [a, b] = [recent[0], recent[recent.length - 1]];
+    if (b.t - a.t >= RATE_MIN_S && b.step >= a.step) return (b.step - a.step) / (b.t - a.t);
+  }
+  const st = (j.progress || {}).step_time_s;
+  return st ? 1 / st : null;
+}
+
+// a small line of the last TREND_S seconds of one figure (no axes: its shape, the number beside it)
+function spark(points, key) {
+  const vals = points.filter((x) => x[key] !== undefined && x[key] !== null);
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("class", "spark");
+  svg.setAttribute("viewBox", "0 0 80 18");
+  svg.setAttribute("data-points", String(vals.length));
+  if (vals.length < 2) return svg;
+  const lo = Math.min(...vals.map((x) => x[key]));
+  const hi = Math.max(...vals.map((x) => x[key]));
+  const t0 = vals[0].t;
+  const span = Math.max(vals[vals.length - 1].t - t0, 1e-9);
+  const line = document.createElementNS(SVG, "polyline");
+  line.setAttribute(
+    "points",
+    vals.map((x) => `${((80 * (x.t - t0)) / span).toFixed(1)},${(hi > lo ? 17 - (16 * (x[key] - lo)) / (hi - lo) : 9).toFixed(1)}`).join(" "),
+  );
+  svg.append(line);
+  return svg;
+}
+
 function renderJobs(jobs, plans) {
+  sample(jobs);
   const running = jobs.filter((j) => !["SUCCEEDED", "FAILED", "STOPPED"].includes(j.state));
   if (!running.length) {
     document.getElementById("jobs").replaceChildren(el("p", {}, "no running jobs"));
     return;
   }
-  const head = el("tr", {}, ["job", "name", "state", "nodes", "step", "loss", "MFU", "plan in force"].map((h) => el("th", {}, h)));
+  const titles = ["job", "name", "state", "nodes", "step", `step/s (${RATE_S} s)`, `loss (${TREND_S / 60} min)`, `MFU (${TREND_S / 60} min)`, "plan in force"];
+  const head = el("tr", {}, titles.map((h) => el("th", {}, h)));
   const rows = running.map((j) => {
     const p = j.progress || {};
+    const points = trends.get(j.id) || [];
+    const rate = stepRate(j);
     return el(
       "tr",
       { "data-job": j.id },
@@ -130,12 +198,73 @@ function renderJobs(jobs, plans) {
       el("td", { class: `state-${j.state}` }, j.state),
       el("td", {}, j.assigned_nodes.join(", ")),
       el("td", { class: "job-step" }, p.step ?? "-"),
-      el("td", {}, fmt(p.loss, 4)),
-      el("td", {}, p.mfu_ratio === undefined || p.mfu_ratio === null ? "-" : `${fmt(100 * p.mfu_ratio, 1)} %`),
+      el("td", { class: "job-rate" }, rate === null ? "-" : fmt(rate, 2)),
+      el("td", { class: "job-loss" }, fmt(p.loss, 4), " ", spark(points, "loss")),
+      el("td", { class: "job-mfu" }, p.mfu_ratio === undefined || p.mfu_ratio === null ? "-" : `${fmt(100 * p.mfu_ratio, 1)} %`, " ", spark(points, "mfu")),
       el("td", { class: "job-plan" }, planText(plans[j.id], j)),
     );
   });
   document.getElementById("jobs").replaceChildren(el("table", {}, el("thead", {}, head), el("tbody", {}, rows)));
+}
+
+// the node a #node=<name> hash asks for, or null (the overview)
+function nodeAsked() {
+  const m = location.hash.match(/^#node=(.+)$/);
+  return m ? decodeURIComponent(m[1]) : null;
+}
+
+function gpuRows(n) {
+  const num = (x, digits, unit) => (x === null || x === undefined ? "-" : `${fmt(x, digits)} ${unit}`);
+  const titles = ["GPU", "temperature", "power / limit", "PCIe", "NVLink up", "throttle", "recent XIDs", ""];
+  const rows = n.gpus.map((g) =>
+    el(
+      "tr",
+      { "data-gpu": g.index },
+      el("td", {}, g.index),
+      el("td", {}, num(g.temperature_celsius, 0, "°C")),
+      el("td", {}, `${num(g.power_watts, 0, "W")} / ${num(g.power_limit_watts, 0, "W")}`),
+      el("td", {}, g.pcie_link_width ? `x${g.pcie_link_width}/x${g.pcie_link_width_max ?? "?"}` : "-"),
+      el("td", {}, g.nvlink_total ? `${g.nvlink_up}/${g.nvlink_total}` : "-"),
+      el("td", {}, (g.throttle || []).join(", ")),
+      el("td", {}, (g.xids_recent || []).join(", ")),
+      el("td", {}, g.lost ? "lost" : g.error || ""),
+    ),
+  );
+  return el("table", { class: "gpus" }, el("thead", {}, el("tr", {}, titles.map((h) => el("th", {}, h)))), el("tbody", {}, rows));
+}
+
+async function refreshNode(name) {
+  const path = encodeURIComponent(name);
+  let n;
+  try {
+    n = await get(`/v1/nodes/${path}`);
+  } catch (e) {
+    if (e.status !== 404) throw e;
+    document.getElementById("node-page").replaceChildren(el("a", { href: "#" }, "← all nodes"), el("p", {}, `no node named ${name}`));
+    return;
+  }
+  const events = (await get(`/v1/events?node=${path}&limit=${NODE_EVENTS}`)).data;
+  const moves = events.filter((e) => e.to_state).reverse();
+  const history = moves.map((e) =>
+    el(
+      "tr",
+      { "data-transition": e.id },
+      el("td", {}, new Date(e.at * 1000).toLocaleString()),
+      el("td", { class: `state-${e.to_state}` }, `${e.from_state || "-"} → ${e.to_state}`),
+      el("td", {}, e.actor),
+      el("td", { class: "reason" }, e.reason),
+    ),
+  );
+  const labels = Object.entries(n.labels).map(([k, v]) => `${k}=${v}`).join(", ");
+  document.getElementById("node-page").replaceChildren(
+    el("a", { href: "#" }, "← all nodes"),
+    el("h2", {}, `Node ${n.name}`),
+    nodeCard(n),
+    el("p", { class: "hint" }, labels || "no labels"),
+    gpuRows(n),
+    el("h2", {}, `History of transitions (${moves.length})`),
+    history.length ? el("table", { id: "node-history" }, el("tbody", {}, history)) : el("p", {}, "no transitions yet"),
+  );
 }
 
 function when(at) {
@@ -175,25 +304,33 @@ function showSignin(why) {
   document.getElementById("sign-out").hidden = true;
 }
 
+async function refreshOverview() {
+  const [nodes, jobs, events] = await Promise.all([get("/v1/nodes"), get("/v1/jobs"), get(`/v1/events?limit=${EVENTS_SHOWN}`)]);
+  const plans = {};
+  await Promise.all(
+    jobs.data
+      .filter((j) => j.state === "RUNNING")
+      .map((j) =>
+        get(`/v1/jobs/${encodeURIComponent(j.id)}/plan`)
+          .then((p) => (plans[j.id] = p))
+          .catch((e) => {
+            if (e instanceof NeedToken) throw e;
+            plans[j.id] = e.status === 409 ? null : { error: e.message };
+          }),
+      ),
+  );
+  renderNodes(nodes.data);
+  renderJobs(jobs.data, plans);
+  renderEvents(events.data);
+}
+
 async function refresh() {
   try {
-    const [nodes, jobs, events] = await Promise.all([get("/v1/nodes"), get("/v1/jobs"), get(`/v1/events?limit=${EVENTS_SHOWN}`)]);
-    const plans = {};
-    await Promise.all(
-      jobs.data
-        .filter((j) => j.state === "RUNNING")
-        .map((j) =>
-          get(`/v1/jobs/${encodeURIComponent(j.id)}/plan`)
-            .then((p) => (plans[j.id] = p))
-            .catch((e) => {
-              if (e instanceof NeedToken) throw e;
-              plans[j.id] = e.status === 409 ? null : { error: e.message };
-            }),
-        ),
-    );
-    renderNodes(nodes.data);
-    renderJobs(jobs.data, plans);
-    renderEvents(events.data);
+    const asked = nodeAsked();
+    if (asked === null) await refreshOverview();
+    else await refreshNode(asked);
+    document.getElementById("overview").hidden = asked !== null;
+    document.getElementById("node-page").hidden = asked === null;
     document.getElementById("signin").hidden = true;
     document.getElementById("content").hidden = false;
     document.getElementById("error").hidden = true;
@@ -286,5 +423,6 @@ document.getElementById("sign-out").addEventListener("click", () => {
   sessionStorage.removeItem(TOKEN_KEY);
   loop();
 });
+window.addEventListener("hashchange", wake);
 loop();
 follow();

@@ -13,10 +13,11 @@ import time
 import pytest
 
 from tests.support import PULSE, REDIS_URL, REPO, pulse_env
+from tools.demo_train import STEP_DELAY_S
 
 pytestmark = pytest.mark.e2e
 
-JOB_ROW = re.compile(r"^[0-9a-f]{12}\s+demo\s+(?P<state>[A-Z]+)\s+\S+\s+(?P<step>\d+|-)", re.M)
+JOB_ROW = re.compile(r"^[0-9a-f]{12}\s+demo\s+(?P<state>[A-Z]+)\s+\S+\s+(?P<step>\d+|-)\s+(?P<rate>[\d.]+|-)\s", re.M)
 
 
 def test_demo_shows_the_injected_faults_degrading_two_nodes(redis_url: str) -> None:
@@ -78,6 +79,8 @@ def test_demo_trains_and_the_psu_fault_reroutes_a_rank(redis_url: str) -> None:
             step = int(m["step"]) if m and m["step"] != "-" else -1
             if step >= 1:
                 seen.setdefault("step", step)
+            if m and m["rate"] != "-":
+                seen.setdefault("step rate", float(m["rate"]))
             if first := re.search(r"first step (\d+)s after the command started", screen):
                 seen.setdefault("first step after s", int(first[1]))
             victim = re.search(r"PSU fault injected on (sim-\d+)", screen)
@@ -95,6 +98,7 @@ def test_demo_trains_and_the_psu_fault_reroutes_a_rank(redis_url: str) -> None:
         assert proc.stdout is not None
         proc.stdout.close()
     out = "".join(lines)
-    assert {"step", "rerouted", "later step", "first step after s"} <= set(seen), (seen, out[-3000:])
+    assert {"step", "step rate", "rerouted", "later step", "first step after s"} <= set(seen), (seen, out[-3000:])
     assert "demo stopped" in out
+    assert 0 < seen["step rate"] < 1 / STEP_DELAY_S  # each step sleeps --step-delay: never faster
     print(f"first step {seen['first step after s']}s after `pulse demo` started")

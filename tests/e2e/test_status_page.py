@@ -3,11 +3,13 @@
 Reads need a token here, so the page first shows its sign-in box; after a viewer token is
 entered it shows every node in its rack and NVLink domain. A PSU fault is injected for real (the
 victim's agent restarted with ``--fault psu_imbalance@0``) and the page shows the node DEGRADED
-with its reason within two refreshes of the orchestrator deciding it. A job runs on the victim and
+with its reason within two refreshes of the orchestrator deciding it, and the victim's own page
+(a click on its card) its GPUs and its history of transitions. A job runs on the victim and
 its NVLink neighbour (stand-in ranks the agents launch, registered as the trainer library
 registers, tests/fixtures/jobs/rank.py): before the fault its plan carries nobody, after it the
 page shows the neighbour's rank carrying the victim's (the restarted agent re-attaches to its
-rank, agent/launcher.py). A screenshot goes to the
+rank, agent/launcher.py); the ranks report steps through the trainer library, and the job's row
+shows a step rate and loss and MFU trends. A screenshot goes to the
 test's folder (and to docs/status-page.png with ``PULSE_SCREENSHOT_TO_DOCS=1``: the one the
 README shows). Then /docs, served offline, lists ``POST /v1/jobs``.
 """
@@ -39,6 +41,7 @@ NODES = sorted(n for doms in TOPOLOGY.values() for ns in doms.values() for n in 
 VICTIM = "sp-a1"
 NEIGHBOUR = "sp-a0"  # the victim's NVLink domain: the job's other node
 RANK = str(REPO / "tests" / "fixtures" / "jobs" / "rank.py")
+STEP_EVERY_S = 0.5  # the stand-in ranks report a step this often (trainer library's TrainerReporter)
 
 
 def _labels(node: str) -> list[str]:
@@ -118,6 +121,20 @@ def _job_plan_text(driver: Any, job: str) -> str:
     return str(cells[0].text) if cells else ""
 
 
+def _cell(driver: Any, job: str, cls: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    cells = driver.find_elements(By.CSS_SELECTOR, f"[data-job='{job}'] .{cls}")
+    return str(cells[0].text).strip() if cells else ""
+
+
+def _spark_points(driver: Any, job: str, cls: str) -> int:
+    from selenium.webdriver.common.by import By
+
+    lines = driver.find_elements(By.CSS_SELECTOR, f"[data-job='{job}'] .{cls} svg.spark")
+    return int(lines[0].get_attribute("data-points") or 0) if lines else 0
+
+
 def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     stack: Stack, browser: Any, tmp_path: Path
 ) -> None:
@@ -145,7 +162,7 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     # a job on the victim and its neighbour; every rank registered: generation 1 carries nobody
     spec = {
         "name": "page-job", "nodes": 2, "gpus_per_node": 1, "selector": {"nvlink_domain": "nvl-a0"},
-        "entrypoint": [RANK, "--seconds", "600"],
+        "entrypoint": [RANK, "--seconds", "600", "--step-every", str(STEP_EVERY_S)],
     }  # fmt: skip
     created = stack.post("/v1/jobs", spec)
     assert created.status_code == 201, created.text
@@ -178,9 +195,34 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     says = f"rank {ranks[NEIGHBOUR]} ({NEIGHBOUR}) carries rank {ranks[VICTIM]} ({VICTIM})"
     wait_for(lambda: says in _job_plan_text(browser, job), timeout=REFRESH_S / 2, what=f"{says!r} on the page")
     assert f"generation {carried['generation']}" in _job_plan_text(browser, job)
+    # the job's figures: a step rate no faster than its ranks step, and loss and MFU trends
+    wait_for(lambda: _cell(browser, job, "job-rate") not in ("", "-"), timeout=REFRESH_S * 2, what="a step rate")
+    assert 0 < float(_cell(browser, job, "job-rate")) <= 1.1 / STEP_EVERY_S
+    wait_for(
+        lambda: min(_spark_points(browser, job, f) for f in ("job-loss", "job-mfu")) >= 2,
+        timeout=REFRESH_S * 2,
+        what="loss and MFU trends of two samples or more",
+    )
     browser.save_screenshot(str(tmp_path / "status-page.png"))
     if os.environ.get("PULSE_SCREENSHOT_TO_DOCS") == "1":
         shutil.copyfile(tmp_path / "status-page.png", REPO / "docs" / "status-page.png")
+
+    # the victim's own page: its GPUs in full and its history of transitions, newest first
+    browser.find_element(By.CSS_SELECTOR, f"[data-node='{VICTIM}'] a.node-name").click()
+    wait_for(
+        lambda: browser.find_elements(By.CSS_SELECTOR, "#node-history [data-transition]"),
+        timeout=REFRESH_S / 2,
+        what=f"{VICTIM}'s history",
+    )
+    assert not browser.find_element(By.ID, "overview").is_displayed()
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#node-page [data-gpu]")) == 4
+    history = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#node-history [data-transition]")]
+    r = httpx.get(f"{stack.api}/v1/events", params={"node": VICTIM}, headers=AUTH, timeout=5)
+    api = [e for e in r.json()["data"] if e["to_state"]]
+    assert len(history) == len(api) and "→ DEGRADED" in history[0] and "PSU current imbalance" in history[0], history
+    browser.save_screenshot(str(tmp_path / "node-page.png"))
+    browser.find_element(By.LINK_TEXT, "← all nodes").click()
+    wait_for(lambda: browser.find_element(By.ID, "overview").is_displayed(), timeout=REFRESH_S / 2, what="the grid")
     print(f"DEGRADED on the page {shown_after:.2f}s after the orchestrator decided it")
 
     browser.get(f"{stack.api}/docs")

@@ -41,7 +41,6 @@ SIZE_DEBT: dict[str, int] = {
     "trainer/check_reroute.py:worker": 112,
     "trainer/collective.py:ReroutedAllReduce": 497,
     "trainer/follow.py:PlanFollower.recover": 87,
-    "trainer/report.py:TrainerReporter.__init__": 100,
     "trainer/resilience.py:Resilience": 492,
 }
 

@@ -221,6 +221,44 @@ def pack_xadds(prefix: bytes, payloads: Iterable[bytes]) -> list[bytes]:
     return parts
 
 
+def _registration(
+    *, job: str | None, rank: int | None, node: str | None, world_size: int | None, local_rank: int | None
+) -> wire.RankRegistration:
+    """Who this reporter speaks for: what is given, else what the launcher set (see
+    :class:`TrainerReporter`), checked; a ValueError names what is wrong."""
+    job = job if job is not None else os.environ.get("PULSE_JOB_ID")
+    if not job:
+        raise ValueError("job: no job id given and PULSE_JOB_ID is not set")
+    node = node if node is not None else (os.environ.get("PULSE_NODE") or _default_node())
+    if not wire.valid_node_name(node):
+        raise ValueError(f"node={node!r}: expected a name matching {wire.NODE_NAME_PATTERN}")
+    rank = rank if rank is not None else _env_int("RANK", 0)
+    local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK", 0)
+    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
+    if rank < 0 or world_size < 1 or rank >= world_size:
+        raise ValueError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
+    if local_rank < 0:
+        raise ValueError(f"local_rank={local_rank}: expected >= 0")
+    return wire.RankRegistration(
+        v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=node, local_rank=local_rank, world_size=world_size
+    )
+
+
+def _check_sizes(**sizes: int) -> None:
+    """Counts and lengths: each at least 1, else a ValueError naming it."""
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name}={value}: expected >= 1")
+
+
+def _check_positive(**values: float | None) -> None:
+    """FLOP/s and durations: each above 0 (``None``: not given), else a ValueError naming it."""
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            unit = "FLOP/s" if "flops" in name else "seconds"
+            raise ValueError(f"{name}={value}: expected > 0 {unit}")
+
+
 class TrainerReporter:
     """Publishes one :class:`clusterpulse.wire.TrainerReport` per (due) step from a background thread.
 
@@ -258,40 +296,16 @@ class TrainerReporter:
         backoff: Backoff | None = None,
         spike_detector: LossSpikeDetector | None = None,
     ) -> None:
-        job = job if job is not None else os.environ.get("PULSE_JOB_ID")
-        if not job:
-            raise ValueError("job: no job id given and PULSE_JOB_ID is not set")
-        node = node if node is not None else (os.environ.get("PULSE_NODE") or _default_node())
-        if not wire.valid_node_name(node):
-            raise ValueError(f"node={node!r}: expected a name matching {wire.NODE_NAME_PATTERN}")
-        rank = rank if rank is not None else _env_int("RANK", 0)
-        local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK", 0)
-        world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
-        if rank < 0 or world_size < 1 or rank >= world_size:
-            raise ValueError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
-        if local_rank < 0:
-            raise ValueError(f"local_rank={local_rank}: expected >= 0")
-        for name, value in (
-            ("every", every),
-            ("maxlen", maxlen),
-            ("queue_size", queue_size),
-            ("batch_size", batch_size),
-        ):
-            if value < 1:
-                raise ValueError(f"{name}={value}: expected >= 1")
-        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
-            raise ValueError(f"peak_flops_per_device={peak_flops_per_device}: expected > 0 FLOP/s")
-        if not flush_interval_s > 0:
-            raise ValueError(f"flush_interval_s={flush_interval_s}: expected > 0 seconds")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s}: expected > 0 seconds")
+        self.registration = _registration(job=job, rank=rank, node=node, world_size=world_size, local_rank=local_rank)
+        _check_sizes(every=every, maxlen=maxlen, queue_size=queue_size, batch_size=batch_size)
+        _check_positive(
+            peak_flops_per_device=peak_flops_per_device, flush_interval_s=flush_interval_s, timeout_s=timeout_s
+        )
         if redis_url is None:
             redis_url = os.environ.get("PULSE_REDIS_URL") or "redis://127.0.0.1:6379/0"
-        self.job, self.rank, self.node, self.world_size = job, rank, node, world_size
-        self.local_rank = local_rank
-        self.registration = wire.RankRegistration(
-            v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=node, local_rank=local_rank, world_size=world_size
-        )
+        reg = self.registration
+        self.job, self.rank, self.node, self.world_size = reg.job, reg.rank, reg.node, reg.world_size
+        self.local_rank = reg.local_rank
         self.flops_per_token: float | None = None
         self.peak_flops_per_device = peak_flops_per_device if peak_flops_per_device is not None else env_peak_flops()
         self.tokens_per_step: int | None = None
@@ -335,7 +349,7 @@ class TrainerReporter:
         self._closing = False
         self._wake = threading.Event()  # the interval cut short: a safety event, flush(), close()
         self._sent = threading.Condition()  # notified after each send attempt, for flush()
-        self._thread = threading.Thread(target=self._run, name=f"pulse-reporter-{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"pulse-reporter-{self.rank}", daemon=True)
         self._thread.start()
 
     # --- the training thread ---------------------------------------------------------------

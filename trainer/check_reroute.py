@@ -256,6 +256,22 @@ def summarize(
     cfg: CheckConfig, plan: Plan, results: dict[int, dict[str, Any]], hang: dict[int, dict[str, Any]]
 ) -> dict[str, Any]:
     """The check's one JSON object, from every rank's result file (and the hang files)."""
+    out = _figures(cfg, plan, results)
+    failures = _failures(cfg, results, out)
+    targets: dict[str, Any] = {
+        "ratio_le_1.25": out["ratio"] is not None and out["ratio"] <= 1.25,
+        "hook_overhead_ratio_le_1.02": out["hook_overhead_ratio"] is not None and out["hook_overhead_ratio"] <= 1.02,
+    }
+    if cfg.hang is not None:
+        _hang_figures(cfg, hang, out, targets, failures)
+    out["targets"] = targets
+    out["failures"] = failures
+    out["ok"] = not failures
+    return out
+
+
+def _figures(cfg: CheckConfig, plan: Plan, results: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """What was run, the exactness figures and the timings (per round the slowest live rank)."""
     live = cfg.live
     carriers = sorted(set(plan.proxies.values()))
     roles = {
@@ -271,7 +287,7 @@ def summarize(
     hook_ddp = _median_of_slowest(results, range(cfg.world_size), "hook_ddp_s")
     rerouted_ddp = _median_of_slowest(results, live, "rerouted_ddp_s")
     any_rank = results[live[0]]
-    out: dict[str, Any] = {
+    return {
         "world_size": cfg.world_size,
         "degraded": sorted(cfg.degrade),
         "excluded": sorted(cfg.exclude),
@@ -308,54 +324,62 @@ def summarize(
         "rerouted_ddp_ratio": _ratio(rerouted_ddp, stock_ddp),
         "timing": "per round the slowest live rank, median over rounds; rounds start on a world barrier",
     }
+
+
+def _failures(cfg: CheckConfig, results: dict[int, dict[str, Any]], out: dict[str, Any]) -> list[str]:
+    """What makes the check fail without a hang: parameters that did not move or moved apart,
+    a carrier giving up without a fault, a bucket divided by another count than the live ranks."""
+    live = cfg.live
+    moved, diff = out["param_moved"], out["max_abs_param_diff"]
     failures: list[str] = []
     if not moved:
         failures.append("the parameters did not move: the comparison would be vacuous (raise --lr or --steps)")
-    elif not max(diffs) <= cfg.tolerance * moved:
+    elif not diff <= cfg.tolerance * moved:
         failures.append(
-            f"max_abs_param_diff {max(diffs):.3g} exceeds --tolerance {cfg.tolerance:g} x param_moved {moved:.3g}"
+            f"max_abs_param_diff {diff:.3g} exceeds --tolerance {cfg.tolerance:g} x param_moved {moved:.3g}"
         )
     lost = {r: results[r]["missing"] for r in live if results[r]["missing"]}
     if lost:
         failures.append(f"carriers gave up on degraded ranks without a fault: {lost}")
     if out["contributors"] != [len(live)]:
         failures.append(f"bucket divisors {out['contributors']}, expected [{len(live)}] (every live rank)")
-    targets: dict[str, Any] = {
-        "ratio_le_1.25": out["ratio"] is not None and out["ratio"] <= 1.25,
-        "hook_overhead_ratio_le_1.02": out["hook_overhead_ratio"] is not None and out["hook_overhead_ratio"] <= 1.02,
-    }
-    if cfg.hang is not None:
-        others = [r for r in range(cfg.world_size) if r != cfg.hang]
-        missing = sorted(m for r in others for m in hang.get(r, {}).get("missing", []))
-        hung_step = max(hang[r]["hung_step_s"] for r in others)
-        bound = cfg.proxy_timeout_s + (stock_ddp or 0.0)
-        stock_hung = max(hang[r]["stock_hung_step_s"] for r in others)
-        out.update(
-            {
-                "hung_rank": cfg.hang,
-                "hung_step_s": _round(hung_step),
-                "proxy_timeout_s": cfg.proxy_timeout_s,
-                "healthy_step_s": _round(stock_ddp),
-                "hung_step_bound_s": _round(bound),
-                "carrier_reported_missing": missing,
-                "after_hang_step_s": _round(max(hang[r]["after_hang_step_s"] for r in others)),
-                "stock_hung_step_s": _round(stock_hung),
-                "stock_timeout_s": cfg.stock_timeout_s,
-                "stock_hang_error": _stock_error([hang[r]["stock_error"] for r in others]),
-            }
-        )
-        targets["hung_step_le_proxy_timeout_plus_healthy_step"] = hung_step <= bound
-        if missing != [cfg.hang]:
-            failures.append(f"the carrier reported {missing} missing, expected [{cfg.hang}]")
-        if not hung_step < stock_hung:
-            failures.append(f"hung_step_s {hung_step:.3f} is not below stock_hung_step_s {stock_hung:.3f}")
-        after = sorted({c for r in others for c in hang[r]["after_contributors"]})
-        if after != [len(live) - 1]:
-            failures.append(f"bucket divisors after the hang {after}, expected [{len(live) - 1}]")
-    out["targets"] = targets
-    out["failures"] = failures
-    out["ok"] = not failures
-    return out
+    return failures
+
+
+def _hang_figures(
+    cfg: CheckConfig, hang: dict[int, dict[str, Any]], out: dict[str, Any], targets: dict[str, Any], failures: list[str]
+) -> None:
+    """The hung rank's part: its carrier's step against the bound, what the carrier reported, and
+    the stock all-reduce's hang beside it; added to ``out``, ``targets`` and ``failures``."""
+    assert cfg.hang is not None
+    others = [r for r in range(cfg.world_size) if r != cfg.hang]
+    missing = sorted(m for r in others for m in hang.get(r, {}).get("missing", []))
+    hung_step = max(hang[r]["hung_step_s"] for r in others)
+    stock_ddp = out["stock_ddp_step_s"]
+    bound = cfg.proxy_timeout_s + (stock_ddp or 0.0)
+    stock_hung = max(hang[r]["stock_hung_step_s"] for r in others)
+    out.update(
+        {
+            "hung_rank": cfg.hang,
+            "hung_step_s": _round(hung_step),
+            "proxy_timeout_s": cfg.proxy_timeout_s,
+            "healthy_step_s": stock_ddp,
+            "hung_step_bound_s": _round(bound),
+            "carrier_reported_missing": missing,
+            "after_hang_step_s": _round(max(hang[r]["after_hang_step_s"] for r in others)),
+            "stock_hung_step_s": _round(stock_hung),
+            "stock_timeout_s": cfg.stock_timeout_s,
+            "stock_hang_error": _stock_error([hang[r]["stock_error"] for r in others]),
+        }
+    )
+    targets["hung_step_le_proxy_timeout_plus_healthy_step"] = hung_step <= bound
+    if missing != [cfg.hang]:
+        failures.append(f"the carrier reported {missing} missing, expected [{cfg.hang}]")
+    if not hung_step < stock_hung:
+        failures.append(f"hung_step_s {hung_step:.3f} is not below stock_hung_step_s {stock_hung:.3f}")
+    after = sorted({c for r in others for c in hang[r]["after_contributors"]})
+    if after != [len(cfg.live) - 1]:
+        failures.append(f"bucket divisors after the hang {after}, expected [{len(cfg.live) - 1}]")
 
 
 # --- The coordinator ---------------------------------------------------------------------------
@@ -561,8 +585,30 @@ def worker(cfg: CheckConfig, rank: int, store_port: int, out_dir: Path) -> None:
     reroute.switch(reroute.agree_plan(plan))
     out: dict[str, Any] = {"rank": rank, "role": reroute.role, "threads": threads}
 
-    # 1. exactness: stock DDP over the ranks not excluded, then the hook under the plan, same steps
-    reference = None
+    out.update(_exactness(cfg, rank, reroute, survivors))
+    rerouted, buckets = _costs(cfg, rank, reroute, plain_hook, out)
+    _write(out_dir / f"rank{rank}.json", out)
+    if cfg.hang is not None:
+        assert stock_group is not None and others is not None
+        hang = _hang(
+            cfg, rank, plan, reroute, rerouted=rerouted, buckets=buckets, stock_group=stock_group, others=others
+        )
+        _write(out_dir / f"rank{rank}.hang.json", hang)
+    # Stay until every rank has delivered: a rank that leaves closes its connections, and a peer
+    # still inside a collective with it would fail early ("Connection closed by peer").
+    store.wait([_DONE_KEY], timedelta(seconds=cfg.timeout_s))
+    # Leave without tearing down gloo: a hung peer would keep destroy_process_group waiting, and
+    # gloo threads outliving interpreter teardown abort the exit (see trainer/example.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _exactness(
+    cfg: CheckConfig, rank: int, reroute: ReroutedAllReduce, survivors: dist.ProcessGroup | None
+) -> dict[str, Any]:
+    """1. Stock DDP over the ranks not excluded, then the hook under the plan, the same steps."""
+    reference = initial = None
     if rank in cfg.live:
         stock = _Trainer(cfg, group=survivors)
         initial = stock.params()
@@ -574,14 +620,20 @@ def worker(cfg: CheckConfig, rank: int, store_port: int, out_dir: Path) -> None:
     for step in range(cfg.steps):
         hooked.step(rank, step)
     params = hooked.params()
-    out["param_diff"] = None if reference is None else _max_diff(params, reference)
-    out["param_moved"] = None if reference is None else _max_diff(initial, reference)
-    out["params"] = sum(p.numel() for p in params)
-    out["grad_bytes"] = sum(p.numel() * p.element_size() for p in params)
-    out["contributors"] = reroute.last_contributors
-    del hooked, params, reference
+    return {
+        "param_diff": None if reference is None else _max_diff(params, reference),
+        "param_moved": None if reference is None or initial is None else _max_diff(initial, reference),
+        "params": sum(p.numel() for p in params),
+        "grad_bytes": sum(p.numel() * p.element_size() for p in params),
+        "contributors": reroute.last_contributors,
+    }
 
-    # 2. cost, in rounds that start on a barrier; the order of the variants rotates per round
+
+def _costs(
+    cfg: CheckConfig, rank: int, reroute: ReroutedAllReduce, plain_hook: ReroutedAllReduce, out: dict[str, Any]
+) -> tuple[_Trainer, list[list[int]]]:
+    """2. Cost, in rounds that start on a barrier; the order of the variants rotates per round.
+    The timings go into ``out``; returns the rerouted trainer and the all-reduce's buckets."""
     grads = [torch.randn_like(p) for p in build_model(cfg).parameters()]
     buckets = plan_buckets([(g.numel(), g.dtype) for g in grads], cfg.bucket_bytes)
     stock = _Trainer(cfg)
@@ -610,40 +662,44 @@ def worker(cfg: CheckConfig, rank: int, store_port: int, out_dir: Path) -> None:
     out["missing"] = {str(k): v for k, v in reroute.missing.items()}
     if reroute.role != "excluded":  # the divisors of the last rerouted step (excluded: nothing)
         out["contributors"] = sorted({*out["contributors"], *reroute.last_contributors})
-    _write(out_dir / f"rank{rank}.json", out)
+    return rerouted, buckets
 
-    # 3. a degraded rank hangs mid-run: rerouted, then the same hang under a stock all-reduce
-    if cfg.hang is not None:
-        dist.barrier()
-        step = cfg.steps + 2 + cfg.repeats
-        if isinstance(reroute, _HangingReroute):
-            reroute.armed = True  # stops in this step's backward, before its first bucket
-        hang: dict[str, Any] = {"hung_step_s": rerouted.step(rank, step)}
-        hang["missing"] = sorted(reroute.missing)
-        reroute.switch(reroute.agree_plan(after_hang_plan(plan, cfg.hang)))
-        dist.barrier(group=others)
-        hang["after_hang_step_s"] = rerouted.step(rank, step + 1)
-        hang["after_contributors"] = [] if reroute.role == "excluded" else reroute.last_contributors
-        model = build_model(cfg)  # no DDP: a stock all-reduce of the gradient below
-        x, y = batch(cfg, rank, step + 2)
-        dist.barrier(group=others)  # the same start everywhere: a rank's timeout closes its peers' pairs
-        t0 = time.perf_counter()
-        torch.autograd.backward(nn.functional.mse_loss(model(x), y))
-        try:
-            _stock_allreduce_([p.grad for p in model.parameters() if p.grad is not None], buckets, stock_group)
-            hang["stock_error"] = None
-        except RuntimeError as exc:  # gloo's timeout: the outcome expected here
-            hang["stock_error"] = str(exc).splitlines()[0][:200]
-        hang["stock_hung_step_s"] = time.perf_counter() - t0
-        _write(out_dir / f"rank{rank}.hang.json", hang)
-    # Stay until every rank has delivered: a rank that leaves closes its connections, and a peer
-    # still inside a collective with it would fail early ("Connection closed by peer").
-    store.wait([_DONE_KEY], timedelta(seconds=cfg.timeout_s))
-    # Leave without tearing down gloo: a hung peer would keep destroy_process_group waiting, and
-    # gloo threads outliving interpreter teardown abort the exit (see trainer/example.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+
+def _hang(
+    cfg: CheckConfig,
+    rank: int,
+    plan: Plan,
+    reroute: ReroutedAllReduce,
+    *,
+    rerouted: _Trainer,
+    buckets: list[list[int]],
+    stock_group: dist.ProcessGroup,
+    others: dist.ProcessGroup,
+) -> dict[str, Any]:
+    """3. A degraded rank hangs mid-run: rerouted, then the same hang under a stock all-reduce."""
+    assert cfg.hang is not None
+    dist.barrier()
+    step = cfg.steps + 2 + cfg.repeats
+    if isinstance(reroute, _HangingReroute):
+        reroute.armed = True  # stops in this step's backward, before its first bucket
+    hang: dict[str, Any] = {"hung_step_s": rerouted.step(rank, step)}
+    hang["missing"] = sorted(reroute.missing)
+    reroute.switch(reroute.agree_plan(after_hang_plan(plan, cfg.hang)))
+    dist.barrier(group=others)
+    hang["after_hang_step_s"] = rerouted.step(rank, step + 1)
+    hang["after_contributors"] = [] if reroute.role == "excluded" else reroute.last_contributors
+    model = build_model(cfg)  # no DDP: a stock all-reduce of the gradient below
+    x, y = batch(cfg, rank, step + 2)
+    dist.barrier(group=others)  # the same start everywhere: a rank's timeout closes its peers' pairs
+    t0 = time.perf_counter()
+    torch.autograd.backward(nn.functional.mse_loss(model(x), y))
+    try:
+        _stock_allreduce_([p.grad for p in model.parameters() if p.grad is not None], buckets, stock_group)
+        hang["stock_error"] = None
+    except RuntimeError as exc:  # gloo's timeout: the outcome expected here
+        hang["stock_error"] = str(exc).splitlines()[0][:200]
+    hang["stock_hung_step_s"] = time.perf_counter() - t0
+    return hang
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:

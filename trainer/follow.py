@@ -335,7 +335,6 @@ class PlanFollower:
             raise RecoveryError(f"rank {reroute.rank}: a collective failed before any plan was in force") from error
         store = reroute.store
         prefix = f"pulse/{self.job}/recover/{route.generation}/{reroute.salt}"
-        key = f"{prefix}/plan"
         # The broken groups go now, not after the agreement: a peer blocked in one of their
         # collectives (on this rank, not on the dead one) fails at once and joins the recovery
         # instead of waiting out the collective timeout. The error's traceback holds the failed
@@ -343,8 +342,6 @@ class PlanFollower:
         traceback.clear_frames(error.__traceback__)
         reroute.reset()
         store.set(f"{prefix}/alive/{reroute.rank}", "1")
-        expected = [r for r in range(route.world_size) if route.role(r) != "excluded"]
-        excluded_before = set(route.excluded)
         log.warning(
             "event=collective_failed job=%s rank=%d generation=%d error=%r",
             self.job, reroute.rank, route.generation, str(error)[:300],
@@ -353,40 +350,9 @@ class PlanFollower:
         if self._failed_invites:
             report(sorted(self._failed_invites))
             self._failed_invites.clear()
-        beats: dict[int, tuple[float | None, float]] = {}  # rank -> (its last beat, when that was first seen)
-        reported = False
-        agreed: _Invitation | None = None
-        while agreed is None:
-            elapsed = time.monotonic() - started
-            if store.check([key]):
-                agreed = msgspec.json.decode(store.get(key), type=_Invitation)
-                break
-            missing = [r for r in expected if not store.check([f"{prefix}/alive/{r}"])]
-            latest = self._latest
-            candidate: wire.Plan | None = None
-            if latest is not None and latest.generation > route.generation and set(latest.excluded) - excluded_before:
-                candidate = latest
-            elif not missing:
-                candidate = _plan_of(route)  # nobody is gone: the same plan on fresh groups
-            if candidate is not None:
-                mine = _Invitation(plan=candidate, salt=f"r{store.add(self._salt_key, 1)}")
-                won = store.compare_set(key, "", msgspec.json.encode(mine).decode())
-                agreed = msgspec.json.decode(won, type=_Invitation)
-                break
-            silent = self._silent(missing, beats) if self.beat_s is not None else []
-            if missing and not reported and (elapsed >= survey_s or silent == missing):
-                reported = True
-                log.warning(
-                    "event=ranks_unreachable job=%s rank=%d generation=%d missing=%s",
-                    self.job, reroute.rank, route.generation, missing,
-                )  # fmt: skip
-                report(missing)
-            if elapsed > timeout_s:
-                raise RecoveryError(
-                    f"rank {reroute.rank}: no plan without ranks {missing} within {timeout_s:g}s "
-                    f"(generation {route.generation} in force)"
-                ) from error
-            time.sleep(poll_s)
+        agreed = self._agree(
+            route, prefix, report=report, survey_s=survey_s, timeout_s=timeout_s, poll_s=poll_s, error=error
+        )
         try:
             self._switch(agreed.plan, agreed.salt, invite=True)
         except RuntimeError:
@@ -403,6 +369,58 @@ class PlanFollower:
             time.monotonic() - started,
         )  # fmt: skip
         return agreed.plan
+
+    def _agree(
+        self,
+        route: Route,
+        prefix: str,
+        *,
+        report: Callable[[list[int]], None],
+        survey_s: float,
+        timeout_s: float,
+        poll_s: float,
+        error: BaseException,
+    ) -> _Invitation:
+        """The survey of :meth:`recover`: wait until some rank has put a plan at ``prefix``/plan
+        (or put one there: the orchestrator's newer plan that excludes more, or the same plan on
+        fresh groups when nobody is gone), reporting the ranks still missing after ``survey_s``
+        or as soon as each one's beat stands still; :class:`RecoveryError` after ``timeout_s``."""
+        reroute, store = self.reroute, self.reroute.store
+        key = f"{prefix}/plan"
+        expected = [r for r in range(route.world_size) if route.role(r) != "excluded"]
+        excluded_before = set(route.excluded)
+        started = time.monotonic()
+        beats: dict[int, tuple[float | None, float]] = {}  # rank -> (its last beat, when that was first seen)
+        reported = False
+        while True:
+            elapsed = time.monotonic() - started
+            if store.check([key]):
+                return msgspec.json.decode(store.get(key), type=_Invitation)
+            missing = [r for r in expected if not store.check([f"{prefix}/alive/{r}"])]
+            latest = self._latest
+            candidate: wire.Plan | None = None
+            if latest is not None and latest.generation > route.generation and set(latest.excluded) - excluded_before:
+                candidate = latest
+            elif not missing:
+                candidate = _plan_of(route)  # nobody is gone: the same plan on fresh groups
+            if candidate is not None:
+                mine = _Invitation(plan=candidate, salt=f"r{store.add(self._salt_key, 1)}")
+                won = store.compare_set(key, "", msgspec.json.encode(mine).decode())
+                return msgspec.json.decode(won, type=_Invitation)
+            silent = self._silent(missing, beats) if self.beat_s is not None else []
+            if missing and not reported and (elapsed >= survey_s or silent == missing):
+                reported = True
+                log.warning(
+                    "event=ranks_unreachable job=%s rank=%d generation=%d missing=%s",
+                    self.job, reroute.rank, route.generation, missing,
+                )  # fmt: skip
+                report(missing)
+            if elapsed > timeout_s:
+                raise RecoveryError(
+                    f"rank {reroute.rank}: no plan without ranks {missing} within {timeout_s:g}s "
+                    f"(generation {route.generation} in force)"
+                ) from error
+            time.sleep(poll_s)
 
     def _silent(self, missing: list[int], beats: dict[int, tuple[float | None, float]]) -> list[int]:
         """The ``missing`` ranks whose beat stands still (:func:`silent_ranks`): their whole

@@ -38,7 +38,6 @@ SIZE_DEBT: dict[str, int] = {
     "tools/goodput.py:Campaign._result": 96,
     "tools/soak.py:_soak": 205,
     "trainer/collective.py:ReroutedAllReduce": 497,
-    "trainer/resilience.py:Resilience": 492,
 }
 
 

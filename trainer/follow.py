@@ -272,7 +272,7 @@ class PlanFollower:
         """A restarted rank: wait until the live ranks put in force a plan that counts on it again
         (the orchestrator publishes one once it has registered again), then make the plan's groups
         with them. The caller then takes :attr:`source`'s state (``trainer.example``:
-        ``_take_state``), as every live rank does after a switch that brought ranks back
+        ``trainer.engine_state.take_state``), as every live rank does after a switch that brought ranks back
         (:attr:`joined`). Raises :class:`RecoveryError`
         when no invitation came within ``timeout_s``, :class:`JobFinished` when the live ranks
         finished the job meanwhile (:meth:`finish`)."""

@@ -67,9 +67,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
 import torch
@@ -77,7 +76,9 @@ from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports 
 
 from clusterpulse import wire
 from trainer import deepspeed_reroute
+from trainer.checkpoint import EmergencyCheckpoint
 from trainer.collective import ReroutedAllReduce
+from trainer.engine_state import check_partitions, materialize_optimizer_state, take_state
 from trainer.follow import JobFinished, PlanFollower, RecoveryError, forget_invitation
 from trainer.mfu import peak_flops
 from trainer.report import StepTimer, TrainerReporter
@@ -136,7 +137,8 @@ class Resilience:
         self.reroute: ReroutedAllReduce | None = None
         self.follower: PlanFollower | None = None
         self.recoveries = 0
-        self.checkpoints: list[str] = []
+        self.checkpoint = EmergencyCheckpoint(engine, directory=s.checkpoint_dir, job=s.job_id, rank=self.rank)
+        self.checkpoints = self.checkpoint.written  # the directories written, in order
         self._declared_tokens: int | None = s.tokens_per_step
         self._declared_flops: float | None = s.model_flops_per_token
         self._tokens = 0  # counted this window from integer inputs
@@ -144,7 +146,6 @@ class Resilience:
         self._forward_loss: torch.Tensor | None = None
         self._failure: RuntimeError | None = None
         self._failures_in_row = 0
-        self._checkpoint_requested = False
         self._engine_norm = False  # DeepSpeed computed the last step's gradient norm itself
         self._in_engine_backward = False
         self._closed = False
@@ -171,7 +172,7 @@ class Resilience:
         setattr(engine, _ATTR, self)
         _current = self
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGUSR2, self._on_sigusr2)
+            signal.signal(signal.SIGUSR2, self.checkpoint.ask)
         atexit.register(self.close)
         if self.rejoining:
             self._rejoin()
@@ -339,12 +340,12 @@ class Resilience:
         if follower is not None and reroute is not None:
             follower.boundary()
             if follower.joined:  # restarted ranks came back: every live rank takes the same state
-                self._take_state(src=follower.source)
+                take_state(engine, reroute, src=follower.source)
             unreachable = sorted(follower.newly_missing())
             if reroute.role == "excluded":
                 self._leave("excluded")
         self._failures_in_row = 0
-        written = self._checkpoint_boundary()
+        written = self.checkpoint.boundary(self.reroute, leader=self.leader)
         step_time = self._timer.lap()
         losses, self._losses = self._losses, []
         tokens, self._tokens = self._tokens, 0
@@ -394,63 +395,6 @@ class Resilience:
         if tokens != self.reporter.tokens_per_step or flops != self.reporter.flops_per_token:
             self.reporter.declare(tokens_per_step=tokens, flops_per_token=flops)
 
-    def _checkpoint_boundary(self) -> str | None:
-        """Every live rank saves together when any rank was asked to; returns the directory written."""
-        flag = torch.tensor([1.0 if self._checkpoint_requested else 0.0], device=self.engine.device)
-        if self.reroute is not None:
-            self.reroute.allreduce_([flag])  # a mean > 0 when any rank asked; never waits on a lost rank
-        else:
-            import deepspeed.comm as dist
-
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item() > 0:
-            return None
-        self._checkpoint_requested = False
-        step = int(self.engine.global_steps)
-        tag = f"emergency-step{step}"
-        directory = self.settings.checkpoint_dir.resolve()
-        with self._live_world():
-            self.engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step})
-        written = str(directory / tag)
-        self.checkpoints.append(written)
-        log.warning(
-            "event=checkpoint_written job=%s rank=%d step=%d dir=%s", self.settings.job_id, self.rank, step, written
-        )
-        return written
-
-    @contextlib.contextmanager
-    def _live_world(self) -> Iterator[None]:
-        """``engine.save_checkpoint`` among the live ranks: DeepSpeed's barriers there run on the
-        world group (which waits for a lost rank as long as the world's timeout) and rank 0 alone
-        writes the model states; under a plan the barrier is a rerouted all-reduce of one element,
-        the lead rank writes them and the tag check (world all-reduces) is left out."""
-        reroute, engine = self.reroute, self.engine
-        if reroute is None or reroute.route is None:
-            yield
-            return
-        import deepspeed.comm as dist
-
-        self.settings.checkpoint_dir.resolve().mkdir(parents=True, exist_ok=True)  # rank 0 may be gone
-        barrier, writer = dist.barrier, engine.save_non_zero_checkpoint
-
-        def live_barrier(*args: Any, **kwargs: Any) -> None:
-            reroute.allreduce_([torch.zeros(1, device=engine.device)])
-
-        dist.barrier = live_barrier
-        engine.save_non_zero_checkpoint = self.leader
-        # DeepSpeed checks that every rank saves under the same tag with two all-reduces on the
-        # world group; the tag here is the agreed step's, the same on every live rank by construction.
-        engine._checkpoint_tag_validation = lambda tag: None
-        try:
-            yield
-        finally:
-            dist.barrier = barrier
-            engine.save_non_zero_checkpoint = writer
-            del engine._checkpoint_tag_validation
-
-    def _on_sigusr2(self, signum: int, frame: FrameType | None) -> None:
-        self._checkpoint_requested = True
-
     # --- survival ------------------------------------------------------------------------------------
 
     def _recover(self, error: RuntimeError) -> None:
@@ -479,8 +423,8 @@ class Resilience:
                 follower.recover(error, report=report_missing, survey_s=survey_s, timeout_s=s.recovery_timeout_s)
                 if reroute.role == "excluded":
                     self._leave("excluded")
-                self._check_partitions()
-                self._take_state(src=follower.source)
+                check_partitions(self.engine, reroute)
+                take_state(self.engine, reroute, src=follower.source)
                 break
             except RecoveryError:
                 raise
@@ -491,60 +435,6 @@ class Resilience:
         self.recoveries += 1
         self._timer.lap()
 
-    def _check_partitions(self) -> None:
-        """Under ZeRO 1-2 each rank owns a partition of the optimizer state that exists nowhere
-        else, and DeepSpeed all-gathers the updated partitions on the world group every step: a
-        plan that leaves a rank out cannot go on. Fail now, saying so, rather than on the next
-        all-gather (at once for a dead rank, after the world's timeout for a hung one)."""
-        stage = int(self.engine.zero_optimization_stage())
-        left = self.reroute.left if self.reroute is not None else frozenset()
-        if stage in (1, 2) and left:
-            raise RecoveryError(
-                f"zero_optimization.stage={stage}: ranks {sorted(left)} are out of the job and their optimizer "
-                "partitions with them; restart the job from its last checkpoint (survival needs stage 0)"
-            )
-
-    def _take_state(self, *, src: int) -> None:
-        """Every live rank takes ``src``'s parameters, optimizer state, step count and learning rate."""
-        assert self.reroute is not None
-        engine, reroute = self.engine, self.reroute
-        opt = getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed may wrap the torch optimizer
-        tensors = [p.data for p in engine.module.parameters()]
-        for group in opt.param_groups:
-            for p in group["params"]:
-                state = opt.state.get(p, {})
-                tensors.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
-        sched = engine.lr_scheduler
-        header = torch.tensor(
-            [
-                float(engine.global_steps),
-                float(getattr(sched, "last_epoch", -1)),
-                float(len(tensors)),
-                *[float(g.get("step", 0) or 0) for g in opt.param_groups],
-                *[float(g["lr"]) for g in opt.param_groups],
-            ],
-            dtype=torch.float64,
-        )
-        reroute.share_(header, src=src)
-        if int(header[2].item()) != len(tensors):
-            raise RuntimeError(
-                f"rank {reroute.rank}: {len(tensors)} state tensors here, {int(header[2].item())} on rank {src} "
-                "(an optimizer that has not stepped yet has no state)"
-            )
-        if tensors:
-            flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
-            reroute.share_(flat, src=src)
-            for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
-                t.copy_(piece.view_as(t))
-        engine.global_steps = int(header[0].item())
-        if sched is not None and hasattr(sched, "last_epoch"):
-            sched.last_epoch = int(header[1].item())
-        n = len(opt.param_groups)
-        for g, v, lr in zip(opt.param_groups, header[3 : 3 + n].tolist(), header[3 + n :].tolist(), strict=True):
-            if "step" in g:
-                g["step"] = int(v)
-            g["lr"] = lr
-
     def _rejoin(self) -> None:
         follower = self.follower
         assert follower is not None and self.reroute is not None
@@ -553,10 +443,10 @@ class Resilience:
         except JobFinished as exc:
             log.warning("event=rejoin_abandoned job=%s rank=%d reason=%r", self.settings.job_id, self.rank, str(exc))
             self._leave("job_finished")
-        _materialize_optimizer_state(self.engine)
-        self._take_state(src=follower.source)
+        materialize_optimizer_state(self.engine)
+        take_state(self.engine, self.reroute, src=follower.source)
         log.warning("event=rejoined job=%s rank=%d step=%d", self.settings.job_id, self.rank, self.engine.global_steps)
-        self._checkpoint_boundary()  # the rest of the boundary the live ranks are at
+        self.checkpoint.boundary(self.reroute, leader=self.leader)  # the rest of the live ranks' boundary
 
     # --- the live ranks' view, and the end --------------------------------------------------------
 
@@ -626,22 +516,6 @@ def _watch_tensor_backward(r: Resilience) -> None:
 
     backward._pulse = True  # type: ignore[attr-defined]
     torch.Tensor.backward = backward  # type: ignore[method-assign]
-
-
-def _materialize_optimizer_state(engine: Any) -> None:
-    """A restarted rank: give its optimizer the state tensors the live ranks' optimizers have (torch
-    optimizers make them at the first step), by one step on zero gradients, so that
-    :meth:`Resilience._take_state` can overwrite them. Parameters change at most by weight decay;
-    the sync overwrites them too."""
-    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    params = [p for group in opt.param_groups for p in group["params"]]
-    if all(opt.state.get(p) for p in params):
-        return
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    for p in params:
-        p.grad = None
 
 
 def _grad_norm(model: torch.nn.Module) -> float | None:

@@ -98,7 +98,7 @@ def run_rank(rank: int, redis_url: str, *, rejoin: bool, dying: int, how: str) -
     failed_after: float | None = None  # how long the collective that failed took
 
     def share_state(completed: int, src: int) -> int:
-        """``src``'s last completed step and weights, on every live rank (``_take_state``)."""
+        """``src``'s last completed step and weights, on every live rank (``trainer.engine_state.take_state``)."""
         header[0] = float(completed)
         reroute.share_(header, src=src)
         reroute.share_(weights, src=src)

@@ -1,0 +1,93 @@
+"""A rank's training state, and how the live ranks make theirs one again.
+
+After a recovery or a rejoin every live rank takes one rank's state (:func:`take_state`): its
+parameters, its optimizer's state tensors, the step count, the scheduler's position and each
+parameter group's step and learning rate, shared through the plan's groups
+(:meth:`ReroutedAllReduce.share_`), so no rank waits on a lost one. A restarted rank first gives
+its optimizer the state tensors the live ranks' have (:func:`materialize_optimizer_state`).
+Under ZeRO 1-2 a rank's optimizer partition exists nowhere else: :func:`check_partitions` says
+so rather than letting the next all-gather fail.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer.collective import ReroutedAllReduce
+from trainer.follow import RecoveryError
+
+
+def _optimizer(engine: Any) -> Any:
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed may wrap the torch optimizer
+
+
+def take_state(engine: Any, reroute: ReroutedAllReduce, *, src: int) -> None:
+    """Every live rank takes ``src``'s parameters, optimizer state, step count and learning rate."""
+    opt = _optimizer(engine)
+    tensors = [p.data for p in engine.module.parameters()]
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            tensors.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
+    sched = engine.lr_scheduler
+    header = torch.tensor(
+        [
+            float(engine.global_steps),
+            float(getattr(sched, "last_epoch", -1)),
+            float(len(tensors)),
+            *[float(g.get("step", 0) or 0) for g in opt.param_groups],
+            *[float(g["lr"]) for g in opt.param_groups],
+        ],
+        dtype=torch.float64,
+    )
+    reroute.share_(header, src=src)
+    if int(header[2].item()) != len(tensors):
+        raise RuntimeError(
+            f"rank {reroute.rank}: {len(tensors)} state tensors here, {int(header[2].item())} on rank {src} "
+            "(an optimizer that has not stepped yet has no state)"
+        )
+    if tensors:
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+        reroute.share_(flat, src=src)
+        for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
+            t.copy_(piece.view_as(t))
+    engine.global_steps = int(header[0].item())
+    if sched is not None and hasattr(sched, "last_epoch"):
+        sched.last_epoch = int(header[1].item())
+    n = len(opt.param_groups)
+    for g, v, lr in zip(opt.param_groups, header[3 : 3 + n].tolist(), header[3 + n :].tolist(), strict=True):
+        if "step" in g:
+            g["step"] = int(v)
+        g["lr"] = lr
+
+
+def materialize_optimizer_state(engine: Any) -> None:
+    """A restarted rank: give its optimizer the state tensors the live ranks' optimizers have (torch
+    optimizers make them at the first step), by one step on zero gradients, so that
+    :func:`take_state` can overwrite them. Parameters change at most by weight decay; the sync
+    overwrites them too."""
+    opt = _optimizer(engine)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if all(opt.state.get(p) for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in params:
+        p.grad = None
+
+
+def check_partitions(engine: Any, reroute: ReroutedAllReduce | None) -> None:
+    """Under ZeRO 1-2 each rank owns a partition of the optimizer state that exists nowhere
+    else, and DeepSpeed all-gathers the updated partitions on the world group every step: a
+    plan that leaves a rank out cannot go on. Fail now, saying so, rather than on the next
+    all-gather (at once for a dead rank, after the world's timeout for a hung one)."""
+    stage = int(engine.zero_optimization_stage())
+    left = reroute.left if reroute is not None else frozenset()
+    if stage in (1, 2) and left:
+        raise RecoveryError(
+            f"zero_optimization.stage={stage}: ranks {sorted(left)} are out of the job and their optimizer "
+            "partitions with them; restart the job from its last checkpoint (survival needs stage 0)"
+        )

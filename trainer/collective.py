@@ -395,22 +395,12 @@ class _Step:
     returned: int = 0  # carrier: buckets whose reduced result went back to the degraded ranks
 
 
-class ReroutedAllReduce:
-    """Averages gradients across the world following the aggregation plan in force.
-
-    Every rank builds one after ``torch.distributed.init_process_group`` and calls
-    :meth:`switch`, :meth:`agree_plan` / :meth:`agree_generation` at the same step boundaries.
-    Until the first :meth:`switch` (or with ``switch(None)``) it is a stock all-reduce on the
-    world group.
-
-    ``proxy_timeout_s`` bounds what a degraded rank can cost its carrier per step;
-    ``peer_timeout_s`` is how long a degraded rank waits for its carrier's answers (the carrier
-    waits for the participants' all-reduce first, so it must cover a slow step) before raising
-    :class:`RerouteError`.
-
-    After each step: :attr:`missing` maps the ranks this rank (as carrier) gave up on since the
-    plan took effect to the reason, and :attr:`last_contributors` holds the divisor of each
-    bucket of the last step.
+class PlanGroups:
+    """The plan in force on this rank and the process groups it needs: :meth:`switch` (the
+    groups of a new plan, made by name through the job's store), :meth:`reset` after a failure,
+    :meth:`adopt`, who was lost (:attr:`missing`), and agreeing on a value, a generation or a
+    plan among the live ranks at a step boundary (:meth:`share_`, :meth:`agree_generation`,
+    :meth:`agree_plan`). :class:`ReroutedAllReduce` adds one step's data path on these groups.
     """
 
     def __init__(
@@ -677,6 +667,36 @@ class ReroutedAllReduce:
                 raise RerouteError(f"rank {self.rank} got no agreement from its carrier {carrier}: {exc}") from exc
         return t
 
+    def _drain_sends(self, budget: StepBudget) -> None:
+        """Wait for the carrier's sends of earlier steps; a send that fails loses its rank."""
+        pending, self._pending_sends = self._pending_sends, []
+        for degraded, work in pending:
+            if degraded in self.missing:
+                continue
+            try:
+                _wait(work, budget.remaining(degraded, time.monotonic()))
+            except RuntimeError as exc:
+                self._lose(degraded, f"reduced bucket not delivered: {exc}")
+
+
+class ReroutedAllReduce(PlanGroups):
+    """Averages gradients across the world following the aggregation plan in force.
+
+    Every rank builds one after ``torch.distributed.init_process_group`` and calls
+    :meth:`switch`, :meth:`agree_plan` / :meth:`agree_generation` at the same step boundaries.
+    Until the first :meth:`switch` (or with ``switch(None)``) it is a stock all-reduce on the
+    world group.
+
+    ``proxy_timeout_s`` bounds what a degraded rank can cost its carrier per step;
+    ``peer_timeout_s`` is how long a degraded rank waits for its carrier's answers (the carrier
+    waits for the participants' all-reduce first, so it must cover a slow step) before raising
+    :class:`RerouteError`.
+
+    After each step: :attr:`missing` maps the ranks this rank (as carrier) gave up on since the
+    plan took effect to the reason, and :attr:`last_contributors` holds the divisor of each
+    bucket of the last step.
+    """
+
     # -- one step -------------------------------------------------------------------------------
 
     def allreduce_(self, tensors: list[torch.Tensor]) -> None:
@@ -726,17 +746,6 @@ class ReroutedAllReduce:
         self._drain_sends(step.budget)
         self.last_contributors = []
         return step
-
-    def _drain_sends(self, budget: StepBudget) -> None:
-        """Wait for the carrier's sends of earlier steps; a send that fails loses its rank."""
-        pending, self._pending_sends = self._pending_sends, []
-        for degraded, work in pending:
-            if degraded in self.missing:
-                continue
-            try:
-                _wait(work, budget.remaining(degraded, time.monotonic()))
-            except RuntimeError as exc:
-                self._lose(degraded, f"reduced bucket not delivered: {exc}")
 
     def _expect(self, step: _Step, indexes: list[int], tensors: Sequence[torch.Tensor]) -> None:
         """Carrier: post the receives of a coming bucket, so they progress during earlier all-reduces."""

@@ -34,7 +34,6 @@ SIZE_DEBT: dict[str, int] = {
     "tools/goodput.py:Campaign": 450,
     "tools/goodput.py:Campaign.run": 84,
     "tools/goodput.py:Campaign._result": 96,
-    "tools/soak.py:_soak": 205,
     "trainer/check_reroute.py:summarize": 104,
     "trainer/check_reroute.py:worker": 112,
     "trainer/collective.py:ReroutedAllReduce": 497,

@@ -98,10 +98,10 @@ class _EventSet:
         return f"<fake nvmlEventSet registered={sorted(self.registered)} freed={self.freed}>"
 
 
-class FakeNvml:
-    """A module-like fake of pynvml over a list of :class:`FakeGpu`. See the module docstring."""
+class _PynvmlNames:
+    """pynvml's constants, exception classes and ctypes structures, the very objects (not copies:
+    code under test catches ``nvml.NVMLError_GpuIsLost`` and must catch what the real library raises)."""
 
-    # --- constants and the real exception classes, re-exported ---------------------------------
     NVML_SUCCESS = pynvml.NVML_SUCCESS
     NVML_FEATURE_DISABLED = pynvml.NVML_FEATURE_DISABLED
     NVML_FEATURE_ENABLED = pynvml.NVML_FEATURE_ENABLED
@@ -182,6 +182,13 @@ class FakeNvml:
     c_nvmlUtilization_t = pynvml.c_nvmlUtilization_t
     c_nvmlMemory_t = pynvml.c_nvmlMemory_t
     c_nvmlMemory_v2_t = pynvml.c_nvmlMemory_v2_t
+
+
+class _FakeDevices:
+    """The fake driver's state and the tests' controls over it: the GPUs, the event sets, the init
+    count, the one-shot failures and call counts, and how a call resolves a handle to its GPU (raising
+    what the real library would). Calls and controls alike hold one re-entrant condition, ``_cond``,
+    so a test may drive the fake while an agent samples it in another thread."""
 
     def __init__(
         self,
@@ -305,6 +312,12 @@ class FakeNvml:
         if not isinstance(event_set, _EventSet) or not known or event_set.freed:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return event_set
+
+
+class FakeNvml(_PynvmlNames, _FakeDevices):
+    """A module-like fake of pynvml over a list of :class:`FakeGpu`: pynvml's names
+    (:class:`_PynvmlNames`) and its calls, answered from the state and controls of
+    :class:`_FakeDevices`. See the module docstring."""
 
     # --- library ------------------------------------------------------------------------------
 

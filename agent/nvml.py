@@ -118,12 +118,191 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class _FieldReader:
+    """The per-field NVML readers: which call reads each field of a :class:`GpuSample`, in which
+    units, and what each call's errors mean (see the module docstring): 'not supported' is
+    ``None``; another error is ``None`` and named in ``errors``; ``GPU_IS_LOST`` raises
+    :class:`_GpuLost`. Fields that never change are read once into the GPU's cache, and the
+    clock-reasons call falls back once, for good, to its pre-R535 name.
+
+    ``nvml`` is the source's pynvml-like module (:class:`NvmlSource` sets it when :meth:`NvmlSource.open`
+    imports the real one).
+    """
+
+    def __init__(self, nvml: Any) -> None:
+        self.nvml: Any = nvml
+        self._reasons_call = _EVENT_REASONS
+
+    def read(self, gpu: _Gpu, errors: list[str]) -> dict[str, Any]:
+        """Every measured field of an attached GPU, as ``GpuSample`` keyword arguments; refreshes
+        its uuid and name (cached) and appends what failed to ``errors``."""
+        nvml = self.nvml
+
+        def call(fn: str, *args: Any) -> Any:
+            try:
+                return self._call(gpu, fn, *args)
+            except _FieldError as err:
+                errors.append(str(err))
+                return None
+
+        util = call("nvmlDeviceGetUtilizationRates")
+        utilization = None
+        if util is not None:
+            utilization = self._in_range(errors, "utilization", util.gpu / 100.0, 0.0, 1.0)
+        mem = call("nvmlDeviceGetMemoryInfo")
+        temp = call("nvmlDeviceGetTemperature", nvml.NVML_TEMPERATURE_GPU)
+        power_mw = call("nvmlDeviceGetPowerUsage")
+        limit_mw = call("nvmlDeviceGetEnforcedPowerLimit")
+        sm_clock = call("nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_SM)
+        reasons = self._reasons(gpu, errors)
+        corrected, uncorrected = (
+            nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+            nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+        )
+        volatile, aggregate = nvml.NVML_VOLATILE_ECC, nvml.NVML_AGGREGATE_ECC
+        ecc_vc = call("nvmlDeviceGetTotalEccErrors", corrected, volatile)
+        ecc_vu = call("nvmlDeviceGetTotalEccErrors", uncorrected, volatile)
+        ecc_ac = call("nvmlDeviceGetTotalEccErrors", corrected, aggregate)
+        ecc_au = call("nvmlDeviceGetTotalEccErrors", uncorrected, aggregate)
+        width = call("nvmlDeviceGetCurrPcieLinkWidth")
+        gen = call("nvmlDeviceGetCurrPcieLinkGeneration")
+        width_max = self._cached(gpu, "width_max", errors, "nvmlDeviceGetMaxPcieLinkWidth")
+        gen_max = self._cached(gpu, "gen_max", errors, "nvmlDeviceGetMaxPcieLinkGeneration")
+        nvlink_up, nvlink_total = self._nvlink(gpu, errors)
+        self.labels(gpu, errors)  # cached: a dict lookup unless they failed at attach
+        temperature = None if temp is None else self._in_range(errors, "temperature", float(temp), -50.0, 200.0)
+        return {
+            "utilization_ratio": utilization,
+            "memory_used_bytes": None if mem is None else int(mem.used),
+            "memory_total_bytes": None if mem is None else int(mem.total),
+            "temperature_celsius": temperature,
+            "power_watts": None if power_mw is None else power_mw / 1000.0,
+            "power_limit_watts": None if limit_mw is None else limit_mw / 1000.0,
+            "sm_clock_mhz": None if sm_clock is None else float(sm_clock),
+            "throttle": () if reasons is None else throttle_reasons(int(reasons)),
+            "ecc_volatile_corrected": ecc_vc,
+            "ecc_volatile_uncorrected": ecc_vu,
+            "ecc_aggregate_corrected": ecc_ac,
+            "ecc_aggregate_uncorrected": ecc_au,
+            "pcie_link_width": width,
+            "pcie_link_width_max": width_max,
+            "pcie_link_gen": gen,
+            "pcie_link_gen_max": gen_max,
+            "nvlink_up": nvlink_up,
+            "nvlink_total": nvlink_total,
+        }
+
+    def labels(self, gpu: _Gpu, errors: list[str]) -> None:
+        """The GPU's uuid and name, read once (clipped to the wire's length)."""
+        uuid = self._cached(gpu, "uuid", errors, "nvmlDeviceGetUUID")
+        name = self._cached(gpu, "name", errors, "nvmlDeviceGetName")
+        gpu.uuid = _clip(str(uuid), _LABEL_MAX) if uuid is not None else ""
+        gpu.name = _clip(str(name), _LABEL_MAX) if name is not None else ""
+
+    def _call(self, gpu: _Gpu, fn: str, *args: Any) -> Any:
+        """One NVML call on ``gpu``: the value, or ``None`` if not supported; see :meth:`_classify`."""
+        nvml = self.nvml
+        try:
+            return getattr(nvml, fn)(gpu.handle, *args)
+        except nvml.NVMLError as err:
+            self._classify(fn, err)
+            return None
+
+    def _classify(self, fn: str, err: Any) -> None:
+        """Return for 'not supported', raise :class:`_GpuLost` or :class:`_FieldError` otherwise."""
+        nvml = self.nvml
+        if isinstance(err, nvml.NVMLError_GpuIsLost):
+            raise _GpuLost(fn, err) from err
+        if isinstance(err, (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound)):
+            return
+        raise _FieldError(f"{fn}: {err}") from err
+
+    def _cached(self, gpu: _Gpu, key: str, errors: list[str], fn: str) -> Any:
+        """A field read once: cached on success or 'not supported', read again after an error."""
+        if key in gpu.cache:
+            return gpu.cache[key]
+        try:
+            value = self._call(gpu, fn)
+        except _FieldError as err:
+            errors.append(str(err))
+            return None
+        gpu.cache[key] = value
+        return value
+
+    def _in_range(self, errors: list[str], what: str, value: float, lo: float, hi: float) -> float | None:
+        # A value out of the wire's range would get the whole heartbeat rejected: drop the field.
+        if lo <= value <= hi:
+            return value
+        errors.append(f"{what}={value!r} outside [{lo}, {hi}]")
+        return None
+
+    def _reasons(self, gpu: _Gpu, errors: list[str]) -> Any:
+        """Current clock-event reason mask, falling back to the pre-R535 "throttle reasons" call."""
+        nvml = self.nvml
+        if self._reasons_call == _EVENT_REASONS and not hasattr(nvml, _EVENT_REASONS):
+            self._reasons_call = _THROTTLE_REASONS  # an older nvidia-ml-py
+        fn = self._reasons_call
+        try:
+            return getattr(nvml, fn)(gpu.handle)
+        except nvml.NVMLError as err:
+            if fn == _EVENT_REASONS and isinstance(err, nvml.NVMLError_FunctionNotFound):
+                log.info("nvml driver lacks %s, using %s", _EVENT_REASONS, _THROTTLE_REASONS)
+                self._reasons_call = _THROTTLE_REASONS  # an older driver
+                return self._reasons(gpu, errors)
+            try:
+                self._classify(fn, err)
+            except _FieldError as field_err:
+                errors.append(str(field_err))
+            return None
+
+    def _nvlink(self, gpu: _Gpu, errors: list[str]) -> tuple[int | None, int | None]:
+        """(links up, links present); (None, None) when the GPU has no NVLink.
+
+        The number of links is probed once: links 0.. until NOT_SUPPORTED / INVALID_ARGUMENT.
+        """
+        nvml = self.nvml
+        total = gpu.cache.get("nvlink_total")
+        probing = "nvlink_total" not in gpu.cache
+        limit = int(nvml.NVML_NVLINK_MAX_LINKS) if probing else (total or 0)
+        up = 0
+        links = 0
+        for link in range(limit):
+            try:
+                state = nvml.nvmlDeviceGetNvLinkState(gpu.handle, link)
+            except nvml.NVMLError as err:
+                if isinstance(err, nvml.NVMLError_GpuIsLost):
+                    raise _GpuLost("nvmlDeviceGetNvLinkState", err) from err
+                if probing and isinstance(
+                    err,
+                    (
+                        nvml.NVMLError_NotSupported,
+                        nvml.NVMLError_InvalidArgument,
+                        nvml.NVMLError_FunctionNotFound,
+                    ),
+                ):
+                    break
+                errors.append(f"nvmlDeviceGetNvLinkState(link={link}): {err}")
+                return None, total
+            links += 1
+            if state == nvml.NVML_FEATURE_ENABLED:
+                up += 1
+        if probing:
+            gpu.cache["nvlink_total"] = links or None
+            total = links or None
+        if not total:
+            return None, None
+        return up, total
+
+
 class NvmlSource:
     """The node's GPUs through NVML. See the module docstring for the full contract.
 
     ``nvml`` is a module-like object with the pynvml API (the real ``pynvml`` when ``None``,
     imported by :meth:`open`; :class:`agent.fake_nvml.FakeNvml` in tests). ``clock`` times the
     XID window only (monotonic seconds). Not thread-safe: one agent loop owns it.
+
+    It owns NVML's lifecycle, the per-GPU sampling loop (attaching, lost GPUs, errors, logging) and
+    the XID events; what each field's call is and what its errors mean is :class:`_FieldReader`'s.
     """
 
     name = "nvml"
@@ -143,7 +322,7 @@ class NvmlSource:
         self._open = False
         self._gpus: list[_Gpu] = []
         self._event_set: Any = None
-        self._reasons_call = _EVENT_REASONS
+        self._fields = _FieldReader(nvml)
         self._last_event_error: str | None = None
         self._xids: dict[int, tuple[dict[int, int], dict[int, float]]] = {}  # survives reopen
         self.driver_version: str | None = None
@@ -164,7 +343,7 @@ class NvmlSource:
                 import pynvml
             except ImportError as exc:
                 raise NvmlUnavailable(f"the nvidia-ml-py package (module pynvml) is not installed: {exc}") from exc
-            self._nvml = pynvml
+            self._nvml = self._fields.nvml = pynvml
         nvml = self._nvml
         try:
             nvml.nvmlInit()
@@ -321,7 +500,7 @@ class NvmlSource:
         gpu.handle = handle
         gpu.handle_key = _handle_key(handle)
         errors: list[str] = []
-        self._labels(gpu, errors)
+        self._fields.labels(gpu, errors)
         if errors:
             log.warning("nvml gpu labels unreadable gpu=%d error=%r retry=next_sample", gpu.index, errors)
         if self._event_set is not None and not gpu.events_registered:
@@ -335,168 +514,18 @@ class NvmlSource:
             gpu.events_registered = True  # tried: do not retry every sample
 
     def _read(self, gpu: _Gpu, now: float) -> GpuSample:
-        nvml = self._nvml
+        """An attached GPU's sample: its fields (:class:`_FieldReader`), what failed, its XIDs."""
         errors: list[str] = []
-
-        def call(fn: str, *args: Any) -> Any:
-            try:
-                return self._call(gpu, fn, *args)
-            except _FieldError as err:
-                errors.append(str(err))
-                return None
-
-        util = call("nvmlDeviceGetUtilizationRates")
-        utilization = None
-        if util is not None:
-            utilization = self._in_range(errors, "utilization", util.gpu / 100.0, 0.0, 1.0)
-        mem = call("nvmlDeviceGetMemoryInfo")
-        temp = call("nvmlDeviceGetTemperature", nvml.NVML_TEMPERATURE_GPU)
-        power_mw = call("nvmlDeviceGetPowerUsage")
-        limit_mw = call("nvmlDeviceGetEnforcedPowerLimit")
-        sm_clock = call("nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_SM)
-        reasons = self._reasons(gpu, errors)
-        corrected, uncorrected = (
-            nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-            nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-        )
-        volatile, aggregate = nvml.NVML_VOLATILE_ECC, nvml.NVML_AGGREGATE_ECC
-        ecc_vc = call("nvmlDeviceGetTotalEccErrors", corrected, volatile)
-        ecc_vu = call("nvmlDeviceGetTotalEccErrors", uncorrected, volatile)
-        ecc_ac = call("nvmlDeviceGetTotalEccErrors", corrected, aggregate)
-        ecc_au = call("nvmlDeviceGetTotalEccErrors", uncorrected, aggregate)
-        width = call("nvmlDeviceGetCurrPcieLinkWidth")
-        gen = call("nvmlDeviceGetCurrPcieLinkGeneration")
-        width_max = self._cached(gpu, "width_max", errors, "nvmlDeviceGetMaxPcieLinkWidth")
-        gen_max = self._cached(gpu, "gen_max", errors, "nvmlDeviceGetMaxPcieLinkGeneration")
-        nvlink_up, nvlink_total = self._nvlink(gpu, errors)
-        self._labels(gpu, errors)  # cached: a dict lookup unless they failed at attach
-        temperature = None if temp is None else self._in_range(errors, "temperature", float(temp), -50.0, 200.0)
+        fields = self._fields.read(gpu, errors)
         return GpuSample(
             index=gpu.index,
             uuid=gpu.uuid,
             name=gpu.name,
             error=_clip("; ".join(errors), _ERROR_MAX) if errors else None,
-            utilization_ratio=utilization,
-            memory_used_bytes=None if mem is None else int(mem.used),
-            memory_total_bytes=None if mem is None else int(mem.total),
-            temperature_celsius=temperature,
-            power_watts=None if power_mw is None else power_mw / 1000.0,
-            power_limit_watts=None if limit_mw is None else limit_mw / 1000.0,
-            sm_clock_mhz=None if sm_clock is None else float(sm_clock),
-            throttle=() if reasons is None else throttle_reasons(int(reasons)),
-            ecc_volatile_corrected=ecc_vc,
-            ecc_volatile_uncorrected=ecc_vu,
-            ecc_aggregate_corrected=ecc_ac,
-            ecc_aggregate_uncorrected=ecc_au,
             xid_counts=self._xid_counts(gpu),
             xids_recent=self._xids_recent(gpu, now),
-            pcie_link_width=width,
-            pcie_link_width_max=width_max,
-            pcie_link_gen=gen,
-            pcie_link_gen_max=gen_max,
-            nvlink_up=nvlink_up,
-            nvlink_total=nvlink_total,
+            **fields,
         )
-
-    def _call(self, gpu: _Gpu, fn: str, *args: Any) -> Any:
-        """One NVML call on ``gpu``: the value, or ``None`` if not supported; see :meth:`_classify`."""
-        nvml = self._nvml
-        try:
-            return getattr(nvml, fn)(gpu.handle, *args)
-        except nvml.NVMLError as err:
-            self._classify(fn, err)
-            return None
-
-    def _classify(self, fn: str, err: Any) -> None:
-        """Return for 'not supported', raise :class:`_GpuLost` or :class:`_FieldError` otherwise."""
-        nvml = self._nvml
-        if isinstance(err, nvml.NVMLError_GpuIsLost):
-            raise _GpuLost(fn, err) from err
-        if isinstance(err, (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound)):
-            return
-        raise _FieldError(f"{fn}: {err}") from err
-
-    def _labels(self, gpu: _Gpu, errors: list[str]) -> None:
-        uuid = self._cached(gpu, "uuid", errors, "nvmlDeviceGetUUID")
-        name = self._cached(gpu, "name", errors, "nvmlDeviceGetName")
-        gpu.uuid = _clip(str(uuid), _LABEL_MAX) if uuid is not None else ""
-        gpu.name = _clip(str(name), _LABEL_MAX) if name is not None else ""
-
-    def _cached(self, gpu: _Gpu, key: str, errors: list[str], fn: str) -> Any:
-        """A field read once: cached on success or 'not supported', read again after an error."""
-        if key in gpu.cache:
-            return gpu.cache[key]
-        try:
-            value = self._call(gpu, fn)
-        except _FieldError as err:
-            errors.append(str(err))
-            return None
-        gpu.cache[key] = value
-        return value
-
-    def _in_range(self, errors: list[str], what: str, value: float, lo: float, hi: float) -> float | None:
-        # A value out of the wire's range would get the whole heartbeat rejected: drop the field.
-        if lo <= value <= hi:
-            return value
-        errors.append(f"{what}={value!r} outside [{lo}, {hi}]")
-        return None
-
-    def _reasons(self, gpu: _Gpu, errors: list[str]) -> Any:
-        """Current clock-event reason mask, falling back to the pre-R535 "throttle reasons" call."""
-        nvml = self._nvml
-        if self._reasons_call == _EVENT_REASONS and not hasattr(nvml, _EVENT_REASONS):
-            self._reasons_call = _THROTTLE_REASONS  # an older nvidia-ml-py
-        fn = self._reasons_call
-        try:
-            return getattr(nvml, fn)(gpu.handle)
-        except nvml.NVMLError as err:
-            if fn == _EVENT_REASONS and isinstance(err, nvml.NVMLError_FunctionNotFound):
-                log.info("nvml driver lacks %s, using %s", _EVENT_REASONS, _THROTTLE_REASONS)
-                self._reasons_call = _THROTTLE_REASONS  # an older driver
-                return self._reasons(gpu, errors)
-            try:
-                self._classify(fn, err)
-            except _FieldError as field_err:
-                errors.append(str(field_err))
-            return None
-
-    def _nvlink(self, gpu: _Gpu, errors: list[str]) -> tuple[int | None, int | None]:
-        """(links up, links present); (None, None) when the GPU has no NVLink.
-
-        The number of links is probed once: links 0.. until NOT_SUPPORTED / INVALID_ARGUMENT.
-        """
-        nvml = self._nvml
-        total = gpu.cache.get("nvlink_total")
-        probing = "nvlink_total" not in gpu.cache
-        limit = int(nvml.NVML_NVLINK_MAX_LINKS) if probing else (total or 0)
-        up = 0
-        links = 0
-        for link in range(limit):
-            try:
-                state = nvml.nvmlDeviceGetNvLinkState(gpu.handle, link)
-            except nvml.NVMLError as err:
-                if isinstance(err, nvml.NVMLError_GpuIsLost):
-                    raise _GpuLost("nvmlDeviceGetNvLinkState", err) from err
-                if probing and isinstance(
-                    err,
-                    (
-                        nvml.NVMLError_NotSupported,
-                        nvml.NVMLError_InvalidArgument,
-                        nvml.NVMLError_FunctionNotFound,
-                    ),
-                ):
-                    break
-                errors.append(f"nvmlDeviceGetNvLinkState(link={link}): {err}")
-                return None, total
-            links += 1
-            if state == nvml.NVML_FEATURE_ENABLED:
-                up += 1
-        if probing:
-            gpu.cache["nvlink_total"] = links or None
-            total = links or None
-        if not total:
-            return None, None
-        return up, total
 
     # --- XID events ---------------------------------------------------------------------------
 

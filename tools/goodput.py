@@ -565,41 +565,45 @@ def _wait_first_step(stack: Stack, run: Run, timeout: float) -> None:
     _wait(stepping, timeout=timeout, what=f"job {run.job}'s first step")
 
 
-class Campaign:
-    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+class FaultInjector:
+    """The campaign's faults (module docstring: the fault mix): which kind to draw next and on
+    whom, how each is injected and healed, and when a rank fault's rank trains again.
+
+    ``faults`` holds every fault drawn, in order; ``skipped`` the ticks that found no victim;
+    ``lost_ranks`` the ranks out now (excluded or dead, not rejoined yet). ``monitor`` is set once
+    the stack is up: drawing, injecting and rejoining read it.
+    """
+
+    def __init__(self, args: argparse.Namespace, stack: Stack, rng: random.Random) -> None:
         self.args = args
-        self.workdir = workdir
-        self.rng = random.Random(args.seed)
-        self.stack = Stack(workdir, args.ranks)
+        self.stack = stack
+        self.rng = rng
         self.monitor: Monitor | None = None
         self.faults: list[InjectedFault] = []
         self.skipped: list[tuple[float, str]] = []
-        self.restarts = 0
         self.lost_ranks: set[int] = set()
         self.hold = 0.7 * args.fault_every
-        # how long a survivor's collective waits for a hung or dead peer: most of what a rank fault costs
-        self.collective_timeout_s = float(getattr(args, "collective_timeout", None) or COLLECTIVE_TIMEOUT_S)
-        entry = getattr(args, "entrypoint", None) or None
-        config = getattr(args, "deepspeed_config", None)
-        self.job_args: dict[str, Any] = {
-            "collective_timeout_s": self.collective_timeout_s,
-            "entrypoint": entry,
-            "deepspeed_config": json.loads(Path(config).read_text()) if config else None,
-        }
         self.kinds = tuple(args.kinds) if args.kinds else CAMPAIGN_FAULTS
         self._cycle = list(self.kinds)
-        self.steps = 0
-        self.ff: Run | None = None
-        self.runs: list[Run] = []
 
-    # --- faults ---------------------------------------------------------------------------------
+    def inject_next(self, run: Run, now: float) -> None:
+        """A fault tick: draw a fault and inject it (a failed injection is noted on the fault)."""
+        f = self.draw(run, now)
+        if f is None:
+            return
+        self.faults.append(f)
+        try:
+            self.inject(f, run)
+        except CampaignError as exc:
+            f.note = f"injection failed: {exc}"
+
     def _busy_nodes(self, now: float) -> set[str]:
         """Nodes a new fault must not pick: a node fault in force, or not HEALTHY (yet) again."""
         assert self.monitor is not None
         busy = {f.node for f in self.faults if f.node and not f.healed and f.kind in DEGRADING}
         return busy | {n for n in self.stack.nodes if self.monitor.state(n) != "HEALTHY"}
 
-    def _draw(self, run: Run, now: float) -> InjectedFault | None:
+    def draw(self, run: Run, now: float) -> InjectedFault | None:
         kinds = list(self.kinds)
         if len(self.lost_ranks) >= max(0, self.args.ranks - 2):
             kinds = [k for k in kinds if k not in RANK_KINDS]
@@ -723,21 +727,212 @@ class Campaign:
             if all_ or now >= f.heal_at:
                 self.heal(f, run)
 
+
+class Accounting:
+    """The per-fault and per-run figures of the module docstring's accounting, read from what the
+    monitor saw and the faults injected; touches no process."""
+
+    def __init__(self, args: argparse.Namespace, monitor: Monitor, faults: list[InjectedFault]) -> None:
+        self.args = args
+        self.monitor = monitor
+        self.faults = faults
+
+    def match(self, runs: list[Run], events: list[dict[str, Any]]) -> None:
+        """Per fault: its event, detection and reroute times (see the module docstring)."""
+        mon = self.monitor
+        for f in self.faults:
+            window_end = (f.heal_at or f.at) + 15.0
+            evs = [e for e in events if f.at - 0.5 <= e["at"] <= window_end]
+            if f.kind in DEGRADING:
+                hits = [e for e in evs if _degraded(e, f.node)]
+                f.event = bool(hits)
+                degraded = [t for t, n, st in mon.node_states if n == f.node and st == "DEGRADED" and t >= f.at]
+                if degraded and degraded[0] <= window_end:
+                    f.detected_s = degraded[0] - f.at
+            elif f.kind in RANK_KINDS:
+                f.event = any(e["kind"] == EventKind.RANK_UNREACHABLE and e["node"] == f.node for e in evs)
+                excl = [t for t, p in mon.plans if t >= f.at and f.rank in (p.get("excluded") or [])]
+                if excl:
+                    f.detected_s = excl[0] - f.at
+            elif f.kind == "redis_restart":
+                f.event = any(e["kind"] in (EventKind.PARTITION, EventKind.REDIS_OUTAGE) for e in evs)
+            elif f.kind == "orchestrator_restart":
+                f.event = any(e["kind"] in (EventKind.ORCHESTRATOR_STARTED, EventKind.LEADER) for e in evs)
+            if f.rank is not None and f.kind in (*DEGRADING, *RANK_KINDS):
+                run = next((r for r in reversed(runs) if r.submitted <= f.at), runs[0])
+                gens = sorted(
+                    p["generation"]
+                    for t, p in mon.plans
+                    if p.get("job") == run.job and t >= f.at - 0.5 and p["generation"] > f.generation_before
+                    and (str(f.rank) in (p.get("proxies") or {}) or f.rank in (p.get("excluded") or []))
+                )  # fmt: skip
+                if gens:
+                    g = gens[0]
+                    seen = mon.trains_under(run, g, since=f.at, other_than=f.rank)
+                    if seen is not None:
+                        f.rerouted_s = seen - f.at
+
+    def steps_lost_by_kind(
+        self, runs: list[Run], *, end: float, finished: float, steps_expected: int
+    ) -> dict[str, float]:
+        """Each fault in the window charged the deficit of its interval (module docstring), summed
+        by kind, as a fraction of ``steps_expected``."""
+        mon = self.monitor
+        lost_by_kind: dict[str, float] = {}
+        in_window = [f for f in self.faults if f.at <= end]
+        half = self.args.fault_every / 2
+        for i, f in enumerate(in_window):
+            t1 = min(in_window[i + 1].at if i + 1 < len(in_window) else end, finished)
+            if t1 <= f.at:
+                continue
+            run = next((r for r in reversed(runs) if r.submitted <= f.at), runs[0])
+            # the rate just before the fault (the later half of the previous interval): the job's
+            # own pace at the time, whatever ranks it had left and whatever the machine's load
+            rate = (mon.step(run, at=f.at) - mon.step(run, at=f.at - half)) / half
+            done = mon.step(run, at=t1) - mon.step(run, at=f.at)
+            deficit = rate * (t1 - f.at) - done
+            lost_by_kind[f.kind] = lost_by_kind.get(f.kind, 0.0) + deficit / steps_expected
+        return lost_by_kind
+
+    def samples(self, last: Run, steps_done: int) -> int:
+        """Samples of the steps up to ``steps_done``: each step weighs the ranks that reported it."""
+        contributors: dict[int, int] = {}
+        for _, r in last.reports:
+            contributors.setdefault(r.step, 0)
+            contributors[r.step] += 1
+        return sum(min(c, self.args.ranks) for st, c in contributors.items() if st <= steps_done)
+
+    def step_rate(self, ff: Run, last: Run) -> dict[str, Any]:
+        """Steps per second in 5 s bins from each run's first step: the picture's top panel, as
+        numbers, so a reader can check each fault's dip (and the pace between faults)."""
+        bin_s = 5.0
+        out: dict[str, Any] = {"bin_s": bin_s}
+        for name, run in (("fault_free", ff), ("faulted", last)):
+            t0 = run.first_step_at or run.submitted
+            line = [(t, s) for t, s in self.monitor.timeline(run) if t <= t0 + self.args.duration]
+            out[name] = [round(y, 2) for y in _rate(line, t0, bin_s)[1]]
+        return out
+
+    def false_degraded(self, since: float) -> int:
+        count = 0
+        for t, node, st in self.monitor.node_states:
+            if st != "DEGRADED" or t < since:
+                continue
+            ok = any(
+                f.node == node and f.kind in DEGRADING and f.at - 0.5 <= t <= (f.heal_at or f.at) + 5.0
+                for f in self.faults
+            )
+            count += 0 if ok else 1
+        return count
+
+    def fault_rows(self, first: float) -> list[dict[str, Any]]:
+        """Each fault as the result lists it, its time in seconds from the faulted run's first step."""
+        return [
+            {
+                "kind": f.kind,
+                "t_s": round(f.at - first, 2),
+                "node": f.node,
+                "rank": f.rank,
+                "detection_s": None if f.detected_s is None else round(f.detected_s, 2),
+                "reroute_s": None if f.rerouted_s is None else round(f.rerouted_s, 2),
+                "rejoin_s": None if f.rejoined_s is None else round(f.rejoined_s, 2),
+                "event": f.event,
+                "note": f.note,
+            }
+            for f in self.faults
+        ]
+
+
+@dataclass
+class _FaultFree:
+    """The fault-free run's outcome: the steps the faulted run must make, and its loss figures."""
+
+    run: Run
+    steps_expected: int
+    final_loss: float | None
+    noise: float
+
+
+@dataclass
+class _Faulted:
+    """The faulted run's outcome: its runs (a restart adds one), the steps done by ``end`` (the
+    window's close, wall clock), the ranks still out then, the job's final state."""
+
+    runs: list[Run]
+    steps_done: int
+    end: float
+    out_at_end: list[int]
+    final_state: str
+
+
+class Campaign:
+    """One ``pulse bench goodput`` campaign: the stack, the two runs, the result (module docstring).
+
+    The faults are :class:`FaultInjector`'s, the figures :class:`Accounting`'s; this class starts
+    things, paces the runs and stops everything (:meth:`close`).
+    """
+
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.rng = random.Random(args.seed)
+        self.stack = Stack(workdir, args.ranks)
+        self.monitor: Monitor | None = None
+        self.injector = FaultInjector(args, self.stack, self.rng)
+        self.restarts = 0
+        # how long a survivor's collective waits for a hung or dead peer: most of what a rank fault costs
+        self.collective_timeout_s = float(getattr(args, "collective_timeout", None) or COLLECTIVE_TIMEOUT_S)
+        entry = getattr(args, "entrypoint", None) or None
+        config = getattr(args, "deepspeed_config", None)
+        self.job_args: dict[str, Any] = {
+            "collective_timeout_s": self.collective_timeout_s,
+            "entrypoint": entry,
+            "deepspeed_config": json.loads(Path(config).read_text()) if config else None,
+        }
+        self.steps = 0
+        self.ff: Run | None = None
+        self.runs: list[Run] = []
+
+    @property
+    def faults(self) -> list[InjectedFault]:
+        return self.injector.faults
+
+    @property
+    def skipped(self) -> list[tuple[float, str]]:
+        return self.injector.skipped
+
+    @property
+    def lost_ranks(self) -> set[int]:
+        return self.injector.lost_ranks
+
     # --- runs -----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        a = self.args
+        """Start the stack, make both runs, and return the result object (module docstring)."""
+        mon = self._start()
+        ff = self._fault_free(mon)
+        self.steps = ff.steps_expected
+        self.ff = ff.run
+        faulted = self._faulted(mon, ff.steps_expected)
+        return self._result(ff, faulted)
+
+    def _start(self) -> Monitor:
+        """Redis, the orchestrator, an agent per node and the monitor; until every node is HEALTHY."""
         s = self.stack
         s.start_redis()
         s.start_orchestrator()
         for n in s.nodes:
             s.start_agent(n)
-        self.monitor = mon = Monitor(s)
+        self.monitor = self.injector.monitor = mon = Monitor(s)
         _wait(
             lambda: sum(1 for n in s.get("/v1/nodes", params={"state": "HEALTHY"})["data"]) == len(s.nodes),
             timeout=90,
             what=f"{len(s.nodes)} HEALTHY nodes",
         )
-        # 1. fault-free
+        return mon
+
+    def _fault_free(self, mon: Monitor) -> _FaultFree:
+        """Run 1: the job for ``--fault-free-duration`` (else ``--duration``) from its first step, stopped."""
+        a, s = self.args, self.stack
         ff = _submit(s, mon, steps=10_000_000, name="goodput-fault-free", **self.job_args)
         _wait_first_step(s, ff, timeout=a.start_timeout)
         assert ff.first_step_at is not None
@@ -752,69 +947,60 @@ class Campaign:
         s.post(f"/v1/jobs/{ff.job}/stop")
         _wait(lambda: s.get(f"/v1/jobs/{ff.job}")["state"] == JobState.STOPPED, timeout=60, what="its stop")
         ff_losses = _mean_loss_by_step(ff)
-        ff_final = ff_losses.get(ff_steps)
         tail = [ff_losses[k] for k in sorted(ff_losses) if k <= ff_steps][-max(20, ff_steps // 5) :]
         noise = statistics.stdev(tail) if len(tail) >= 2 else float("nan")
+        return _FaultFree(ff, steps_expected, ff_losses.get(ff_steps), noise)
 
-        # 2. faulted
-        self.steps = steps_expected
-        self.ff = ff
+    def _faulted(self, mon: Monitor, steps_expected: int) -> _Faulted:
+        """Run 2: the job for ``steps_expected`` steps under faults for ``--duration`` from its first
+        step; then every fault healed, every agent alive, and the job left to finish."""
+        s, inj = self.stack, self.injector
         self.runs = runs = [_submit(s, mon, steps=steps_expected, name="goodput", **self.job_args)]
-        _wait_first_step(s, runs[0], timeout=a.start_timeout)
+        _wait_first_step(s, runs[0], timeout=self.args.start_timeout)
         first = runs[0].first_step_at
         assert first is not None
-        end = first + a.duration
-        next_fault = first + a.fault_every
+        end = first + self.args.duration
+        self._window(runs, first, end, steps_expected)
+        steps_done = mon.step(runs[-1], at=end)
+        inj.rejoined(runs[-1])
+        out_at_end = sorted(inj.lost_ranks)
+        inj.heal_due(runs[-1], time.time(), all_=True)
+        for node, p in list(s.agents.items()):  # an agent killed near the end is not left dead
+            if p.poll() is not None:
+                s.start_agent(node)
+        final_state = self._finish(runs)
+        inj.rejoined(runs[-1])  # a rank that rejoined after the window still counts in rejoin_s
+        return _Faulted(runs, steps_done, end, out_at_end, final_state)
+
+    def _window(self, runs: list[Run], first: float, end: float, steps_expected: int) -> None:
+        """The fault window: a fault every ``--fault-every`` s until ``end`` or the job's last step;
+        faults healed when due, rejoins noticed, the job resubmitted if it FAILED."""
+        inj = self.injector
+        next_fault = first + self.args.fault_every
         # This loop shares the CPUs with the ranks it measures (the fault-free run's loop only
         # sleeps), so it stays light: no pass over the reports each tick (top_step is kept as
         # they come), the rejoin check (a pass while a rank is out) twice a second.
         next_rejoin_check = 0.0
         while time.time() < end:
             now = time.time()
-            self.heal_due(runs[-1], now)
+            inj.heal_due(runs[-1], now)
             if now >= next_rejoin_check:
-                self.rejoined(runs[-1])
+                inj.rejoined(runs[-1])
                 next_rejoin_check = now + 0.5
             if runs[-1].top_step >= steps_expected:
                 break  # the job is done: faults from here on would hit nothing
             if now >= next_fault:
-                next_fault += a.fault_every
-                f = self._draw(runs[-1], now)
-                if f is not None:
-                    self.faults.append(f)
-                    try:
-                        self.inject(f, runs[-1])
-                    except CampaignError as exc:
-                        f.note = f"injection failed: {exc}"
+                next_fault += self.args.fault_every
+                inj.inject_next(runs[-1], now)
             self._resubmit_if_failed(runs)
             time.sleep(0.1)
-        steps_done = mon.step(runs[-1], at=end)
-        self.rejoined(runs[-1])
-        out_at_end = sorted(self.lost_ranks)
-        self.heal_due(runs[-1], time.time(), all_=True)
-        for node, p in list(s.agents.items()):  # an agent killed near the end is not left dead
-            if p.poll() is not None:
-                s.start_agent(node)
-        final_state = self._finish(runs)
-        self.rejoined(runs[-1])  # a rank that rejoined after the window still counts in rejoin_s
-        return self._result(
-            ff=ff,
-            runs=runs,
-            steps_expected=steps_expected,
-            steps_done=steps_done,
-            ff_final=ff_final,
-            noise=noise,
-            end=end,
-            final_state=final_state,
-            out_at_end=out_at_end,
-        )
 
     def _resubmit_if_failed(self, runs: list[Run]) -> None:
         assert self.monitor is not None
         states = [st for _, j, st in self.monitor.job_states if j == runs[-1].job]
         if states and states[-1] == JobState.FAILED:
             self.restarts += 1
-            self.lost_ranks.clear()
+            self.injector.lost_ranks.clear()
             name = f"goodput-restart{self.restarts}"
             runs.append(
                 _submit(
@@ -858,54 +1044,28 @@ class Campaign:
             plot(self, self.ff, self.runs, result, png_path)
 
     # --- accounting -----------------------------------------------------------------------------
-    def _result(
-        self,
-        *,
-        ff: Run,
-        runs: list[Run],
-        steps_expected: int,
-        steps_done: int,
-        ff_final: float | None,
-        noise: float,
-        end: float,
-        final_state: str,
-        out_at_end: list[int],
-    ) -> dict[str, Any]:
+    def _result(self, ff: _FaultFree, faulted: _Faulted) -> dict[str, Any]:
+        """The result object: every figure of the module docstring's accounting."""
         assert self.monitor is not None
         mon = self.monitor
-        s = self.stack
+        acc = Accounting(self.args, mon, self.faults)
+        runs, end, steps_expected, steps_done = faulted.runs, faulted.end, ff.steps_expected, faulted.steps_done
         last = runs[-1]
         losses = _mean_loss_by_step(last)
         final_step = max(losses, default=0)
         final_loss = losses.get(final_step)
         events: list[dict[str, Any]] = []
         with contextlib.suppress(httpx.HTTPError, CampaignError):
-            events = _wait(lambda: s.get("/v1/events", params={"limit": 10_000})["data"], timeout=30, what="events")
-        self._match(runs, events)
-        lost_by_kind: dict[str, float] = {}
+            events = _wait(
+                lambda: self.stack.get("/v1/events", params={"limit": 10_000})["data"], timeout=30, what="events"
+            )
+        acc.match(runs, events)
         first = runs[0].first_step_at or 0.0
-        in_window = [f for f in self.faults if f.at <= end]
         finished = next((t for t, s in mon.timeline(last) if s >= steps_expected), end)
-        half = self.args.fault_every / 2
-        for i, f in enumerate(in_window):
-            t1 = min(in_window[i + 1].at if i + 1 < len(in_window) else end, finished)
-            if t1 <= f.at:
-                continue
-            run = next((r for r in reversed(runs) if r.submitted <= f.at), runs[0])
-            # the rate just before the fault (the later half of the previous interval): the job's
-            # own pace at the time, whatever ranks it had left and whatever the machine's load
-            rate = (mon.step(run, at=f.at) - mon.step(run, at=f.at - half)) / half
-            done = mon.step(run, at=t1) - mon.step(run, at=f.at)
-            deficit = rate * (t1 - f.at) - done
-            lost_by_kind[f.kind] = lost_by_kind.get(f.kind, 0.0) + deficit / steps_expected
-        contributors: dict[int, int] = {}
-        for _, r in last.reports:
-            contributors.setdefault(r.step, 0)
-            contributors[r.step] += 1
-        samples = sum(min(c, self.args.ranks) for st, c in contributors.items() if st <= steps_done)
-        finite = all(_finite(r) for run in runs for _, r in run.reports)
-        false_degraded = self._false_degraded(first)
-        diff = None if final_loss is None or ff_final is None else final_loss - ff_final
+        lost_by_kind = acc.steps_lost_by_kind(runs, end=end, finished=finished, steps_expected=steps_expected)
+        samples = acc.samples(last, steps_done)
+        diff = None if final_loss is None or ff.final_loss is None else final_loss - ff.final_loss
+        noise = ff.noise
         return {
             "ranks": self.args.ranks,
             "duration_s": self.args.duration,
@@ -917,7 +1077,7 @@ class Campaign:
             "goodput_ratio": round(steps_done / steps_expected, 4),
             "samples_ratio": round(samples / (steps_expected * self.args.ranks), 4),
             "restarts": self.restarts,
-            "job_final_state": final_state,
+            "job_final_state": faulted.final_state,
             "faults_injected": {k: sum(1 for f in self.faults if f.kind == k) for k in CAMPAIGN_FAULTS},
             "faults_skipped": len(self.skipped),
             "detection_s": percentiles([f.detected_s for f in self.faults if f.detected_s is not None]),
@@ -926,95 +1086,21 @@ class Campaign:
             "rejoin_s": percentiles([f.rejoined_s for f in self.faults if f.rejoined_s is not None]),
             "steps_lost_by_kind": {k: round(v, 4) for k, v in sorted(lost_by_kind.items())},
             "steps_lost_degraded_faults": round(sum(v for k, v in lost_by_kind.items() if k in DEGRADING), 4),
-            "ranks_out_at_end": out_at_end,
+            "ranks_out_at_end": faulted.out_at_end,
             "job_done_s": None if finished >= end else round(finished - first, 1),
             "final_loss": None if final_loss is None else round(final_loss, 5),
             "final_step": final_step,
-            "fault_free_final_loss": None if ff_final is None else round(ff_final, 5),
+            "fault_free_final_loss": None if ff.final_loss is None else round(ff.final_loss, 5),
             "loss_noise": round(noise, 5) if math.isfinite(noise) else None,
             "final_loss_within_noise": diff is not None and math.isfinite(noise) and abs(diff) <= 3 * noise,
-            "params_finite": finite,
-            "false_degraded": false_degraded,
+            "params_finite": all(_finite(r) for run in runs for _, r in run.reports),
+            "false_degraded": acc.false_degraded(first),
             "lost_events": sum(1 for f in self.faults if not f.event and not f.note.startswith("rank already")),
             "plan_generations": len({p["generation"] for _, p in mon.plans if p.get("job") == last.job}),
-            "faults": [
-                {
-                    "kind": f.kind,
-                    "t_s": round(f.at - first, 2),
-                    "node": f.node,
-                    "rank": f.rank,
-                    "detection_s": None if f.detected_s is None else round(f.detected_s, 2),
-                    "reroute_s": None if f.rerouted_s is None else round(f.rerouted_s, 2),
-                    "rejoin_s": None if f.rejoined_s is None else round(f.rejoined_s, 2),
-                    "event": f.event,
-                    "note": f.note,
-                }
-                for f in self.faults
-            ],
-            "step_rate": self._step_rate(ff, last),
+            "faults": acc.fault_rows(first),
+            "step_rate": acc.step_rate(ff.run, last),
             "workdir": str(self.workdir),
         }
-
-    def _step_rate(self, ff: Run, last: Run) -> dict[str, Any]:
-        """Steps per second in 5 s bins from each run's first step: the picture's top panel, as
-        numbers, so a reader can check each fault's dip (and the pace between faults)."""
-        assert self.monitor is not None
-        bin_s = 5.0
-        out: dict[str, Any] = {"bin_s": bin_s}
-        for name, run in (("fault_free", ff), ("faulted", last)):
-            t0 = run.first_step_at or run.submitted
-            line = [(t, s) for t, s in self.monitor.timeline(run) if t <= t0 + self.args.duration]
-            out[name] = [round(y, 2) for y in _rate(line, t0, bin_s)[1]]
-        return out
-
-    def _match(self, runs: list[Run], events: list[dict[str, Any]]) -> None:
-        """Per fault: its event, detection and reroute times (see the module docstring)."""
-        assert self.monitor is not None
-        mon = self.monitor
-        for f in self.faults:
-            window_end = (f.heal_at or f.at) + 15.0
-            evs = [e for e in events if f.at - 0.5 <= e["at"] <= window_end]
-            if f.kind in DEGRADING:
-                hits = [e for e in evs if _degraded(e, f.node)]
-                f.event = bool(hits)
-                degraded = [t for t, n, st in mon.node_states if n == f.node and st == "DEGRADED" and t >= f.at]
-                if degraded and degraded[0] <= window_end:
-                    f.detected_s = degraded[0] - f.at
-            elif f.kind in RANK_KINDS:
-                f.event = any(e["kind"] == EventKind.RANK_UNREACHABLE and e["node"] == f.node for e in evs)
-                excl = [t for t, p in mon.plans if t >= f.at and f.rank in (p.get("excluded") or [])]
-                if excl:
-                    f.detected_s = excl[0] - f.at
-            elif f.kind == "redis_restart":
-                f.event = any(e["kind"] in (EventKind.PARTITION, EventKind.REDIS_OUTAGE) for e in evs)
-            elif f.kind == "orchestrator_restart":
-                f.event = any(e["kind"] in (EventKind.ORCHESTRATOR_STARTED, EventKind.LEADER) for e in evs)
-            if f.rank is not None and f.kind in (*DEGRADING, *RANK_KINDS):
-                run = next((r for r in reversed(runs) if r.submitted <= f.at), runs[0])
-                gens = sorted(
-                    p["generation"]
-                    for t, p in mon.plans
-                    if p.get("job") == run.job and t >= f.at - 0.5 and p["generation"] > f.generation_before
-                    and (str(f.rank) in (p.get("proxies") or {}) or f.rank in (p.get("excluded") or []))
-                )  # fmt: skip
-                if gens:
-                    g = gens[0]
-                    seen = mon.trains_under(run, g, since=f.at, other_than=f.rank)
-                    if seen is not None:
-                        f.rerouted_s = seen - f.at
-
-    def _false_degraded(self, since: float) -> int:
-        assert self.monitor is not None
-        count = 0
-        for t, node, st in self.monitor.node_states:
-            if st != "DEGRADED" or t < since:
-                continue
-            ok = any(
-                f.node == node and f.kind in DEGRADING and f.at - 0.5 <= t <= (f.heal_at or f.at) + 5.0
-                for f in self.faults
-            )
-            count += 0 if ok else 1
-        return count
 
 
 # --- the picture --------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import redis
@@ -66,6 +66,11 @@ from agent.simulated import FAULT_KINDS, PERMANENT_FAULTS, THROTTLE_OF
 from clusterpulse.states import EventKind, NodeState
 from services.health import SUSTAINED_THROTTLE
 from tools.harness import HarnessError, PrivateRedis, free_port
+
+if TYPE_CHECKING:
+    import psutil
+
+    from agent.daemon import NodeAgent
 
 # What each simulated fault is to the health model, read off the simulator and the model itself:
 # a throttling fault degrades only once sustained, silence only after degraded_after, every other
@@ -209,163 +214,272 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, Any]:
-    import psutil
-
-    from agent.daemon import NodeAgent, run_agents, sim_node_name, topology_labels
-    from agent.publisher import HeartbeatPublisher
-    from agent.simulated import SimulatedNode
-    from services import db
-
+def _timing(args: argparse.Namespace) -> Timing:
+    """The orchestrator's policy for this run and the bench's slack, scaled from ``--interval``."""
     interval = args.interval
-    timing = Timing(
+    return Timing(
         interval_s=interval,
         degraded_after_s=args.degraded_after or 6 * interval,
         throttle_sustain_s=3 * interval,
         recover_after=3,
         slack_s=args.slack or max(5.0, 4 * interval),
     )
-    db_url = f"sqlite:///{workdir / 'soak.db'}"
-    port = free_port()
-    api = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PULSE_")}
-    env.update(
-        PULSE_REDIS_URL=url,
-        PULSE_DATABASE_URL=db_url,
-        PULSE_HEARTBEAT_INTERVAL_S=str(interval),
-        PULSE_DEGRADED_AFTER_S=str(timing.degraded_after_s),
-        PULSE_THROTTLE_SUSTAIN_S=str(timing.throttle_sustain_s),
-        PULSE_RECOVER_AFTER=str(timing.recover_after),
-        PULSE_LOST_AFTER_S=str(100 * timing.degraded_after_s),  # LOST is not what this run looks at
-        PULSE_EVALUATE_INTERVAL_S=str(min(0.5, interval / 2)),
-        PULSE_PERSIST_INTERVAL_S=str(PERSIST_INTERVAL_S),
-        PYTHONUNBUFFERED="1",
-    )
-    log_path = workdir / "orchestrator.log"
-    with log_path.open("ab") as fh:
-        orch = psutil.Popen(
-            [sys.executable, "-m", "tools.cli", "orchestrator", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=fh, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    names = [sim_node_name("soak", i, args.nodes) for i in range(args.nodes)]
+
+
+@dataclass
+class _Orchestrator:
+    """The ``pulse orchestrator`` process under test: its API, its SQLite database, its log."""
+
+    proc: psutil.Popen
+    api: str
+    db_url: str
+    log_path: Path
+
+    @classmethod
+    def start(cls, workdir: Path, redis_url: str, timing: Timing) -> _Orchestrator:
+        """Start it on a free port with the soak's policy (``timing``); LOST is out of the picture."""
+        import psutil
+
+        db_url = f"sqlite:///{workdir / 'soak.db'}"
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PULSE_")}
+        env.update(
+            PULSE_REDIS_URL=redis_url,
+            PULSE_DATABASE_URL=db_url,
+            PULSE_HEARTBEAT_INTERVAL_S=str(timing.interval_s),
+            PULSE_DEGRADED_AFTER_S=str(timing.degraded_after_s),
+            PULSE_THROTTLE_SUSTAIN_S=str(timing.throttle_sustain_s),
+            PULSE_RECOVER_AFTER=str(timing.recover_after),
+            PULSE_LOST_AFTER_S=str(100 * timing.degraded_after_s),  # LOST is not what this run looks at
+            PULSE_EVALUATE_INTERVAL_S=str(min(0.5, timing.interval_s / 2)),
+            PULSE_PERSIST_INTERVAL_S=str(PERSIST_INTERVAL_S),
+            PYTHONUNBUFFERED="1",
+        )
+        log_path = workdir / "orchestrator.log"
+        with log_path.open("ab") as fh:
+            proc = psutil.Popen(
+                [sys.executable, "-m", "tools.cli", "orchestrator", "--host", "127.0.0.1", "--port", str(port)],
+                env=env, stdout=fh, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        return cls(proc, f"http://127.0.0.1:{port}", db_url, log_path)
+
+    async def wait_ready(self, http: httpx.AsyncClient) -> None:
+        """Until ``/readyz`` answers 200; exits the bench if the process dies or 120 s pass."""
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(
+                    f"pulse bench soak: the orchestrator exited ({self.proc.returncode}); see {self.log_path}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get("/readyz")).status_code == 200:
+                    return
+            if time.monotonic() - t0 > 120:
+                raise SystemExit(f"pulse bench soak: the orchestrator did not become ready; see {self.log_path}")
+            await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within 30 s."""
+        import psutil
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except psutil.TimeoutExpired:
+                self.proc.kill()
+
+
+def _agents(args: argparse.Namespace, names: list[str]) -> list[NodeAgent]:
+    """One agent per node, each over its own seeded simulated node."""
+    from agent.daemon import NodeAgent, topology_labels
+    from agent.simulated import SimulatedNode
+
     agents = []
     for i, name in enumerate(names):
         sim = SimulatedNode(name, gpus=args.gpus_per_node, seed=args.seed * 100_003 + i)
         agents.append(
             NodeAgent(
-                node=name, gpu=sim, gpu_source="simulated", interval_s=interval, labels=topology_labels(i), sim=sim
+                node=name, gpu=sim, gpu_source="simulated", interval_s=args.interval, labels=topology_labels(i), sim=sim
             )
         )
+    return agents
+
+
+async def _warm_up(args: argparse.Namespace, http: httpx.AsyncClient, orch: _Orchestrator) -> float:
+    """Phase 1: until every node is registered and none is unwell (else exit the bench after
+    ``--settle-timeout``), then ``--warmup`` seconds more. Returns the seconds it took to settle."""
+    from services import db
+
+    started = time.monotonic()
+    engine = db.make_engine(orch.db_url)
+    registered, unwell = 0, -1
+    while time.monotonic() - started < args.settle_timeout:
+        await asyncio.sleep(max(1.0, args.interval))
+        # cheap checks: registered nodes in the database, and no node in a bad state (small lists)
+        with contextlib.suppress(httpx.HTTPError, OperationalError), engine.connect() as conn:
+            registered = int(conn.execute(text("SELECT count(*) FROM nodes")).scalar_one())
+            unwell = sum([(await http.get("/v1/nodes", params={"state": s})).json()["count"] for s in UNWELL])
+        if registered == args.nodes and unwell == 0:
+            break
+    engine.dispose()
+    settled_s = time.monotonic() - started
+    if registered != args.nodes or unwell != 0:
+        raise SystemExit(
+            f"pulse bench soak: {registered} of {args.nodes} nodes registered, {unwell} not HEALTHY "
+            f"after {settled_s:.0f}s; see {orch.log_path}"
+        )
+    await asyncio.sleep(args.warmup)
+    return settled_s
+
+
+@dataclass
+class _Measured:
+    """What phase 2 (the soak) saw; times in seconds."""
+
+    faults: list[SoakFault]
+    wall0: float  # the phase's start on the wall clock, which the events table is stamped with
+    rss_warm: int  # the orchestrator's resident bytes as the phase began
+    rss: list[tuple[float, int]]  # (seconds into the phase, resident bytes): every 10 s and at the end
+    cpu_s: float  # the orchestrator's CPU time (user + system) during the phase
+    metrics: str  # its /metrics once the outbox reached the database
+    at_end: dict[NodeState, list[str]]  # each unwell state -> the nodes in it at the end
+
+
+async def _soak_phase(
+    args: argparse.Namespace,
+    timing: Timing,
+    agents: list[NodeAgent],
+    orch: _Orchestrator,
+    http: httpx.AsyncClient,
+) -> _Measured:
+    """Phase 2: the faults of :func:`schedule` switched on and off in the simulated nodes for
+    ``--duration`` seconds while the orchestrator's memory is sampled; then its end state."""
+    rss_warm = orch.proc.memory_info().rss
+    cpu0 = orch.proc.cpu_times()
+    faults = schedule(
+        [a.node for a in agents],
+        seed=args.seed,
+        fault_every_s=args.fault_every,
+        duration_s=args.duration,
+        timing=timing,
+    )
+    by_name = {a.node: a for a in agents}
+    rss: list[tuple[float, int]] = []
+    soak_wall0 = time.time()
+    soak0 = time.monotonic()
+
+    async def inject() -> None:
+        events = sorted([(f.start_s, True, f) for f in faults] + [(f.end_s, False, f) for f in faults if f.clears],
+                        key=lambda e: e[0])  # fmt: skip
+        for at, on, f in events:
+            await asyncio.sleep(max(0.0, soak0 + at - time.monotonic()))
+            sim = by_name[f.node].sim
+            assert sim is not None
+            (sim.faults.add if on else sim.faults.discard)(f.kind)
+
+    async def sample_rss() -> None:
+        while True:
+            rss.append((round(time.monotonic() - soak0, 1), orch.proc.memory_info().rss))
+            await asyncio.sleep(10.0)
+
+    injector = asyncio.create_task(inject())
+    sampler = asyncio.create_task(sample_rss())
+    await asyncio.sleep(args.duration)
+    sampler.cancel()
+    rss.append((round(time.monotonic() - soak0, 1), orch.proc.memory_info().rss))
+    cpu1 = orch.proc.cpu_times()
+    cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+    await injector
+    await asyncio.sleep(PERSIST_INTERVAL_S + 2)  # the outbox reaches the database
+    metrics = (await http.get("/metrics")).text
+    at_end = {s: [n["name"] for n in (await http.get("/v1/nodes", params={"state": s})).json()["data"]] for s in UNWELL}
+    return _Measured(faults, soak_wall0, rss_warm, rss, cpu, metrics, at_end)
+
+
+def _judged_events(db_url: str, since_wall: float) -> tuple[list[SeenTransition], int, int]:
+    """From the events table, from ``since_wall`` on: the health transitions (seconds from it),
+    the partition events, and the leader events (the one replica took the lease anew)."""
+    from services import db
+
+    engine = db.make_engine(db_url)
+    with db.session_factory(engine)() as s:
+        rows = db.list_events(s, since=since_wall - 1.0, kinds=list(JUDGED_EVENTS), limit=10**7)
+        transitions = [
+            SeenTransition(e.node, e.to_state, round(e.at - since_wall, 3), e.reason)
+            for e in rows
+            if e.kind == EventKind.HEALTH and e.node and e.to_state
+        ]
+        partitions = sum(e.kind == EventKind.PARTITION for e in rows)
+        elections = sum(e.kind == EventKind.LEADER for e in rows)
+    engine.dispose()
+    return transitions, partitions, elections
+
+
+async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, Any]:
+    """The three phases (module docstring): the orchestrator as a process, ``--nodes`` simulated
+    nodes in this process publishing to the Redis at ``url``; everything stopped before the verdict."""
     import redis.asyncio as aioredis
 
+    from agent.daemon import run_agents, sim_node_name
+    from agent.publisher import HeartbeatPublisher
     from clusterpulse.retry import Backoff
 
+    timing = _timing(args)
+    orch = _Orchestrator.start(workdir, url, timing)
+    agents = _agents(args, [sim_node_name("soak", i, args.nodes) for i in range(args.nodes)])
     client = aioredis.from_url(url, socket_timeout=10, socket_connect_timeout=10)
     publisher = HeartbeatPublisher(
         client, shards=1, maxlen=200_000, ttl_s=3 * timing.degraded_after_s, backoff=Backoff(0.2, 5.0)
     )
     stop = asyncio.Event()
     sim_task: asyncio.Task[int] | None = None
-    http = httpx.AsyncClient(base_url=api, timeout=60)
-    rss: list[tuple[float, int]] = []
+    http = httpx.AsyncClient(base_url=orch.api, timeout=60)
     try:
-        t0 = time.monotonic()
-        while True:
-            if orch.poll() is not None:
-                raise SystemExit(f"pulse bench soak: the orchestrator exited ({orch.returncode}); see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await http.get("/readyz")).status_code == 200:
-                    break
-            if time.monotonic() - t0 > 120:
-                raise SystemExit(f"pulse bench soak: the orchestrator did not become ready; see {log_path}")
-            await asyncio.sleep(0.2)
-        sim_task = asyncio.create_task(run_agents(agents, publisher, interval_s=interval, stop=stop))
-        started = time.monotonic()
-        engine = db.make_engine(db_url)
-        registered, unwell = 0, -1
-        while time.monotonic() - started < args.settle_timeout:
-            await asyncio.sleep(max(1.0, interval))
-            # cheap checks: registered nodes in the database, and no node in a bad state (small lists)
-            with contextlib.suppress(httpx.HTTPError, OperationalError), engine.connect() as conn:
-                registered = int(conn.execute(text("SELECT count(*) FROM nodes")).scalar_one())
-                unwell = sum([(await http.get("/v1/nodes", params={"state": s})).json()["count"] for s in UNWELL])
-            if registered == args.nodes and unwell == 0:
-                break
-        engine.dispose()
-        settled_s = time.monotonic() - started
-        if registered != args.nodes or unwell != 0:
-            raise SystemExit(
-                f"pulse bench soak: {registered} of {args.nodes} nodes registered, {unwell} not HEALTHY "
-                f"after {settled_s:.0f}s; see {log_path}"
-            )
-        await asyncio.sleep(args.warmup)
-        rss_warm = orch.memory_info().rss
-        cpu0 = orch.cpu_times()
-
-        faults = schedule(
-            names, seed=args.seed, fault_every_s=args.fault_every, duration_s=args.duration, timing=timing
-        )
-        by_name = {a.node: a for a in agents}
-        soak_wall0 = time.time()
-        soak0 = time.monotonic()
-
-        async def inject() -> None:
-            events = sorted([(f.start_s, True, f) for f in faults] + [(f.end_s, False, f) for f in faults if f.clears],
-                            key=lambda e: e[0])  # fmt: skip
-            for at, on, f in events:
-                await asyncio.sleep(max(0.0, soak0 + at - time.monotonic()))
-                sim = by_name[f.node].sim
-                assert sim is not None
-                (sim.faults.add if on else sim.faults.discard)(f.kind)
-
-        async def sample_rss() -> None:
-            while True:
-                rss.append((round(time.monotonic() - soak0, 1), orch.memory_info().rss))
-                await asyncio.sleep(10.0)
-
-        injector = asyncio.create_task(inject())
-        sampler = asyncio.create_task(sample_rss())
-        await asyncio.sleep(args.duration)
-        sampler.cancel()
-        rss.append((round(time.monotonic() - soak0, 1), orch.memory_info().rss))
-        rss_end = rss[-1][1]
-        cpu1 = orch.cpu_times()
-        cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
-        await injector
-        await asyncio.sleep(PERSIST_INTERVAL_S + 2)  # the outbox reaches the database
-        metrics = (await http.get("/metrics")).text
-        at_end = {
-            s: [n["name"] for n in (await http.get("/v1/nodes", params={"state": s})).json()["data"]] for s in UNWELL
-        }
+        await orch.wait_ready(http)
+        sim_task = asyncio.create_task(run_agents(agents, publisher, interval_s=args.interval, stop=stop))
+        settled_s = await _warm_up(args, http, orch)
+        measured = await _soak_phase(args, timing, agents, orch, http)
     finally:
         stop.set()
         if sim_task is not None:
             await sim_task
         await http.aclose()
         await client.aclose()
-        if orch.poll() is None:
-            orch.terminate()
-            try:
-                orch.wait(30)
-            except psutil.TimeoutExpired:
-                orch.kill()
+        orch.stop()
+    transitions, partitions, elections = _judged_events(orch.db_url, measured.wall0)
+    verdict = judge(measured.faults, transitions, timing=timing)
+    return _report(
+        args,
+        timing,
+        settled_s=settled_s,
+        measured=measured,
+        verdict=verdict,
+        heartbeats_sent=sum(a.seq for a in agents),
+        partitions=partitions,
+        elections=elections,
+    )
 
-    engine = db.make_engine(db_url)
-    with db.session_factory(engine)() as s:
-        rows = db.list_events(s, since=soak_wall0 - 1.0, kinds=list(JUDGED_EVENTS), limit=10**7)
-        transitions = [
-            SeenTransition(e.node, e.to_state, round(e.at - soak_wall0, 3), e.reason)
-            for e in rows
-            if e.kind == EventKind.HEALTH and e.node and e.to_state
-        ]
-        partitions = sum(e.kind == EventKind.PARTITION for e in rows)
-        elections = sum(e.kind == EventKind.LEADER for e in rows)  # the one replica took the lease anew
-    engine.dispose()
-    verdict = judge(faults, transitions, timing=timing)
+
+def _report(
+    args: argparse.Namespace,
+    timing: Timing,
+    *,
+    settled_s: float,
+    measured: _Measured,
+    verdict: Verdict,
+    heartbeats_sent: int,
+    partitions: int,
+    elections: int,
+) -> dict[str, Any]:
+    """The result object (phase 3), with ``ok``: no lost event, no false DEGRADED, every node
+    that had no permanent fault HEALTHY at the end, one leader throughout, memory growth bounded."""
+    m = measured
+    faults, rss = m.faults, m.rss
     permanent = {f.node for f in faults if not f.clears}
-    unhealthy = sorted(n for names_ in at_end.values() for n in names_ if n not in permanent)
-    sent = sum(a.seq for a in agents)
-    growth = rss_end / rss_warm
+    unhealthy = sorted(n for names_ in m.at_end.values() for n in names_ if n not in permanent)
+    rss_end = rss[-1][1]
+    growth = rss_end / m.rss_warm
     kinds = sorted({f.kind for f in faults})
     result: dict[str, Any] = {
         "nodes": args.nodes,
@@ -373,7 +487,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, 
         "duration_s": args.duration,
         "fault_every_s": args.fault_every,
         "seed": args.seed,
-        "interval_s": interval,
+        "interval_s": args.interval,
         "degraded_after_s": timing.degraded_after_s,
         "throttle_sustain_s": timing.throttle_sustain_s,
         "slack_s": timing.slack_s,
@@ -391,16 +505,16 @@ async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, 
         "unhealthy_at_end": len(unhealthy),
         "partition_events": partitions,
         "leader_elections": elections,
-        "leader_at_end": int(_metric(metrics, "pulse_leader ")),
-        "heartbeats_sent": sent,
-        "heartbeats_received": int(_metric(metrics, "pulse_heartbeats_received_total")),
-        "heartbeats_rejected": int(_metric(metrics, "pulse_heartbeats_rejected_total{")),
-        "orchestrator_rss_warm_bytes": rss_warm,
+        "leader_at_end": int(_metric(m.metrics, "pulse_leader ")),
+        "heartbeats_sent": heartbeats_sent,
+        "heartbeats_received": int(_metric(m.metrics, "pulse_heartbeats_received_total")),
+        "heartbeats_rejected": int(_metric(m.metrics, "pulse_heartbeats_rejected_total{")),
+        "orchestrator_rss_warm_bytes": m.rss_warm,
         "orchestrator_rss_end_bytes": rss_end,
         "orchestrator_rss_max_bytes": max(r for _, r in rss),
         "rss_growth_ratio": round(growth, 4),
         "rss_samples_mib": [[t, round(r / 2**20, 1)] for t, r in rss],
-        "orchestrator_cpu_fraction_of_core": round(cpu / args.duration, 3),
+        "orchestrator_cpu_fraction_of_core": round(m.cpu_s / args.duration, 3),
         "lost": verdict.lost[:20],
         "false": verdict.false_degraded[:20],
         "unhealthy": unhealthy[:20],

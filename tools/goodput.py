@@ -1002,15 +1002,8 @@ class Campaign:
             self.restarts += 1
             self.injector.lost_ranks.clear()
             name = f"goodput-restart{self.restarts}"
-            runs.append(
-                _submit(
-                    self.stack,
-                    self.monitor,
-                    steps=self.steps,
-                    name=name,
-                    collective_timeout_s=self.collective_timeout_s,
-                )
-            )
+            # the same job again: the user's entrypoint and config too, not the default job
+            runs.append(_submit(self.stack, self.monitor, steps=self.steps, name=name, **self.job_args))
 
     def _finish(self, runs: list[Run]) -> str:
         """After the window: let the job finish (resubmitting once more if it failed)."""

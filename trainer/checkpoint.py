@@ -2,8 +2,9 @@
 
 A checkpoint is asked for with SIGUSR2 (the agent sends it to each rank when
 ``POST /v1/jobs/{id}/checkpoint`` comes, ``agent/ranks.py``); the handler only sets a flag. At
-each optimizer-step boundary the live ranks agree on whether any of them was asked (a one-element
-all-reduce, rerouted under a plan so it never waits on a lost rank) and, if so, all save under
+each optimizer-step boundary the live ranks agree on whether any of them was asked (the flag
+rides with the step's gradient reduction where it can, else a one-element all-reduce, rerouted
+under a plan so it never waits on a lost rank) and, if so, all save under
 the same tag, ``emergency-step<N>``, into ``PULSE_CHECKPOINT_DIR``. Under a plan DeepSpeed's
 world barriers become rerouted all-reduces, the lowest live participant writes the model states,
 and DeepSpeed's tag check (world all-reduces) is left out: the tag is the agreed step's.
@@ -40,18 +41,22 @@ class EmergencyCheckpoint:
         """The SIGUSR2 handler: a checkpoint at the next boundary."""
         self.requested = True
 
-    def boundary(self, reroute: ReroutedAllReduce | None, *, leader: bool) -> str | None:
+    def boundary(self, reroute: ReroutedAllReduce | None, *, leader: bool, asked: bool | None = None) -> str | None:
         """Every live rank saves together when any rank was asked to; returns the directory
-        written. ``leader``: this rank writes the model states (the lowest live participant)."""
+        written. ``leader``: this rank writes the model states (the lowest live participant).
+        ``asked``: whether any live rank was asked, agreed already (the flag rode with this
+        step's gradients, ``trainer.deepspeed_reroute.Rider``); None: agree now, by a collective."""
         engine = self.engine
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=engine.device)
-        if reroute is not None:
-            reroute.allreduce_([flag])  # a mean > 0 when any rank asked; never waits on a lost rank
-        else:
-            import deepspeed.comm as dist
+        if asked is None:
+            flag = torch.tensor([1.0 if self.requested else 0.0], device=engine.device)
+            if reroute is not None:
+                reroute.allreduce_([flag])  # a mean > 0 when any rank asked; never waits on a lost rank
+            else:
+                import deepspeed.comm as dist
 
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item() > 0:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            asked = flag.item() > 0
+        if not asked:
             return None
         self.requested = False
         step = int(engine.global_steps)

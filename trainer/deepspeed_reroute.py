@@ -76,6 +76,8 @@ offload (not verified), and sparse gradients (an ``nn.Embedding``/``EmbeddingBag
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,7 +90,28 @@ class RerouteConfigError(ValueError):
     """The engine's configuration is one the rerouted all-reduce cannot serve exactly."""
 
 
-def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False) -> None:
+@dataclass
+class Rider:
+    """A few values each rank adds to its gradient reduction at the accumulation boundary,
+    averaged with the gradients: what the live ranks must agree on at every optimizer step (a
+    checkpoint asked for, a newer plan read) for a few bytes in a collective they run anyway,
+    instead of collectives of their own that each wait for the slowest rank. Stage 0 (and stage
+    1 with ``BF16_Optimizer``) only, where the gradients are reduced once per optimizer step in
+    ``buffered_allreduce_fallback``; in the partitioned stages nothing rides.
+
+    ``values`` gives this rank's values when the reduction starts; :meth:`take` returns the
+    averages of the last reduction once (None when none carried them since: the caller then
+    agrees by a collective of its own). A value that is 1 on any live rank averages above 0."""
+
+    values: Callable[[], list[float]]
+    averaged: list[float] | None = None
+
+    def take(self) -> list[float] | None:
+        out, self.averaged = self.averaged, None
+        return out
+
+
+def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False, rider: Rider | None = None) -> None:
     """Route ``engine``'s gradient reduction through ``reroute`` (see the module docstring).
 
     Call once, right after ``deepspeed.initialize`` and before the first step, on every rank.
@@ -98,6 +121,8 @@ def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False) 
     ``rejoining``: a restarted rank joining a running job (``trainer.follow``, ``join``) runs
     DeepSpeed in a world of one, so only ZeRO stage 0 (a whole optimizer on every rank) fits it:
     stages 1 and 2 partition the optimizer state over the world the job started with.
+
+    ``rider``: values that ride along with each optimizer step's reduction (:class:`Rider`).
     """
     world = int(torch.distributed.get_world_size())
     if rejoining:
@@ -145,10 +170,10 @@ def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False) 
     if stage == 2 or (stage == 1 and hasattr(engine.optimizer, "reduce_gradients")):
         _attach_partitioned(engine, reroute, stage)
     else:
-        _attach_fallback(engine, reroute)
+        _attach_fallback(engine, reroute, rider)
 
 
-def _attach_fallback(engine: Any, reroute: ReroutedAllReduce) -> None:
+def _attach_fallback(engine: Any, reroute: ReroutedAllReduce, rider: Rider | None) -> None:
     def buffered_allreduce_fallback(grads: list[torch.Tensor] | None = None, elements_per_buffer: int = 0) -> None:
         # DeepSpeed's signature; reroute buckets by its own bucket_bytes, so elements_per_buffer is unused.
         if grads is None:
@@ -163,7 +188,10 @@ def _attach_fallback(engine: Any, reroute: ReroutedAllReduce) -> None:
             if not isinstance(g, torch.Tensor) or g.is_sparse:  # DeepSpeed wraps sparse ones in SparseTensor
                 raise RerouteConfigError("sparse gradients (an embedding with sparse=True) cannot be rerouted")
             dense.append(g)
-        _allreduce_as(reroute, dense, engine.communication_data_type)
+        ride = None if rider is None else torch.tensor(rider.values(), dtype=torch.float32, device=engine.device)
+        _allreduce_as(reroute, dense if ride is None else [*dense, ride], engine.communication_data_type)
+        if rider is not None and ride is not None:
+            rider.averaged = ride.tolist()
 
     def clip_fp32_gradients() -> None:
         # DeepSpeed's clip_grad_norm_ (2-norm, clip_coef = min(1, max_norm / (norm + 1e-6))) without

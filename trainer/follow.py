@@ -181,19 +181,33 @@ class PlanFollower:
 
     # --- the training thread ---------------------------------------------------------------------
 
-    def boundary(self) -> wire.Plan | None:
+    def newer(self) -> bool:
+        """This rank has read a plan it would propose over the one in force (what it adds to the
+        step's gradient reduction, so that the live ranks learn without a collective whether
+        any of them has: ``trainer.deepspeed_reroute.Rider``)."""
+        return self._proposal() != (self.reroute.generation or 0)
+
+    def _proposal(self) -> int:
+        latest = self._latest
+        current = self.reroute.generation or 0
+        return latest.generation if latest is not None and latest.generation not in self._refused else current
+
+    def boundary(self, *, newer: bool | None = None) -> wire.Plan | None:
         """At a step boundary, on every live rank: put the agreed plan in force.
 
-        Returns the plan that came into force at this boundary, or None when nothing changed.
+        ``newer``: whether any live rank read a plan newer than the one in force, agreed already
+        (it rode with the step's gradients); False skips the agreement, None agrees by a
+        collective. Returns the plan that came into force at this boundary, or None when nothing
+        changed.
         """
         self._calls += 1
         self.joined = ()
-        if self._calls % self.every:
+        if self._calls % self.every or newer is False:
             return None
         reroute = self.reroute
         current = reroute.generation or 0
         latest = self._latest
-        proposed = latest.generation if latest is not None and latest.generation not in self._refused else current
+        proposed = self._proposal()
         salt = 0
         if proposed != current and reroute.rank == reroute.root:
             salt = reroute.store.add(self._salt_key, 1)  # names the groups of the switch below

@@ -136,6 +136,7 @@ class Resilience:
         self.reporter: TrainerReporter | None = None
         self.reroute: ReroutedAllReduce | None = None
         self.follower: PlanFollower | None = None
+        self.rider: deepspeed_reroute.Rider | None = None  # what rides with each step's reduction
         self.recoveries = 0
         self.checkpoint = EmergencyCheckpoint(engine, directory=s.checkpoint_dir, job=s.job_id, rank=self.rank)
         self.checkpoints = self.checkpoint.written  # the directories written, in order
@@ -218,8 +219,9 @@ class Resilience:
             collective_timeout_s=T if s.survives else None,
             store=store,
         )
+        self.rider = deepspeed_reroute.Rider(values=self._rider_values)
         try:
-            deepspeed_reroute.attach(engine, reroute, rejoining=s.rejoin)
+            deepspeed_reroute.attach(engine, reroute, rejoining=s.rejoin, rider=self.rider)
         except deepspeed_reroute.RerouteConfigError as exc:
             if s.rejoin:
                 raise
@@ -235,6 +237,12 @@ class Resilience:
             beat_s=s.beat_period_s,
             silent_beats=s.silent_beats,
         )
+
+    def _rider_values(self) -> list[float]:
+        """What this rank adds to the step's gradient reduction: a checkpoint asked of it, a
+        newer plan read by it (1.0 or 0.0 each; any live rank's 1 averages above 0)."""
+        newer = self.follower is not None and self.follower.newer()
+        return [1.0 if self.checkpoint.requested else 0.0, 1.0 if newer else 0.0]
 
     def _guard_reduction(self) -> None:
         """A failed rerouted reduction is recorded, never raised into the script (``loss.backward()``
@@ -337,15 +345,18 @@ class Resilience:
     def _boundary(self, grad_norm: float | None) -> None:
         engine, follower, reroute = self.engine, self.follower, self.reroute
         unreachable: list[int] = []
+        ride = self.rider.take() if self.rider is not None else None  # [checkpoint asked, newer plan]
         if follower is not None and reroute is not None:
-            follower.boundary()
+            follower.boundary(newer=None if ride is None else ride[1] > 0)
             if follower.joined:  # restarted ranks came back: every live rank takes the same state
                 take_state(engine, reroute, src=follower.source)
+                ride = None  # they did not ride: the checkpoint flag is agreed with them (_rejoin)
             unreachable = sorted(follower.newly_missing())
             if reroute.role == "excluded":
                 self._leave("excluded")
         self._failures_in_row = 0
-        written = self.checkpoint.boundary(self.reroute, leader=self.leader)
+        asked = None if ride is None else ride[0] > 0
+        written = self.checkpoint.boundary(self.reroute, leader=self.leader, asked=asked)
         step_time = self._timer.lap()
         losses, self._losses = self._losses, []
         tokens, self._tokens = self._tokens, 0
@@ -404,6 +415,8 @@ class Resilience:
         assert follower is not None and reroute is not None and reporter is not None
         self._failure = None
         self._losses, self._tokens = [], 0
+        if self.rider is not None:
+            self.rider.take()  # a reduction of the failed step may have carried it: never used
         self._failures_in_row += 1
         if self._failures_in_row > self.settings.max_recoveries:
             raise error

@@ -8,6 +8,9 @@ builds the engines ``attach`` must refuse. Everything is float32 on CPU with SGD
 linear in the gradient, so a wrongly scaled or partial average shows in the parameters (Adam's
 first steps, or a clipped step, would hide a wrong scale: clipping is off except in its own run).
 
+Values riding with each step's reduction (``Rider``: a checkpoint asked, a newer plan read) arrive
+averaged on every rank at stage 0, and at stages 1-2 nothing rides (those agree by collectives).
+
 Each rank spies on ``deepspeed.comm.all_reduce``: under the rerouted engine DeepSpeed itself must
 all-reduce no gradient (only the one-element gradient norm of ZeRO's step), so the parameters
 matching the stock run cannot come from DeepSpeed's own reduction running as well.
@@ -35,7 +38,7 @@ from torch import nn
 from tests import gloo
 from tests.gloo import plan
 from trainer.collective import ReroutedAllReduce
-from trainer.deepspeed_reroute import RerouteConfigError, attach
+from trainer.deepspeed_reroute import RerouteConfigError, Rider, attach
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -154,11 +157,14 @@ def scenario_train(rank: int) -> dict[str, Any]:
         stock = {"params": flat_params(engine).tolist(), "ds_allreduced": spy.take()}
 
         engine = make_engine(config)
-        attach(engine, r)
+        # rank 2 (degraded: its values go through its carrier) asks for something; all ask for 0.5
+        rider = Rider(values=lambda: [1.0 if rank == 2 else 0.0, 0.5])
+        attach(engine, r, rider=rider)
         spy.take()
         train(engine, rank, range(STEPS))
         rerouted = {
             "params": flat_params(engine).tolist(),
+            "rider": rider.take(),
             "ds_allreduced": spy.take(),
             "contributors": r.last_contributors,
             "missing": sorted(r.missing),
@@ -277,6 +283,10 @@ def test_degraded_rank_matches_stock_deepspeed(train_world: dict[int, dict[str, 
         assert run["rerouted"]["hooked"] == (
             stage0 if name.startswith("stage0") else ["optimizer.gradient_reduction_w_predivide"]
         )
+        # what rides with the step's reduction arrives averaged on every rank, the degraded one too
+        # (stage 0: one reduction per step); in the partitioned stages nothing rides
+        expected = [1 / WORLD, 0.5] if name.startswith("stage0") else None
+        assert run["rerouted"]["rider"] == (pytest.approx(expected) if expected else None), (rank, name)
 
 
 def test_degraded_rank_is_not_in_the_participants_group(train_world: dict[int, dict[str, Any]]) -> None:

@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 
 from tools.cli import format_events, format_nodes
 from tools.demo_train import JOB_NODES, DemoJob, why_not
-from tools.harness import HarnessError, PrivateRedis, free_port
+from tools.harness import HarnessError, PrivateRedis, free_port, redis_answers
 
 SCREEN_EVERY_S = 3.0  # when stdout is not a terminal (a log, a test)
 
@@ -41,19 +40,9 @@ DEMO_ENV = {
 }
 
 
-def _redis_answers(url: str) -> bool:
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
-        ok = bool(client.ping())
-        client.close()
-        return ok
-    except redis.exceptions.RedisError:
-        return False
-
-
 def _start_redis(workdir: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
     url = os.environ.get("PULSE_REDIS_URL", "redis://127.0.0.1:6379/0")
-    if _redis_answers(url):
+    if redis_answers(url):
         return url, None
     server = PrivateRedis(workdir, start_timeout_s=10)
     try:

@@ -52,6 +52,17 @@ def wait_for(
     )
 
 
+def redis_answers(url: str) -> bool:
+    """A Redis at ``url`` answers PING within a second."""
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.exceptions.RedisError:
+        return False
+    finally:
+        client.close()
+
+
 class PrivateRedis:
     """A ``redis-server`` of our own on a free port, without persistence: ``stop`` then ``start``
     is a Redis that lost everything (streams, consumer groups, keys), on the same port."""
@@ -109,13 +120,7 @@ class PrivateRedis:
         self.proc = None
 
     def ping(self) -> bool:
-        client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
-        try:
-            return bool(client.ping())
-        except redis.exceptions.ConnectionError:
-            return False
-        finally:
-            client.close()
+        return redis_answers(self.url)
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=5)

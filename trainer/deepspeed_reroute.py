@@ -200,6 +200,9 @@ def _attach_fallback(engine: Any, reroute: ReroutedAllReduce, rider: Rider | Non
         if not grads:
             return
         norm = torch.stack([g.detach().float().norm(2) for g in grads]).pow(2).sum().sqrt()
+        # what DeepSpeed's fp16 and ZeRO optimizers keep, and its fp32 path does not: the norm
+        # before clipping, for engine.get_global_grad_norm() (the library reports it; no second pass)
+        engine._global_grad_norm = float(norm)
         coef = torch.clamp(float(engine.gradient_clipping()) / (norm + 1e-6), max=1.0)
         for g in grads:
             g.detach().mul_(coef)

@@ -165,6 +165,7 @@ def scenario_train(rank: int) -> dict[str, Any]:
         rerouted = {
             "params": flat_params(engine).tolist(),
             "rider": rider.take(),
+            "grad_norm": None if (norm := engine.get_global_grad_norm()) is None else float(norm),
             "ds_allreduced": spy.take(),
             "contributors": r.last_contributors,
             "missing": sorted(r.missing),
@@ -275,6 +276,8 @@ def test_degraded_rank_matches_stock_deepspeed(train_world: dict[int, dict[str, 
         if name == "stage0_clipped":
             unclipped = float((tensor(out["stage0"]["stock"]["params"]) - tensor(out["initial"])).abs().max())
             assert moved < 0.5 * unclipped, "the clipped run did not clip"
+            # the norm before clipping, kept for get_global_grad_norm() (stock fp32 keeps none)
+            assert run["rerouted"]["grad_norm"] > CLIP, (rank, run["rerouted"]["grad_norm"])
         assert run["stock"]["ds_allreduced"] >= STEPS * N_PARAMS  # the spy sees DeepSpeed's own reduction
         assert run["rerouted"]["ds_allreduced"] == 0, (rank, name, run["rerouted"]["ds_allreduced"])
         assert run["rerouted"]["contributors"] and set(run["rerouted"]["contributors"]) == {WORLD}

@@ -20,7 +20,11 @@ Rerouting
     The engine's gradient reduction goes through :class:`trainer.collective.ReroutedAllReduce`
     (:func:`trainer.deepspeed_reroute.attach`: ZeRO 0-2; stage 3, pipeline parallelism, MoE and
     the others refused there with the setting to change, and the rank then only reports). A
-    :class:`trainer.follow.PlanFollower` puts the orchestrator's plans in force at the boundaries.
+    :class:`trainer.follow.PlanFollower` puts the orchestrator's plans in force at the boundaries:
+    whether any live rank has read a newer plan rides with the step's gradient reduction
+    (:class:`trainer.deepspeed_reroute.Rider`, stage 0), so a boundary with nothing new runs no
+    collective of its own; only then do the ranks agree on the plan (stages 1-2: at every
+    boundary, by a broadcast).
 Survival of a dead or hung participant (``PULSE_COLLECTIVE_TIMEOUT_S`` > 0)
     A collective that fails (a peer died, or hangs past the timeout) is caught where the engine
     runs it, never raised into the script: the rest of that accumulation window does no
@@ -42,8 +46,9 @@ Rejoin (``PULSE_REJOIN=1``, set by the orchestrator when it relaunches an exclud
     one that counts from 0 runs on until the live ranks finish, then leaves with 0.
 Emergency checkpoint
     SIGUSR2 (the agents deliver it for ``POST /v1/jobs/{id}/checkpoint``) asks for one; every live
-    rank agrees at the next boundary (a one-element rerouted all-reduce of the request, every
-    step) and calls ``engine.save_checkpoint(PULSE_CHECKPOINT_DIR, tag="emergency-stepN")``
+    rank agrees at the next boundary (the request rides with the step's gradient reduction, or,
+    at stages 1-2 and after a switch that brought ranks back, a one-element rerouted all-reduce;
+    :mod:`trainer.checkpoint`) and calls ``engine.save_checkpoint(PULSE_CHECKPOINT_DIR, tag="emergency-stepN")``
     together; each rank reports ``checkpoint_written <dir>`` at that step, then training goes on.
 The end
     :meth:`Resilience.close` (at interpreter exit, or by the runner after the script returned)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from agent.daemon import NodeAgent
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
 from tests.support import REDIS_URL, free_port, pulse_env, spawn, stop, wait_for
+from tools.harness import kill_launched
 
 TOKEN = "stack-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -104,17 +104,13 @@ class Stack:
 
         The launcher's wrapper outlives its agent by design (a restarted agent re-attaches), so
         without the second part a failed test would leave its ranks training and writing to the
-        test Redis. The ranks' process groups are the ones the agents recorded in
-        ``<state_dir>/<node>/jobs.json`` (agent/launcher.py)."""
+        test Redis; the jobs' rendezvous stores too, which end only with their job
+        (tools.harness.kill_launched)."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGCONT)
             stop(proc)
-        for record in (self.tmp / "agents").glob("*/jobs.json"):
-            with contextlib.suppress(OSError, ValueError):
-                for job in json.loads(record.read_text()).values():
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(int(job["pgid"]), signal.SIGKILL)
+        kill_launched(self.tmp / "agents")
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +25,7 @@ from typing import Any
 import httpx
 
 from tools.cli import format_jobs
+from tools.harness import kill_launched
 
 JOB_NODES = 4
 STEP_DELAY_S = 0.2
@@ -141,8 +139,4 @@ class DemoJob:
                     if httpx.get(f"{self.api}/v1/jobs/{self.job_id}", timeout=2).json()["state"] == "STOPPED":
                         break
                     time.sleep(0.5)
-        for record in (self.workdir / "agents").glob("*/jobs.json"):
-            with contextlib.suppress(OSError, ValueError):
-                for job in json.loads(record.read_text()).values():
-                    with contextlib.suppress(ProcessLookupError, PermissionError, KeyError, ValueError):
-                        os.killpg(int(job["pgid"]), signal.SIGKILL)
+        kill_launched(self.workdir / "agents")  # what the stop did not end: ranks, the job's store

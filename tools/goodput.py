@@ -110,7 +110,7 @@ import redis
 
 from clusterpulse import wire
 from clusterpulse.states import TERMINAL_JOB_STATES, EventKind, JobState, NodeState
-from tools.harness import HarnessError, PrivateRedis, free_port, wait_for
+from tools.harness import HarnessError, PrivateRedis, free_port, kill_launched, wait_for
 
 log = logging.getLogger("pulse.goodput")
 
@@ -290,6 +290,7 @@ class Stack:
     def close(self) -> None:
         for node in list(self.agents):
             self.stop_agent(node)
+        kill_launched(self.workdir / "agents")  # ranks and job stores the agents left behind
         if self.orch is not None and self.orch.poll() is None:
             self.orch.terminate()
             try:

@@ -4,7 +4,11 @@ campaigns and the tests start their servers the same way."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -124,3 +128,27 @@ class PrivateRedis:
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=5)
+
+
+def kill_launched(state_dir: Path) -> int:
+    """SIGKILL what the agents under ``state_dir`` launched and may have left behind: each job's
+    ranks (the process groups ``<node>/jobs.json`` records) and each job's rendezvous store
+    (``<node>/stores.json``: a process in a session of its own that outlives its agent by design,
+    ``agent/jobstore.py``, and ends only with its job). For tests, benchmarks and the demo, after
+    their agents are gone; a store pid is killed only while it is still a job store. Returns how
+    many were signalled."""
+    killed = 0
+    for record in state_dir.glob("*/jobs.json"):
+        with contextlib.suppress(OSError, ValueError):
+            for job in json.loads(record.read_text()).values():
+                with contextlib.suppress(ProcessLookupError, PermissionError, KeyError, TypeError, ValueError):
+                    os.killpg(int(job["pgid"]), signal.SIGKILL)
+                    killed += 1
+    for record in state_dir.glob("*/stores.json"):
+        with contextlib.suppress(OSError, ValueError):
+            for pid in json.loads(record.read_text()).values():
+                with contextlib.suppress(OSError, TypeError, ValueError):
+                    if b"agent.jobstore" in Path(f"/proc/{int(pid)}/cmdline").read_bytes():
+                        os.kill(int(pid), signal.SIGKILL)
+                        killed += 1
+    return killed

@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -31,6 +31,7 @@ from tests.stack import AUTH, Stack
 from tests.support import REDIS_URL, REPO, stop, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+T = TypeVar("T")
 
 # Longer than the page may take to show a change: only the event stream, which wakes a refresh at
 # once, gets it there in time (the timed refresh is what events do not carry: heartbeat ages).
@@ -102,6 +103,19 @@ def _page_states(driver: Any) -> dict[str, str]:
         e.get_attribute("data-node"): e.get_attribute("data-state")
         for e in driver.find_elements(By.CSS_SELECTOR, "[data-node]")
     }
+
+
+def _stable(read: Callable[[], T]) -> T:
+    """``read()`` of the page, again while an element it holds was replaced under it: every
+    refresh re-renders the sections, and an event wakes one at any moment."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(50):
+        try:
+            return read()
+        except StaleElementReferenceException:
+            time.sleep(0.05)
+    return read()
 
 
 def _plan(stack: Stack, job: str) -> dict[str, Any] | None:
@@ -183,9 +197,9 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     # Woken by the stream: well before the next timed refresh (a busy 2-core machine included).
     wait_for(lambda: _page_states(browser)[VICTIM] == "DEGRADED", timeout=REFRESH_S / 2, what="DEGRADED on the page")
     shown_after = time.monotonic() - decided
-    card = browser.find_element(By.CSS_SELECTOR, f"[data-node='{VICTIM}']")
-    assert "PSU current imbalance" in card.text and "DEGRADED" in card.text, card.text
-    assert {n: s for n, s in _page_states(browser).items() if n != VICTIM} == dict.fromkeys(
+    card = _stable(lambda: browser.find_element(By.CSS_SELECTOR, f"[data-node='{VICTIM}']").text)
+    assert "PSU current imbalance" in card and "DEGRADED" in card, card
+    assert {n: s for n, s in _stable(lambda: _page_states(browser)).items() if n != VICTIM} == dict.fromkeys(
         set(NODES) - {VICTIM}, "HEALTHY"
     )
     # the plan that follows: the neighbour's rank carries the victim's, and the page says so
@@ -194,10 +208,10 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     assert carried is not None and carried["proxies"] == {str(ranks[VICTIM]): ranks[NEIGHBOUR]}, carried
     says = f"rank {ranks[NEIGHBOUR]} ({NEIGHBOUR}) carries rank {ranks[VICTIM]} ({VICTIM})"
     wait_for(lambda: says in _job_plan_text(browser, job), timeout=REFRESH_S / 2, what=f"{says!r} on the page")
-    assert f"generation {carried['generation']}" in _job_plan_text(browser, job)
+    assert f"generation {carried['generation']}" in _stable(lambda: _job_plan_text(browser, job))
     # the job's figures: a step rate no faster than its ranks step, and loss and MFU trends
     wait_for(lambda: _cell(browser, job, "job-rate") not in ("", "-"), timeout=REFRESH_S * 2, what="a step rate")
-    assert 0 < float(_cell(browser, job, "job-rate")) <= 1.1 / STEP_EVERY_S
+    assert 0 < float(_stable(lambda: _cell(browser, job, "job-rate"))) <= 1.1 / STEP_EVERY_S
     wait_for(
         lambda: min(_spark_points(browser, job, f) for f in ("job-loss", "job-mfu")) >= 2,
         timeout=REFRESH_S * 2,
@@ -215,8 +229,10 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
         what=f"{VICTIM}'s history",
     )
     assert not browser.find_element(By.ID, "overview").is_displayed()
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#node-page [data-gpu]")) == 4
-    history = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#node-history [data-transition]")]
+    assert _stable(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#node-page [data-gpu]"))) == 4
+    history = _stable(
+        lambda: [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#node-history [data-transition]")]
+    )
     r = httpx.get(f"{stack.api}/v1/events", params={"node": VICTIM}, headers=AUTH, timeout=5)
     api = [e for e in r.json()["data"] if e["to_state"]]
     assert len(history) == len(api) and "→ DEGRADED" in history[0] and "PSU current imbalance" in history[0], history

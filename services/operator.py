@@ -17,7 +17,8 @@ from services import checkpoints, db
 from services.clock import RedisClock
 from services.reconcile import JobReconciler, Send
 from services.shared import Shared, Writer
-from services.slurm import SlurmSync
+from services.slurm import SlurmError, SlurmSync
+from services.slurm_backend import SlurmJobs, is_slurm
 
 
 class PlacementRefused(Exception):
@@ -39,6 +40,7 @@ class OperatorActions:
         clock: RedisClock,
         jobs: JobReconciler,
         slurm: SlurmSync | None,
+        slurm_jobs: SlurmJobs | None = None,
     ) -> None:
         self.settings = settings
         self.shared = shared
@@ -46,6 +48,7 @@ class OperatorActions:
         self.clock = clock
         self.jobs = jobs
         self.slurm = slurm
+        self.slurm_jobs = slurm_jobs
 
     async def create_job(self, spec: dict[str, Any], *, idempotency_key: str | None, actor: str) -> tuple[str, bool]:
         """Place and store a job. Returns (job id, created); a repeated idempotency key returns
@@ -62,7 +65,7 @@ class OperatorActions:
                 if idempotency_key:
                     prior = db.job_by_idempotency_key(s, key=idempotency_key)
                     if prior is not None:
-                        stored = dict(prior.spec)
+                        stored = {"backend": "agents", **prior.spec}  # a job stored before backends were named
                         if stored != spec:
                             changed = sorted(k for k in {*spec, *stored} if spec.get(k) != stored.get(k))
                             raise IdempotencyKeyReused(
@@ -139,6 +142,8 @@ class OperatorActions:
             return True, list(job.assigned_nodes), dict(job.spec), job.master_addr, job.master_port
 
         changed, nodes, spec, addr, port = await self.writer.run("job stop", write)
+        if changed and is_slurm(spec):
+            return True  # the Slurm job loop scancels it (services/slurm_jobs.py: SIGTERM, the grace, SIGKILL)
         if changed:
             self.jobs.last_send[(job_id, "stop")] = self.clock.now()
             await self.jobs.send(Send("stop", job_id, nodes, spec, addr, port))
@@ -157,6 +162,9 @@ class OperatorActions:
                 raise KeyError(job_id)
             if (why := checkpoints.refusal(job_id, job.state)) is not None:
                 raise checkpoints.CheckpointRefused(why)
+            if is_slurm(job.spec) and (self.slurm_jobs is None or not job.slurm_job_id):
+                raise checkpoints.CheckpointRefused(f"job {job_id} runs in Slurm and has no Slurm job id yet")
+            slurm_ids[:] = [job.slurm_job_id] if is_slurm(job.spec) and job.slurm_job_id else []
             nodes = list(job.assigned_nodes)
             text = checkpoints.requested_reason(actor=actor, reason=reason, nodes=nodes)
             db.record_event(
@@ -165,7 +173,14 @@ class OperatorActions:
             )  # fmt: skip
             return nodes, dict(job.spec), job.master_addr, job.master_port
 
+        slurm_ids: list[str] = []
         nodes, spec, addr, port = await self.writer.run("job checkpoint", write)
+        if slurm_ids and self.slurm_jobs is not None:
+            try:  # SIGUSR2 to every rank (the steps' tasks), not the batch shell
+                await self.slurm_jobs.signal(slurm_ids[0], "USR2")
+            except SlurmError as exc:
+                raise checkpoints.CheckpointRefused(f"scancel --signal=USR2 failed: {exc}") from None
+            return request, nodes
         await self.jobs.send(Send("checkpoint", job_id, nodes, spec, addr, port, request=request))
         return request, nodes
 

@@ -17,8 +17,8 @@ from services import checkpoints, db
 from services.clock import RedisClock
 from services.reconcile import JobReconciler, Send
 from services.shared import Shared, Writer
-from services.slurm import SlurmError, SlurmSync
-from services.slurm_backend import SlurmJobs, is_slurm
+from services.slurm import SlurmSync
+from services.slurm_backend import is_slurm
 
 
 class PlacementRefused(Exception):
@@ -40,7 +40,6 @@ class OperatorActions:
         clock: RedisClock,
         jobs: JobReconciler,
         slurm: SlurmSync | None,
-        slurm_jobs: SlurmJobs | None = None,
     ) -> None:
         self.settings = settings
         self.shared = shared
@@ -48,7 +47,6 @@ class OperatorActions:
         self.clock = clock
         self.jobs = jobs
         self.slurm = slurm
-        self.slurm_jobs = slurm_jobs
 
     async def create_job(self, spec: dict[str, Any], *, idempotency_key: str | None, actor: str) -> tuple[str, bool]:
         """Place and store a job. Returns (job id, created); a repeated idempotency key returns
@@ -162,9 +160,13 @@ class OperatorActions:
                 raise KeyError(job_id)
             if (why := checkpoints.refusal(job_id, job.state)) is not None:
                 raise checkpoints.CheckpointRefused(why)
-            if is_slurm(job.spec) and (self.slurm_jobs is None or not job.slurm_job_id):
-                raise checkpoints.CheckpointRefused(f"job {job_id} runs in Slurm and has no Slurm job id yet")
-            slurm_ids[:] = [job.slurm_job_id] if is_slurm(job.spec) and job.slurm_job_id else []
+            if is_slurm(job.spec):
+                # scancel --signal reaches every process of a step, DataLoader workers too, whom
+                # SIGUSR2's default action kills; the agents signal the rank processes alone
+                raise checkpoints.CheckpointRefused(
+                    f"job {job_id!r} runs in Slurm (backend 'slurm'): an emergency checkpoint through Slurm is "
+                    "not supported yet (scancel --signal=USR2 would also reach processes that do not catch it)"
+                )
             nodes = list(job.assigned_nodes)
             text = checkpoints.requested_reason(actor=actor, reason=reason, nodes=nodes)
             db.record_event(
@@ -173,14 +175,7 @@ class OperatorActions:
             )  # fmt: skip
             return nodes, dict(job.spec), job.master_addr, job.master_port
 
-        slurm_ids: list[str] = []
         nodes, spec, addr, port = await self.writer.run("job checkpoint", write)
-        if slurm_ids and self.slurm_jobs is not None:
-            try:  # SIGUSR2 to every rank (the steps' tasks), not the batch shell
-                await self.slurm_jobs.signal(slurm_ids[0], "USR2")
-            except SlurmError as exc:
-                raise checkpoints.CheckpointRefused(f"scancel --signal=USR2 failed: {exc}") from None
-            return request, nodes
         await self.jobs.send(Send("checkpoint", job_id, nodes, spec, addr, port, request=request))
         return request, nodes
 

@@ -140,9 +140,8 @@ class Orchestrator:
             else None
         )  # fmt: skip
         self.operator = OperatorActions(
-            settings, shared=self.shared, writer=self.writer, clock=self.clock, jobs=self.jobs, slurm=self.slurm,
-            slurm_jobs=self.slurm_jobs,
-        )  # fmt: skip
+            settings, shared=self.shared, writer=self.writer, clock=self.clock, jobs=self.jobs, slurm=self.slurm
+        )
         self.retention = Retention(self.sessions, days=settings.retention_days, batch=settings.retention_batch)
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()

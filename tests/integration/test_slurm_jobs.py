@@ -20,7 +20,7 @@ import pytest
 
 from tests.slurm_cluster import SlurmCluster, available
 from tests.stack import Stack
-from tests.support import spawn, wait_for
+from tests.support import REPO, spawn, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -28,6 +28,8 @@ SLURM_NODES = [f"sb-{i:03d}" for i in range(4)]
 AGENTS = 3  # sb-000 .. sb-002; sb-003 has no agent
 STEP_DELAY_S = 0.2
 POLL_S = 0.5  # PULSE_SLURM_JOB_POLL_S
+GRACE_S = 3.0  # PULSE_JOB_STOP_GRACE_S
+STUBBORN = str(REPO / "tests" / "fixtures" / "jobs" / "stubborn_rank.py")
 
 
 def _job(steps: int, **extra: Any) -> dict[str, Any]:
@@ -67,6 +69,7 @@ def stack(slurm: SlurmCluster, tmp_path: Path) -> Iterator[Stack]:
         PULSE_SLURM_GRES="",
         PULSE_SLURM_OUTPUT_DIR=str(tmp_path / "out"),
         PULSE_JOB_START_TIMEOUT_S="120",
+        PULSE_JOB_STOP_GRACE_S=str(GRACE_S),
     )
     try:
         s.orchestrator()
@@ -147,6 +150,29 @@ def test_a_stop_leaves_no_rank(stack: Stack, slurm: SlurmCluster) -> None:
     assert r.status_code == 200, r.text
     stopped = stack.wait_state(job_id, "STOPPED", timeout=60)
     assert f"Slurm job {running['slurm_job_id']} ended" in stopped["reason"], stopped
+    wait_for(lambda: _squeue(slurm) == "", timeout=30, what="squeue empty")
+    wait_for(lambda: _job_processes(job_id) == [], timeout=30, what="no process of the job left")
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(
+    stack: Stack, slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    body = _job(steps=1, entrypoint=[STUBBORN, "--out", str(marks)])
+    r = stack.post("/v1/jobs", body)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    stack.wait_state(job_id, "RUNNING", timeout=120)  # both ranks registered
+    r = stack.post(f"/v1/jobs/{job_id}/checkpoint")
+    assert r.status_code == 409 and "runs in Slurm" in r.json()["detail"], r.text
+    t0 = time.monotonic()
+    assert stack.post(f"/v1/jobs/{job_id}/stop").status_code == 200
+    wait_for(lambda: len(list(marks.glob("*.term"))) == 2, timeout=30, what="SIGTERM reached both ranks")
+    assert stack.job(job_id)["state"] == "STOPPING"  # they ignore it: the grace runs
+    stopped = stack.wait_state(job_id, "STOPPED", timeout=60)
+    assert time.monotonic() - t0 >= GRACE_S, "SIGKILL only after the grace"
+    assert "ended" in stopped["reason"], stopped
     wait_for(lambda: _squeue(slurm) == "", timeout=30, what="squeue empty")
     wait_for(lambda: _job_processes(job_id) == [], timeout=30, what="no process of the job left")
 

@@ -35,7 +35,17 @@ from services.clock import RedisClock
 from services.reconcile import ds_env
 from services.shared import Shared, Writer
 from services.slurm import SlurmClient, SlurmError
-from services.slurm_jobs import SlurmJob, Submission, batch_script, decide, excluded, find, parse_jobs, sbatch_argv
+from services.slurm_jobs import (
+    SlurmJob,
+    Submission,
+    batch_script,
+    decide,
+    excluded,
+    find,
+    parse_jobs,
+    rank_steps,
+    sbatch_argv,
+)
 
 log = logging.getLogger("pulse.orchestrator.slurm_jobs")
 
@@ -133,6 +143,9 @@ class SlurmJobs:
 
     async def tick(self) -> None:
         jobs = await asyncio.to_thread(self._read)
+        active = {j.id for j in jobs}
+        self.submit_errors = {k: v for k, v in self.submit_errors.items() if k in active}
+        self.signalled = {k: v for k, v in self.signalled.items() if k[0] in active}
         if not jobs:
             return
         listed = await self.list_slurm_jobs()
@@ -154,6 +167,11 @@ class SlurmJobs:
                 reason = f"submitted to Slurm as job {sid}" if sid else f"sbatch failed: {self.submit_errors[job.id]}"
             elif d.action in ("term", "kill"):
                 await self._signal(job, slurm, d.action, now)
+            elif d.action == "cancel" and slurm is not None:
+                try:
+                    await self.client.run("scancel", [*self.scancel, slurm.id])
+                except SlurmError as exc:
+                    self._failed(exc)  # the job FAILS all the same; the error names the Slurm job
             if d.state != job.state or sid is not None or (reason and reason != job.reason):
                 store = functools.partial(self._store, job=job, state=d.state, reason=reason, sid=sid)
                 await self.writer.run("slurm jobs", store)
@@ -224,15 +242,23 @@ class SlurmJobs:
         return sid
 
     async def _signal(self, job: Job, slurm: SlurmJob | None, action: str, now: float) -> None:
-        """``term``: SIGTERM to every rank once; ``kill``: SIGKILL to everything, the batch shell
-        included, again every ``PULSE_JOB_RESEND_S`` while Slurm still lists the job."""
+        """``term``: SIGTERM to every rank once; ``kill``: SIGKILL to the rank steps, then to
+        everything, the batch shell included, every ``PULSE_JOB_RESEND_S`` while Slurm still
+        lists the job (services/slurm_jobs.py)."""
         if slurm is None:
             return
         last = self.signalled.get((job.id, action))
         if last is not None and (action == "term" or now - last < self.settings.job_resend_s):
             return
         self.signalled[(job.id, action)] = now
-        await self.signal(slurm.id, "TERM" if action == "term" else "KILL", full=action == "kill")
+        if action == "term":
+            await self.signal(slurm.id, "TERM")
+        elif last is None:  # the rank steps at once (services/slurm_jobs.py)
+            text = await self.client.run("jobs", [*self.scontrol, "show", "step", "--oneliner", slurm.id])
+            for step in rank_steps(text):
+                await self.signal(step, "KILL")
+        else:  # still there a resend later: the whole job, batch shell included
+            await self.signal(slurm.id, "KILL", full=True)
         log.warning("event=slurm_job_signalled job=%s slurm_job_id=%s action=%s", job.id, slurm.id, action)
 
     async def signal(self, slurm_job_id: str, signal: str, *, full: bool = False) -> None:

@@ -28,7 +28,8 @@ refusal means nothing is submitted), then handed to Slurm by the leader's Slurm 
                                           or a placed node is no longer HEALTHY and schedulable
   PENDING, REQUEUED, ...                  PENDING, Slurm's reason in ours
   CONFIGURING, RUNNING, SUSPENDED         STARTING until every rank joined (registered or
-                                          stepped, as with the agents), then RUNNING
+                                          stepped, as with the agents), then RUNNING; still
+                                          STARTING ``start_timeout`` later: FAILED, ``cancel``
   COMPLETING                              unchanged (the ranks are being cleaned up)
   COMPLETED                               SUCCEEDED
   CANCELLED (by someone in Slurm)         STOPPED
@@ -38,8 +39,11 @@ refusal means nothing is submitted), then handed to Slurm by the leader's Slurm 
 
   A stop (STOPPING) is ``term`` (``scancel --signal=TERM``: every rank of every step, not the
   batch shell, so srun sees its ranks leave) until ``grace_s`` after the stop was asked, then
-  ``kill`` (``scancel --full --signal=KILL``: everything, the batch shell included, and Slurm
-  ends the job's steps with it); STOPPED once Slurm says the job is over.
+  ``kill``: ``scancel --signal=KILL <job>.<step>`` of each rank step (:func:`rank_steps`), which
+  kills them at once; srun returns and the batch script ends. (A SIGKILL to the whole job would
+  be a cancel, which Slurm carries out with its own TERM, ``KillWait`` (30 s by default), KILL.)
+  Still listed a resend later: ``scancel --full --signal=KILL <job>``, that cancel. STOPPED once
+  Slurm says the job is over.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class SlurmJob:
 class SlurmJobDecision:
     state: str
     reason: str  # "" when the state does not change and there is nothing new to say
-    action: str | None = None  # "submit", "term" or "kill"
+    action: str | None = None  # "submit", "term", "kill" or "cancel" (scancel: Slurm's own TERM, KillWait, KILL)
     slurm_job_id: str | None = None  # Slurm's id to store (the job was found by its name)
 
 
@@ -115,6 +119,13 @@ def parse_jobs(text: str) -> dict[str, SlurmJob]:
             nodes="" if f.get("NodeList") in (None, "(null)") else f["NodeList"],
         )
     return out
+
+
+def rank_steps(text: str) -> list[str]:
+    """The job's steps that run ranks, from ``scontrol show step --oneliner <job>``: every step
+    but the batch shell's and the extern one (``12.0``, ``12.1`` ...)."""
+    steps = [parse_job_line(line).get("StepId", "") for line in text.splitlines() if line.startswith("StepId=")]
+    return [s for s in steps if s and not s.endswith((".batch", ".extern"))]
 
 
 def find(jobs: Mapping[str, SlurmJob], *, job_id: str, slurm_job_id: str | None) -> SlurmJob | None:
@@ -258,6 +269,15 @@ def decide(
     if slurm.state in SLURM_ENDING:
         return SlurmJobDecision(state, "", slurm_job_id=found)
     if slurm.state in SLURM_RUNNING:
+        if state == JobState.STARTING and now - since > start_timeout:
+            seen = len({r for r in joined if 0 <= r < world})
+            return SlurmJobDecision(
+                JobState.FAILED,
+                f"ranks did not rendezvous within {start_timeout:g} s of Slurm job {slurm.id} running on "
+                f"{slurm.nodes}: {seen} of {world} ranks registered or reported a step; cancelled",
+                action="cancel",
+                slurm_job_id=found,
+            )
         return _running(state, slurm, found, joined=joined, world=world)
     return _ended(slurm, found)
 

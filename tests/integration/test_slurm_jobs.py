@@ -30,6 +30,7 @@ STEP_DELAY_S = 0.2
 POLL_S = 0.5  # PULSE_SLURM_JOB_POLL_S
 GRACE_S = 3.0  # PULSE_JOB_STOP_GRACE_S
 STUBBORN = str(REPO / "tests" / "fixtures" / "jobs" / "stubborn_rank.py")
+RANK_PY = str(REPO / "tests" / "fixtures" / "jobs" / "rank.py")
 
 
 def _job(steps: int, **extra: Any) -> dict[str, Any]:
@@ -55,22 +56,26 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 
 
 @pytest.fixture
-def stack(slurm: SlurmCluster, tmp_path: Path) -> Iterator[Stack]:
+def stack(slurm: SlurmCluster, redis_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """The orchestrator and agents on a flushed test Redis (a previous test's leader epoch there
+    would fence this one's writes); ``indirect`` parametrization adds or replaces settings."""
     slurm.reset()
     (tmp_path / "out").mkdir()
-    s = Stack(
-        tmp_path,
-        PULSE_SLURM="on",
-        PULSE_SLURM_CONF=str(slurm.conf),
-        PULSE_SLURM_SYNC_PERIOD_S="0.5",
-        PULSE_SLURM_JOB_POLL_S=str(POLL_S),
-        PULSE_SLURM_BACKOFF_MAX_S="1",
-        PULSE_SLURM_COMMAND_TIMEOUT_S="10",
-        PULSE_SLURM_GRES="",
-        PULSE_SLURM_OUTPUT_DIR=str(tmp_path / "out"),
-        PULSE_JOB_START_TIMEOUT_S="120",
-        PULSE_JOB_STOP_GRACE_S=str(GRACE_S),
-    )
+    settings = {
+        "PULSE_REDIS_URL": redis_url,
+        "PULSE_SLURM": "on",
+        "PULSE_SLURM_CONF": str(slurm.conf),
+        "PULSE_SLURM_SYNC_PERIOD_S": "0.5",
+        "PULSE_SLURM_JOB_POLL_S": str(POLL_S),
+        "PULSE_SLURM_BACKOFF_MAX_S": "1",
+        "PULSE_SLURM_COMMAND_TIMEOUT_S": "10",
+        "PULSE_SLURM_GRES": "",
+        "PULSE_SLURM_OUTPUT_DIR": str(tmp_path / "out"),
+        "PULSE_JOB_START_TIMEOUT_S": "120",
+        "PULSE_JOB_STOP_GRACE_S": str(GRACE_S),
+        **getattr(request, "param", {}),
+    }
+    s = Stack(tmp_path, **settings)
     try:
         s.orchestrator()
         args = ["simulate", "--nodes", str(AGENTS), "--prefix", "sb", "--gpus-per-node", "2", "--interval", "0.3"]
@@ -171,9 +176,26 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(
     wait_for(lambda: len(list(marks.glob("*.term"))) == 2, timeout=30, what="SIGTERM reached both ranks")
     assert stack.job(job_id)["state"] == "STOPPING"  # they ignore it: the grace runs
     stopped = stack.wait_state(job_id, "STOPPED", timeout=60)
-    assert time.monotonic() - t0 >= GRACE_S, "SIGKILL only after the grace"
+    took = time.monotonic() - t0
+    assert GRACE_S <= took < GRACE_S + 15, f"SIGKILL after the grace, not Slurm's KillWait (30 s): {took:.1f}s"
     assert "ended" in stopped["reason"], stopped
     wait_for(lambda: _squeue(slurm) == "", timeout=30, what="squeue empty")
+    wait_for(lambda: _job_processes(job_id) == [], timeout=30, what="no process of the job left")
+
+
+@pytest.mark.parametrize("stack", [{"PULSE_JOB_START_TIMEOUT_S": "6"}], indirect=True)
+def test_ranks_that_never_join_fail_the_job_at_the_start_timeout_and_it_is_cancelled(
+    stack: Stack, slurm: SlurmCluster
+) -> None:
+    body = _job(steps=1, entrypoint=[RANK_PY, "--no-register", "--seconds", "600"])
+    r = stack.post("/v1/jobs", body)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    failed = stack.wait_state(job_id, "FAILED", timeout=60)
+    sid = failed["slurm_job_id"]
+    assert failed["reason"].startswith(f"ranks did not rendezvous within 6 s of Slurm job {sid} running on "), failed
+    assert failed["reason"].endswith("0 of 2 ranks registered or reported a step; cancelled"), failed
+    wait_for(lambda: _squeue(slurm) == "", timeout=60, what="squeue empty")
     wait_for(lambda: _job_processes(job_id) == [], timeout=30, what="no process of the job left")
 
 

@@ -17,6 +17,7 @@ from services.slurm_jobs import (
     find,
     parse_job_line,
     parse_jobs,
+    rank_steps,
     sbatch_argv,
 )
 
@@ -121,6 +122,13 @@ def test_state_follows_slurm() -> None:
     assert _d("STARTING", S("RUNNING"), joined={0, 5})[0] == "STARTING"  # rank 5 is outside the world
     assert _d("STARTING", S("RUNNING"), joined={0, 1})[0] == "RUNNING"
     assert _d("RUNNING", S("RUNNING"))[0] == "RUNNING"
+    st, why, action, _ = _d("STARTING", S("RUNNING"), joined={1}, now=161.0)  # start_timeout 60 after since
+    assert (st, action) == ("FAILED", "cancel"), why
+    assert why == (
+        "ranks did not rendezvous within 60 s of Slurm job 41 running on n[1-2]: "
+        "1 of 2 ranks registered or reported a step; cancelled"
+    )
+    assert _d("RUNNING", S("RUNNING"), now=1000.0)[0] == "RUNNING"  # the timeout is the start's only
     assert _d("RUNNING", S("COMPLETING"))[:2] == ("RUNNING", "")
     assert _d("RUNNING", S("COMPLETED"))[:2] == ("SUCCEEDED", "Slurm job 41 COMPLETED (exit 0:0)")
     st, why, _, _ = _d("RUNNING", S("FAILED", "NonZeroExitCode", "1:0"))
@@ -140,3 +148,13 @@ def test_stop_is_term_then_kill_after_the_grace_then_stopped() -> None:
     assert _d("STOPPING", S("FAILED", exit_code="0:15"))[:2] == ("STOPPED", "Slurm job 41 ended FAILED (exit 0:15)")
     assert _d("STOPPING", None)[:2] == ("STOPPED", "stopped before it was submitted to Slurm")
     assert _d("STOPPING", None, slurm_job_id="41")[:2] == ("STOPPED", "Slurm job 41 is gone")
+
+
+def test_rank_steps_leave_the_batch_shell_out() -> None:
+    text = (
+        "StepId=1.batch UserId=0 State=RUNNING NodeList=sj1 Nodes=1 CPUs=0 Tasks=1 Name=batch\n"
+        "StepId=1.extern UserId=0 State=RUNNING NodeList=sj[1-2] Name=extern\n"
+        "StepId=1.0 UserId=0 State=RUNNING NodeList=sj[1-2] Nodes=2 CPUs=2 Tasks=2 Name=sh SrunHost:Pid=vm:15243\n"
+    )
+    assert rank_steps(text) == ["1.0"]
+    assert rank_steps("") == []

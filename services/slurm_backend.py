@@ -101,6 +101,7 @@ class SlurmJobs:
         self.scontrol = shlex.split(settings.slurm_scontrol)
         self.submit_errors: dict[str, str] = {}  # job -> the last sbatch failure
         self.signalled: dict[tuple[str, str], float] = {}  # (job, term|kill) -> when
+        self.last_submit: dict[str, float] = {}  # job -> when sbatch was last run for it
 
     async def loop(self, stop: asyncio.Event, leading: Callable[[], bool]) -> None:
         while not stop.is_set():
@@ -146,6 +147,7 @@ class SlurmJobs:
         active = {j.id for j in jobs}
         self.submit_errors = {k: v for k, v in self.submit_errors.items() if k in active}
         self.signalled = {k: v for k, v in self.signalled.items() if k[0] in active}
+        self.last_submit = {k: v for k, v in self.last_submit.items() if k in active}
         if not jobs:
             return
         listed = await self.list_slurm_jobs()
@@ -162,7 +164,10 @@ class SlurmJobs:
                 unusable=[n for n in job.nodes if n not in usable] if slurm is None else (),
             )  # fmt: skip
             sid, reason = d.slurm_job_id, d.reason
+            if d.action == "submit" and now - self.last_submit.get(job.id, -1e18) < self.settings.job_resend_s:
+                continue  # sbatch failed a moment ago: tried again every PULSE_JOB_RESEND_S, not every poll
             if d.action == "submit":
+                self.last_submit[job.id] = now
                 sid = await self._submit(job, usable)
                 reason = f"submitted to Slurm as job {sid}" if sid else f"sbatch failed: {self.submit_errors[job.id]}"
             elif d.action in ("term", "kill"):

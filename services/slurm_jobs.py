@@ -292,6 +292,8 @@ def _stopping(
         return SlurmJobDecision(
             JobState.STOPPED, f"Slurm job {slurm.id} ended {slurm.state} (exit {slurm.exit_code})", slurm_job_id=found
         )
+    if slurm.state in SLURM_ENDING:
+        return SlurmJobDecision(JobState.STOPPING, "", slurm_job_id=found)  # Slurm is ending it already
     if now - since >= grace_s:
         return SlurmJobDecision(JobState.STOPPING, "", action="kill", slurm_job_id=found)
     return SlurmJobDecision(JobState.STOPPING, "", action="term", slurm_job_id=found)

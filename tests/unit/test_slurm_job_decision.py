@@ -144,7 +144,8 @@ def test_state_follows_slurm() -> None:
 def test_stop_is_term_then_kill_after_the_grace_then_stopped() -> None:
     assert _d("STOPPING", S("RUNNING"), now=101.0)[2] == "term"
     assert _d("STOPPING", S("RUNNING"), now=105.0)[2] == "kill"
-    assert _d("STOPPING", S("COMPLETING"), now=101.0)[2] == "term"
+    assert _d("STOPPING", S("COMPLETING"), now=101.0)[2] is None  # Slurm is ending it: nothing to signal
+    assert _d("STOPPING", S("COMPLETING"), now=105.0)[:3] == ("STOPPING", "", None)
     assert _d("STOPPING", S("FAILED", exit_code="0:15"))[:2] == ("STOPPED", "Slurm job 41 ended FAILED (exit 0:15)")
     assert _d("STOPPING", None)[:2] == ("STOPPED", "stopped before it was submitted to Slurm")
     assert _d("STOPPING", None, slurm_job_id="41")[:2] == ("STOPPED", "Slurm job 41 is gone")

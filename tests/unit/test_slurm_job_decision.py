@@ -159,3 +159,15 @@ def test_rank_steps_leave_the_batch_shell_out() -> None:
     )
     assert rank_steps(text) == ["1.0"]
     assert rank_steps("") == []
+
+
+def test_the_slurm_job_backend_as_default_needs_slurm_on() -> None:
+    from pydantic import ValidationError
+
+    from clusterpulse.settings import load_settings
+
+    with pytest.raises(ValidationError, match="PULSE_JOB_BACKEND=slurm needs PULSE_SLURM=on"):
+        load_settings(job_backend="slurm")
+    assert load_settings(job_backend="slurm", slurm=True).job_backend == "slurm"
+    with pytest.raises(ValidationError, match="slurm_gres"):
+        load_settings(slurm_gres="gpu:4")  # the count is the job's gpus_per_node

@@ -117,6 +117,18 @@ class Settings(BaseSettings):
     slurm_conf: str = ""  # SLURM_CONF for the commands; empty: Slurm's own default
     slurm_sinfo: str = "sinfo"  # the commands (a path, or a command line such as "sudo -n sinfo")
     slurm_scontrol: str = "scontrol"
+    # The Slurm job backend (services/slurm_jobs.py, services/slurm_backend.py), with PULSE_SLURM=on:
+    # a job created with "backend": "slurm" (or any job, with PULSE_JOB_BACKEND=slurm) is submitted
+    # with sbatch and its state follows Slurm's. The agents' launcher stays the default.
+    job_backend: Literal["agents", "slurm"] = "agents"
+    slurm_sbatch: str = "sbatch"
+    slurm_scancel: str = "scancel"
+    slurm_job_poll_s: float = Field(2.0, gt=0)  # how often the leader reads its jobs' Slurm state
+    slurm_gres: str = Field("gpu", pattern=r"^[A-Za-z0-9_/]*$")  # --gres=<this>:<gpus_per_node>; "": none
+    slurm_partition: str = ""  # --partition; "": Slurm's default partition
+    slurm_workdir: str = ""  # --chdir of the batch script and ranks; "": the orchestrator's own
+    slurm_output_dir: str = ""  # folder of each job's batch output (pulse-<job>-<slurm id>.out); "": Slurm's default
+    slurm_python: str = ""  # the Python the ranks run on the Slurm nodes; "": the orchestrator's own
 
     # High availability (services/leader.py): replicas on one database and Redis, one leader
     replica_id: str = Field("", max_length=128)  # this replica's name; default <hostname>-<pid>
@@ -163,6 +175,8 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"lost_after_s ({self.lost_after_s}s) must not be below degraded_after_s ({self.degraded_after_s}s)"
             )
+        if self.job_backend == "slurm" and not self.slurm:
+            raise ValueError("PULSE_JOB_BACKEND=slurm needs PULSE_SLURM=on (the Slurm commands and SLURM_CONF)")
         if self.env == "production" and self.crash_at:
             raise ValueError(f"PULSE_CRASH_AT={self.crash_at!r} is for tests only; unset it when PULSE_ENV=production")
         if self.env == "production" and len(self.api_token) < 16:

@@ -416,6 +416,18 @@ def set_job_state(
     return True
 
 
+def set_job_slurm(session: Session, *, job_id: str, slurm_job_id: str | None = None, reason: str = "") -> None:
+    """A Slurm job's id (once known) and its current reason (when not empty), without an event:
+    a state change is :func:`set_job_state`'s."""
+    row = session.get(JobRow, job_id)
+    if row is None:
+        raise KeyError(job_id)
+    if slurm_job_id is not None:
+        row.slurm_job_id = slurm_job_id
+    if reason:
+        row.reason = reason
+
+
 def set_job_node_status(session: Session, *, job_id: str, node: str, status: dict[str, Any], at: float) -> None:
     row = session.get(JobRow, job_id)
     if row is None:

@@ -86,6 +86,7 @@ class JobRow(Base):
     master_port: Mapped[int] = mapped_column(Integer, default=0)
     node_status: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # node -> last JobStatus
     idempotency_key: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
+    slurm_job_id: Mapped[str | None] = mapped_column(String(32), nullable=True)  # backend "slurm", once submitted
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 

@@ -18,6 +18,7 @@ from services.clock import RedisClock
 from services.reconcile import JobReconciler, Send
 from services.shared import Shared, Writer
 from services.slurm import SlurmSync
+from services.slurm_backend import is_slurm
 
 
 class PlacementRefused(Exception):
@@ -62,7 +63,7 @@ class OperatorActions:
                 if idempotency_key:
                     prior = db.job_by_idempotency_key(s, key=idempotency_key)
                     if prior is not None:
-                        stored = dict(prior.spec)
+                        stored = {"backend": "agents", **prior.spec}  # a job stored before backends were named
                         if stored != spec:
                             changed = sorted(k for k in {*spec, *stored} if spec.get(k) != stored.get(k))
                             raise IdempotencyKeyReused(
@@ -139,6 +140,8 @@ class OperatorActions:
             return True, list(job.assigned_nodes), dict(job.spec), job.master_addr, job.master_port
 
         changed, nodes, spec, addr, port = await self.writer.run("job stop", write)
+        if changed and is_slurm(spec):
+            return True  # the Slurm job loop scancels it (services/slurm_jobs.py: SIGTERM, the grace, SIGKILL)
         if changed:
             self.jobs.last_send[(job_id, "stop")] = self.clock.now()
             await self.jobs.send(Send("stop", job_id, nodes, spec, addr, port))
@@ -157,6 +160,13 @@ class OperatorActions:
                 raise KeyError(job_id)
             if (why := checkpoints.refusal(job_id, job.state)) is not None:
                 raise checkpoints.CheckpointRefused(why)
+            if is_slurm(job.spec):
+                # scancel --signal reaches every process of a step, DataLoader workers too, whom
+                # SIGUSR2's default action kills; the agents signal the rank processes alone
+                raise checkpoints.CheckpointRefused(
+                    f"job {job_id!r} runs in Slurm (backend 'slurm'): an emergency checkpoint through Slurm is "
+                    "not supported yet (scancel --signal=USR2 would also reach processes that do not catch it)"
+                )
             nodes = list(job.assigned_nodes)
             text = checkpoints.requested_reason(actor=actor, reason=reason, nodes=nodes)
             db.record_event(

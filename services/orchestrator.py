@@ -64,6 +64,7 @@ from services.reconcile import JobReconciler
 from services.retention import Retention
 from services.shared import CrashPoints, Shared, Writer, new_plans, new_progress, supervised, until_ok
 from services.slurm import SlurmClient, SlurmSync
+from services.slurm_backend import SlurmJobs
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -129,6 +130,15 @@ class Orchestrator:
         )
         # Slurm node sync (services/slurm.py), leader only, off unless PULSE_SLURM=on
         self.slurm = SlurmSync(settings, SlurmClient.from_settings(settings)) if settings.slurm else None
+        # The Slurm job backend (services/slurm_backend.py): jobs with "backend": "slurm"
+        self.slurm_jobs = (
+            SlurmJobs(
+                settings, self.slurm.client, shared=self.shared, writer=self.writer, clock=self.clock,
+                errors=self.slurm.errors, slurm_nodes=lambda: set(self.slurm.theirs) if self.slurm else set(),
+            )
+            if self.slurm is not None
+            else None
+        )  # fmt: skip
         self.operator = OperatorActions(
             settings, shared=self.shared, writer=self.writer, clock=self.clock, jobs=self.jobs, slurm=self.slurm
         )
@@ -195,6 +205,8 @@ class Orchestrator:
         ]
         if self.slurm is not None:
             loops.append(("slurm", self._slurm_loop))
+        if self.slurm_jobs is not None:
+            loops.append(("slurm_jobs", lambda: self.slurm_jobs.loop(stop, lambda: self.leading)))  # type: ignore[union-attr]
         for name, loop in loops:
             self._tasks.append(asyncio.create_task(supervised(self.settings, stop, name, loop), name=name))
 

@@ -158,6 +158,8 @@ class JobReconciler:
                 except KeyError:
                     log.warning("event=job_status_unknown_job job=%s node=%s", st.job, st.node)
             for job in db.list_jobs(s, states=ACTIVE_JOB_STATES):
+                if job.spec.get("backend") == "slurm":
+                    continue  # Slurm runs its ranks: services/slurm_backend.py follows it
                 if job.id not in self._rejoins and job.state == JobState.RUNNING and excluded.get(job.id):
                     self._count_rejoins(s, job.id)
                 d = decide(

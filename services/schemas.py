@@ -99,6 +99,13 @@ class JobCreate(BaseModel):
         json_schema_extra={"additionalProperties": False},  # other keys are refused, as the schema should say
     )
     selector: dict[str, str] = Field(default_factory=dict, max_length=32)
+    backend: Literal["agents", "slurm"] | None = Field(
+        None,
+        description=(
+            "who runs the ranks: the nodes' agents, or Slurm (sbatch and srun; needs PULSE_SLURM=on); "
+            "null: the orchestrator's PULSE_JOB_BACKEND"
+        ),
+    )
 
 
 class JobPublic(BaseModel):
@@ -116,6 +123,8 @@ class JobPublic(BaseModel):
     created_at: float
     updated_at: float
     progress: dict[str, Any]
+    backend: str = "agents"
+    slurm_job_id: str | None = None  # Slurm's id, once submitted (backend "slurm")
 
 
 class JobsPublic(BaseModel):

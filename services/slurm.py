@@ -98,7 +98,8 @@ class SlurmClient:
     def __init__(self, *, sinfo: str, scontrol: str, conf: str, timeout_s: float) -> None:
         self.sinfo_cmd = shlex.split(sinfo)
         self.scontrol_cmd = shlex.split(scontrol)
-        self.env = {**os.environ, **({"SLURM_CONF": conf} if conf else {})}
+        self.conf_env = {"SLURM_CONF": conf} if conf else {}
+        self.env = {**os.environ, **self.conf_env}
         self.timeout_s = timeout_s
 
     @classmethod
@@ -107,18 +108,22 @@ class SlurmClient:
             sinfo=s.slurm_sinfo, scontrol=s.slurm_scontrol, conf=s.slurm_conf, timeout_s=s.slurm_command_timeout_s
         )
 
-    async def run(self, op: str, argv: list[str]) -> str:
-        """Run ``argv``; its stdout, or :class:`SlurmError` with the exit status and stderr."""
+    async def run(
+        self, op: str, argv: list[str], *, stdin: bytes | None = None, env: dict[str, str] | None = None
+    ) -> str:
+        """Run ``argv`` (with ``stdin`` on its standard input, in ``env`` instead of this
+        process's environment); its stdout, or :class:`SlurmError` with the exit status and stderr."""
         cmd = shlex.join(argv)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, env=self.env, stdin=asyncio.subprocess.DEVNULL,
+                *argv, env=self.env if env is None else env,
+                stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             )  # fmt: skip
         except OSError as exc:
             raise SlurmError(op, f"{cmd}: cannot start: {exc}") from exc
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
+            out, err = await asyncio.wait_for(proc.communicate(stdin), self.timeout_s)
         except TimeoutError:
             proc.kill()
             await proc.wait()

@@ -468,6 +468,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             "env": _pairs(args.env, "--env"),
             "selector": _pairs(args.selector, "--selector"),
         }
+        if args.backend:
+            body["backend"] = args.backend
         if args.deepspeed_config:
             with open(args.deepspeed_config) as fh:
                 body["deepspeed_config"] = json.load(fh)
@@ -477,6 +479,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             json.dumps(job, indent=2)
             if args.json
             else f"job {job['id']} {job['state']} on {', '.join(job['assigned_nodes'])}"
+            + (" (Slurm)" if job.get("backend") == "slurm" else "")
         )
         return _follow(job["id"]) if args.follow else 0
     if not args.rest:
@@ -788,6 +791,11 @@ def _api_commands(sub: Subparsers) -> None:
     j.add_argument("--env", action="append", default=[], help="KEY=VALUE for the ranks (repeatable)")
     j.add_argument("--selector", action="append", default=[], help="node label KEY=VALUE (repeatable)")
     j.add_argument("--idempotency-key")
+    j.add_argument(
+        "--backend",
+        choices=("agents", "slurm"),
+        help="who runs the ranks (default: the orchestrator's PULSE_JOB_BACKEND)",
+    )
     j.add_argument("--state")
     j.add_argument("--follow", action="store_true", help="stream state and progress until the job ends")
     j.add_argument("--json", action="store_true")

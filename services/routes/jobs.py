@@ -56,6 +56,8 @@ def _job_public(orch: Orchestrator, row: Any) -> JobPublic:
         created_at=row.created_at,
         updated_at=row.updated_at,
         progress=figures,
+        backend=row.spec.get("backend") or "agents",
+        slurm_job_id=row.slurm_job_id,
     )
 
 
@@ -89,6 +91,13 @@ async def create_job(
     """Place and store a job: 201. With an ``Idempotency-Key`` used before, nothing new is
     placed: the same body gets 200 and that job, another body a 409 naming the key."""
     spec = body.model_dump()
+    spec["backend"] = spec["backend"] or orch.settings.job_backend  # stored resolved: a replay compares alike
+    if spec["backend"] == "slurm" and not orch.settings.slurm:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            detail="backend 'slurm': Slurm is off on this orchestrator (PULSE_SLURM=on turns it on); "
+            "use backend 'agents'",
+        )
     try:
         job_id, created = await orch.create_job(spec, idempotency_key=idempotency_key, actor=caller.name)
     except PlacementRefused as exc:

@@ -229,3 +229,16 @@ def test_slurm_off_says_so_and_the_breaker_reset_is_a_409(http: httpx.Client) ->
     assert r.status_code == 409 and "PULSE_SLURM" in r.json()["detail"], r.text
     node = http.get("/v1/nodes").json()["data"][0]
     assert node["scheduler"] is None and node["schedulable"] is True
+
+
+def test_a_slurm_job_on_an_orchestrator_without_slurm_is_a_409_naming_the_backend(http: httpx.Client) -> None:
+    before = job_count(http)
+    r = http.post("/v1/jobs", json={**JOB, "backend": "slurm"})
+    assert r.status_code == 409, r.text
+    assert r.json()["detail"].startswith("backend 'slurm': Slurm is off on this orchestrator (PULSE_SLURM=on"), r.text
+    assert job_count(http) == before
+    bad = http.post("/v1/jobs", json={**JOB, "backend": "pbs"})
+    assert bad.status_code == 422 and [e["loc"] for e in bad.json()["detail"]] == [["body", "backend"]], bad.text
+    ok = http.post("/v1/jobs", json=JOB)  # no backend: the orchestrator's default, the agents
+    assert ok.status_code == 201 and ok.json()["backend"] == "agents" and ok.json()["slurm_job_id"] is None, ok.text
+    http.post(f"/v1/jobs/{ok.json()['id']}/stop")

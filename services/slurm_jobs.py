@@ -1,0 +1,327 @@
+"""The Slurm job backend's decisions, pure: what to submit, and what a job's state is given Slurm's.
+
+A job created with ``"backend": "slurm"`` is placed as any job (``services/placement.py``: a
+refusal means nothing is submitted), then handed to Slurm by the leader's Slurm job loop
+(``services/slurm_backend.py``), which calls the functions here:
+
+- :func:`sbatch_argv` and :func:`batch_script`: ``sbatch`` with the job's nodes, its ranks per
+  node as tasks and, with a GRES name, its GPUs per node as ``--gres=<name>:<n>``; a
+  ``--nodelist`` of the nodes placement chose (topology-tight) and an ``--exclude`` of every other
+  Slurm node that is not HEALTHY and schedulable here. The job is named ``pulse-<id>``, so a
+  leader that crashed between ``sbatch`` and storing Slurm's id finds its job again rather than
+  submitting it twice. The batch script runs on the allocation's first node (Slurm's node 0:
+  ``MASTER_ADDR`` is that node's address as ClusterPulse knows it, else the address Slurm
+  launched the ranks from), starts the job's rendezvous
+  store there when torch is installed (``agent/jobstore.py``, as the first node's agent does), and
+  runs every rank with ``srun`` through ``python -u -m trainer.run``, with the environment the
+  agents' launcher gives a rank (``agent/launcher.py``, ``Launcher.rank_env``): ``RANK``,
+  ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``/``LOCAL_SIZE``, ``CROSS_RANK``,
+  ``CROSS_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``PULSE_JOB_ID``, ``PULSE_NODE``, plus the
+  job's ``env``, ``PULSE_DEEPSPEED_CONFIG`` and the ``PULSE_REDIS_URL`` its ranks report to.
+- :func:`decide`: the job's state follows Slurm's (``scontrol show job``):
+
+  ======================================  ===================================================
+  Slurm                                   ClusterPulse
+  ======================================  ===================================================
+  (not submitted yet)                     PENDING, ``submit``; FAILED when sbatch kept failing
+                                          for ``start_timeout`` (its last error in the reason),
+                                          or a placed node is no longer HEALTHY and schedulable
+  PENDING, REQUEUED, ...                  PENDING, Slurm's reason in ours
+  CONFIGURING, RUNNING, SUSPENDED         STARTING until every rank joined (registered or
+                                          stepped, as with the agents), then RUNNING; still
+                                          STARTING ``start_timeout`` later: FAILED, ``cancel``
+  COMPLETING                              unchanged (the ranks are being cleaned up)
+  COMPLETED                               SUCCEEDED
+  CANCELLED (by someone in Slurm)         STOPPED
+  FAILED, TIMEOUT, NODE_FAIL, OOM, ...    FAILED, with Slurm's state, exit code and reason
+  (forgotten: not listed any more)        FAILED (STOPPED when a stop was asked)
+  ======================================  ===================================================
+
+  A stop (STOPPING) is ``term`` (``scancel --signal=TERM``: every rank of every step, not the
+  batch shell, so srun sees its ranks leave) until ``grace_s`` after the stop was asked, then
+  ``kill``: ``scancel --signal=KILL <job>.<step>`` of each rank step (:func:`rank_steps`), which
+  kills them at once; srun returns and the batch script ends. (A SIGKILL to the whole job would
+  be a cancel, which Slurm carries out with its own TERM, ``KillWait`` (30 s by default), KILL.)
+  Still listed a resend later: ``scancel --full --signal=KILL <job>``, that cancel. STOPPED once
+  Slurm says the job is over.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from clusterpulse.states import TERMINAL_JOB_STATES, JobState
+
+JOB_NAME_PREFIX = "pulse-"
+SLURM_PENDING = frozenset({"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "REVOKED"})
+SLURM_RUNNING = frozenset({"CONFIGURING", "RUNNING", "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT"})
+SLURM_ENDING = frozenset({"COMPLETING"})
+# every other state is an end: COMPLETED, CANCELLED, FAILED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, ...
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """One job as ``scontrol show job --oneliner`` prints it."""
+
+    id: str
+    name: str
+    state: str  # JobState, e.g. RUNNING
+    reason: str = ""  # "" for None
+    exit_code: str = ""  # "0:0": the batch script's exit status and the signal that ended it
+    nodes: str = ""  # NodeList, e.g. sn-[000-001]
+
+    @property
+    def over(self) -> bool:
+        return self.state not in SLURM_PENDING | SLURM_RUNNING | SLURM_ENDING
+
+
+@dataclass(frozen=True)
+class SlurmJobDecision:
+    state: str
+    reason: str  # "" when the state does not change and there is nothing new to say
+    action: str | None = None  # "submit", "term", "kill" or "cancel" (scancel: Slurm's own TERM, KillWait, KILL)
+    slurm_job_id: str | None = None  # Slurm's id to store (the job was found by its name)
+
+
+_FIELD = re.compile(r"(?:^|\s)([A-Za-z][\w/:]*)=")
+
+
+def parse_job_line(line: str) -> dict[str, str]:
+    """``Key=Value Key=Value ...`` -> dict; a value may hold spaces (a ``Command`` path)."""
+    marks = list(_FIELD.finditer(line))
+    out: dict[str, str] = {}
+    for i, m in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(line)
+        out[m.group(1)] = line[m.end() : end].strip()
+    return out
+
+
+def parse_jobs(text: str) -> dict[str, SlurmJob]:
+    """``scontrol show job --oneliner`` (all jobs the controller still holds) -> id -> job. "No
+    jobs in the system" is none. Raises ValueError naming a line without a JobId."""
+    out: dict[str, SlurmJob] = {}
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("No jobs"):
+            continue
+        f = parse_job_line(line)
+        if not f.get("JobId"):
+            raise ValueError(f"scontrol show job line without JobId: {line[:200]!r}")
+        reason = f.get("Reason", "")
+        out[f["JobId"]] = SlurmJob(
+            id=f["JobId"],
+            name=f.get("JobName", ""),
+            state=f.get("JobState", "UNKNOWN"),
+            reason="" if reason in ("None", "(null)") else reason,
+            exit_code=f.get("ExitCode", ""),
+            nodes="" if f.get("NodeList") in (None, "(null)") else f["NodeList"],
+        )
+    return out
+
+
+def rank_steps(text: str) -> list[str]:
+    """The job's steps that run ranks, from ``scontrol show step --oneliner <job>``: every step
+    but the batch shell's and the extern one (``12.0``, ``12.1`` ...)."""
+    steps = [parse_job_line(line).get("StepId", "") for line in text.splitlines() if line.startswith("StepId=")]
+    return [s for s in steps if s and not s.endswith((".batch", ".extern"))]
+
+
+def find(jobs: Mapping[str, SlurmJob], *, job_id: str, slurm_job_id: str | None) -> SlurmJob | None:
+    """Our job in Slurm's list: by Slurm's id when stored, else by its name (the newest)."""
+    if slurm_job_id:
+        return jobs.get(slurm_job_id)
+    named = [j for j in jobs.values() if j.name == JOB_NAME_PREFIX + job_id]
+    return max(named, key=lambda j: int(j.id) if j.id.isdigit() else 0) if named else None
+
+
+def excluded(slurm_nodes: Iterable[str], usable: Collection[str]) -> list[str]:
+    """Every Slurm node that is not HEALTHY and schedulable here (``usable``), sorted."""
+    return sorted(n for n in set(slurm_nodes) if n not in usable)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What ``sbatch`` needs for one job."""
+
+    job_id: str
+    name: str
+    nodes: Sequence[str]  # placed, in order
+    gpus_per_node: int
+    entrypoint: Sequence[str]
+    master_port: int
+    # node -> the address its peers reach it at, where ClusterPulse knows one (an address label, or
+    # the one its agent published); elsewhere the ranks use the address Slurm launched them from
+    # (SLURM_LAUNCH_NODE_IPADDR: the batch script's node, the allocation's first)
+    addrs: Mapping[str, str]
+    exclude: Sequence[str] = ()
+    gres: str = "gpu"  # "" when the cluster has no GPU GRES
+    partition: str = ""
+    workdir: str = ""
+    output: str = ""  # a folder for the batch output, "" for Slurm's default
+    python: str = "python3"
+    store_linger_s: float = 30.0
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def sbatch_argv(sbatch: Sequence[str], sub: Submission) -> list[str]:
+    """The ``sbatch`` command line; the script (:func:`batch_script`) goes on its stdin, the
+    environment (``--export=ALL``) is the one the caller runs it with."""
+    per = max(1, sub.gpus_per_node)
+    argv = [*sbatch, "--parsable", f"--job-name={JOB_NAME_PREFIX}{sub.job_id}", f"--nodes={len(sub.nodes)}"]
+    argv += [f"--ntasks-per-node={per}", f"--nodelist={','.join(sub.nodes)}"]
+    if sub.gres and sub.gpus_per_node > 0:
+        argv.append(f"--gres={sub.gres}:{sub.gpus_per_node}")
+    if sub.exclude:
+        argv.append(f"--exclude={','.join(sub.exclude)}")
+    if sub.partition:
+        argv.append(f"--partition={sub.partition}")
+    if sub.workdir:
+        argv.append(f"--chdir={sub.workdir}")
+    if sub.output:
+        argv.append(f"--output={sub.output.rstrip('/')}/{JOB_NAME_PREFIX}{sub.job_id}-%j.out")
+    argv += ["--export=ALL", f"--comment=clusterpulse job {sub.job_id} ({sub.name})"]
+    return argv
+
+
+# One rank: the variables of agent/launcher.py's rank_env, from srun's own, then the rank itself.
+_RANK_SHELL = (
+    'export MASTER_ADDR="${MASTER_ADDR:-$SLURM_LAUNCH_NODE_IPADDR}" '
+    'RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS" '
+    'CROSS_RANK="$SLURM_NODEID" CROSS_SIZE="$SLURM_NNODES" PULSE_NODE="$SLURMD_NODENAME"; exec "$@"'
+)
+
+
+def batch_script(sub: Submission) -> str:
+    """The batch script (module docstring). Its exit status is srun's: the highest of the ranks'."""
+    q = shlex.quote
+    per = max(1, sub.gpus_per_node)
+    cases = "".join(f"  {q(n)}) export MASTER_ADDR={q(a)} ;;\n" for n, a in sub.addrs.items() if a)
+    store = [q(sub.python), "-m", "agent.jobstore", '--port="$MASTER_PORT"', f"--job={q(sub.job_id)}"]
+    rank = [q(sub.python), "-u", "-m", "trainer.run", *(q(a) for a in sub.entrypoint)]
+    return (
+        "#!/bin/bash\n"
+        f"# ClusterPulse job {sub.job_id} ({sub.name}), submitted by the orchestrator: services/slurm_jobs.py\n"
+        'case "$SLURMD_NODENAME" in\n'
+        f"{cases}esac\n"
+        f"export MASTER_PORT={sub.master_port} PULSE_JOB_ID={q(sub.job_id)}\n"
+        f"export LOCAL_WORLD_SIZE={per} LOCAL_SIZE={per}\n"
+        "store=\n"
+        f"if {q(sub.python)} -c 'import importlib.util as u, sys; sys.exit(u.find_spec(\"torch\") is None)'; then\n"
+        f"  {' '.join(store)} --linger={sub.store_linger_s:g} &\n"
+        "  store=$!\n"
+        "  export TORCHELASTIC_USE_AGENT_STORE=True\n"
+        "fi\n"
+        f"srun --export=ALL --kill-on-bad-exit=0 --nodes={len(sub.nodes)} --ntasks-per-node={per} "
+        f"/bin/sh -c {q(_RANK_SHELL)} rank {' '.join(rank)}\n"
+        "rc=$?\n"
+        'if [ -n "$store" ]; then kill "$store" 2>/dev/null; wait "$store" 2>/dev/null; fi\n'
+        "exit $rc\n"
+    )
+
+
+def decide(
+    *,
+    state: str,
+    job_id: str,
+    slurm: SlurmJob | None,
+    slurm_job_id: str | None,
+    since: float,
+    created: float,
+    now: float,
+    joined: Collection[int],
+    world: int,
+    grace_s: float,
+    start_timeout: float,
+    submit_error: str = "",
+    unusable: Sequence[str] = (),
+) -> SlurmJobDecision:
+    """What a Slurm job's state should be and what to do (module docstring). ``slurm``: the job
+    as Slurm lists it (found by :func:`find`), None when Slurm does not list it; ``slurm_job_id``:
+    Slurm's id as stored; ``since``: when the job entered ``state``; ``submit_error``: the last
+    ``sbatch`` failure, "" when none; ``unusable``: the job's placed nodes that are no longer
+    HEALTHY and schedulable (a job not yet submitted then FAILS rather than being sent there)."""
+    if state in TERMINAL_JOB_STATES:
+        return SlurmJobDecision(state, "")
+    found = slurm.id if slurm is not None and slurm.id != slurm_job_id else None
+    sid = slurm.id if slurm is not None else slurm_job_id
+    if state == JobState.STOPPING:
+        return _stopping(slurm, sid, found, since=since, now=now, grace_s=grace_s)
+    if slurm is None:
+        if slurm_job_id:
+            return SlurmJobDecision(
+                JobState.FAILED, f"Slurm job {slurm_job_id} is no longer listed by Slurm (its end was not seen)"
+            )
+        if unusable:
+            return SlurmJobDecision(
+                JobState.FAILED,
+                f"not submitted: {', '.join(unusable)} no longer HEALTHY and schedulable since placement",
+            )
+        if submit_error and now - created > start_timeout:
+            return SlurmJobDecision(
+                JobState.FAILED, f"not submitted to Slurm within {start_timeout:g}s; sbatch said: {submit_error}"
+            )
+        return SlurmJobDecision(state, "", action="submit")
+    if slurm.state in SLURM_PENDING:
+        why = f"Slurm job {slurm.id} {slurm.state}" + (f": {slurm.reason}" if slurm.reason else "")
+        return SlurmJobDecision(state, why, slurm_job_id=found)
+    if slurm.state in SLURM_ENDING:
+        return SlurmJobDecision(state, "", slurm_job_id=found)
+    if slurm.state in SLURM_RUNNING:
+        if state == JobState.STARTING and now - since > start_timeout:
+            seen = len({r for r in joined if 0 <= r < world})
+            return SlurmJobDecision(
+                JobState.FAILED,
+                f"ranks did not rendezvous within {start_timeout:g} s of Slurm job {slurm.id} running on "
+                f"{slurm.nodes}: {seen} of {world} ranks registered or reported a step; cancelled",
+                action="cancel",
+                slurm_job_id=found,
+            )
+        return _running(state, slurm, found, joined=joined, world=world)
+    return _ended(slurm, found)
+
+
+def _stopping(
+    slurm: SlurmJob | None, sid: str | None, found: str | None, *, since: float, now: float, grace_s: float
+) -> SlurmJobDecision:
+    if slurm is None:
+        gone = f"Slurm job {sid} is gone" if sid else "stopped before it was submitted to Slurm"
+        return SlurmJobDecision(JobState.STOPPED, gone)
+    if slurm.over:
+        return SlurmJobDecision(
+            JobState.STOPPED, f"Slurm job {slurm.id} ended {slurm.state} (exit {slurm.exit_code})", slurm_job_id=found
+        )
+    if slurm.state in SLURM_ENDING:
+        return SlurmJobDecision(JobState.STOPPING, "", slurm_job_id=found)  # Slurm is ending it already
+    if now - since >= grace_s:
+        return SlurmJobDecision(JobState.STOPPING, "", action="kill", slurm_job_id=found)
+    return SlurmJobDecision(JobState.STOPPING, "", action="term", slurm_job_id=found)
+
+
+def _running(
+    state: str, slurm: SlurmJob, found: str | None, *, joined: Collection[int], world: int
+) -> SlurmJobDecision:
+    seen = {r for r in joined if 0 <= r < world}
+    if state == JobState.RUNNING or len(seen) >= world:
+        return SlurmJobDecision(
+            JobState.RUNNING,
+            f"every rank rendezvoused: {world} ranks in Slurm job {slurm.id} on {slurm.nodes}",
+            slurm_job_id=found,
+        )
+    return SlurmJobDecision(
+        JobState.STARTING,
+        f"Slurm job {slurm.id} {slurm.state} on {slurm.nodes}: {len(seen)} of {world} ranks joined",
+        slurm_job_id=found,
+    )
+
+
+def _ended(slurm: SlurmJob, found: str | None) -> SlurmJobDecision:
+    said = f"Slurm job {slurm.id} {slurm.state} (exit {slurm.exit_code}" + (
+        f", reason {slurm.reason})" if slurm.reason else ")"
+    )
+    if slurm.state == "COMPLETED":
+        return SlurmJobDecision(JobState.SUCCEEDED, said, slurm_job_id=found)
+    if slurm.state == "CANCELLED":
+        return SlurmJobDecision(JobState.STOPPED, f"{said}: cancelled in Slurm", slurm_job_id=found)
+    return SlurmJobDecision(JobState.FAILED, said, slurm_job_id=found)

@@ -1,0 +1,217 @@
+"""The Slurm job backend against a real Slurm: munged, slurmctld and 4 ``slurmd -N`` on this
+machine (tests/slurm_cluster.py), a real ``pulse orchestrator`` with ``PULSE_SLURM=on`` and
+``pulse simulate`` agents for three of the four Slurm nodes (``sb-003`` has none: it is never
+HEALTHY here, so every job excludes it). Ranks are real DeepSpeed ranks of ``trainer.example``
+on gloo, started by ``sbatch``/``srun``. The test Slurm has no GPU GRES (its nodes have no
+devices to report), so ``PULSE_SLURM_GRES`` is empty here; the GRES argument is a unit test's.
+Skipped where slurm-wlm and munge, or torch and deepspeed, are not installed."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.slurm_cluster import SlurmCluster, available
+from tests.stack import Stack
+from tests.support import REPO, spawn, wait_for
+
+pytestmark = pytest.mark.e2e
+
+SLURM_NODES = [f"sb-{i:03d}" for i in range(4)]
+AGENTS = 3  # sb-000 .. sb-002; sb-003 has no agent
+STEP_DELAY_S = 0.2
+POLL_S = 0.5  # PULSE_SLURM_JOB_POLL_S
+GRACE_S = 3.0  # PULSE_JOB_STOP_GRACE_S
+STUBBORN = str(REPO / "tests" / "fixtures" / "jobs" / "stubborn_rank.py")
+RANK_PY = str(REPO / "tests" / "fixtures" / "jobs" / "rank.py")
+
+
+def _job(steps: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": "slurm-train",
+        "nodes": 2,
+        "gpus_per_node": 1,
+        "backend": "slurm",
+        "entrypoint": ["-m", "trainer.example", "--steps", str(steps), "--step-delay", str(STEP_DELAY_S)],
+        "env": {"PULSE_PLAN_POLL_S": "0.5"},
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    if (why := available()) is not None:
+        pytest.skip(why)
+    if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("torch") is None:
+        pytest.skip("torch and deepspeed are not installed (pip install 'clusterpulse[trainer]')")
+    with SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=SLURM_NODES) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def stack(slurm: SlurmCluster, redis_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """The orchestrator and agents on a flushed test Redis (a previous test's leader epoch there
+    would fence this one's writes); ``indirect`` parametrization adds or replaces settings."""
+    slurm.reset()
+    (tmp_path / "out").mkdir()
+    settings = {
+        "PULSE_REDIS_URL": redis_url,
+        "PULSE_SLURM": "on",
+        "PULSE_SLURM_CONF": str(slurm.conf),
+        "PULSE_SLURM_SYNC_PERIOD_S": "0.5",
+        "PULSE_SLURM_JOB_POLL_S": str(POLL_S),
+        "PULSE_SLURM_BACKOFF_MAX_S": "1",
+        "PULSE_SLURM_COMMAND_TIMEOUT_S": "10",
+        "PULSE_SLURM_GRES": "",
+        "PULSE_SLURM_OUTPUT_DIR": str(tmp_path / "out"),
+        "PULSE_JOB_START_TIMEOUT_S": "120",
+        "PULSE_JOB_STOP_GRACE_S": str(GRACE_S),
+        **getattr(request, "param", {}),
+    }
+    s = Stack(tmp_path, **settings)
+    try:
+        s.orchestrator()
+        args = ["simulate", "--nodes", str(AGENTS), "--prefix", "sb", "--gpus-per-node", "2", "--interval", "0.3"]
+        s.procs["simulate"] = spawn(args, env=s.env, log=tmp_path / "simulate.log")
+        s.wait_healthy(SLURM_NODES[:AGENTS])
+        yield s
+    except BaseException:
+        print(s.logs())
+        for out in (tmp_path / "out").glob("*"):
+            print(f"--- {out.name}\n{out.read_text(errors='replace')[-3000:]}")
+        print(slurm.logs())
+        raise
+    finally:
+        _cancel_all(slurm)
+        s.close()
+
+
+def _cancel_all(slurm: SlurmCluster) -> None:
+    with contextlib.suppress(AssertionError):
+        slurm._run(["scancel", "--full", "--signal=KILL", "--user=root"], check=False)
+        slurm._run(["scancel", "--user=root"], check=False)
+
+
+def _squeue(slurm: SlurmCluster) -> str:
+    return slurm._run(["squeue", "--noheader", "--format=%i %j %T"]).stdout.strip()
+
+
+def _job_processes(job_id: str) -> list[int]:
+    """Processes whose environment carries PULSE_JOB_ID=<job_id> (ranks, the job's store)."""
+    pids = []
+    needle = f"PULSE_JOB_ID={job_id}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                stat = (proc / "stat").read_text()
+                if not stat.split(") ", 1)[1].startswith("Z"):
+                    pids.append(int(proc.name))
+    return pids
+
+
+def _step(stack: Stack, job_id: str) -> float:
+    for line in httpx.get(f"{stack.api}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'pulse_job_step{{job="{job_id}"}} '):
+            return float(line.split()[1])
+    return -1.0
+
+
+def test_a_two_node_job_runs_to_succeeded_through_slurm(stack: Stack, slurm: SlurmCluster) -> None:
+    r = stack.post("/v1/jobs", _job(steps=15))
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["backend"] == "slurm"
+    done = stack.wait_state(job["id"], "SUCCEEDED", timeout=240)
+    sid = done["slurm_job_id"]
+    assert sid and sid.isdigit(), done
+    assert f"Slurm job {sid} COMPLETED" in done["reason"], done
+    states = [e["to_state"] for e in stack.events(job=job["id"]) if e["kind"] == "job"]
+    assert states[0] == "PENDING" and "RUNNING" in states and states[-1] == "SUCCEEDED", states
+    assert _step(stack, job["id"]) >= 1, "the ranks' reports reach /metrics"
+    shown = slurm.scontrol("show", "job", "--oneliner", sid)
+    assert f"JobName=pulse-{job['id']}" in shown and "ExcNodeList=sb-003" in shown, shown
+    assert f"ReqNodeList={done['assigned_nodes'][0]}" in shown or "ReqNodeList=sb-[" in shown, shown
+    assert "NumNodes=2 " in shown and "NumTasks=2 " in shown, shown
+
+
+def test_a_stop_leaves_no_rank(stack: Stack, slurm: SlurmCluster) -> None:
+    r = stack.post("/v1/jobs", _job(steps=1_000_000))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    running = stack.wait_state(job_id, "RUNNING", timeout=240)
+    wait_for(lambda: _step(stack, job_id) >= 2, timeout=60, what="steps reported")
+    assert len(_job_processes(job_id)) >= 2  # two ranks at least (and the job's store)
+    assert running["slurm_job_id"] in _squeue(slurm)
+    r = stack.post(f"/v1/jobs/{job_id}/stop")
+    assert r.status_code == 200, r.text
+    stopped = stack.wait_state(job_id, "STOPPED", timeout=60)
+    assert f"Slurm job {running['slurm_job_id']} ended" in stopped["reason"], stopped
+    wait_for(lambda: _squeue(slurm) == "", timeout=30, what="squeue empty")
+    wait_for(lambda: _job_processes(job_id) == [], timeout=30, what="no process of the job left")
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(
+    stack: Stack, slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    body = _job(steps=1, entrypoint=[STUBBORN, "--out", str(marks)])
+    r = stack.post("/v1/jobs", body)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    stack.wait_state(job_id, "RUNNING", timeout=120)  # both ranks registered
+    r = stack.post(f"/v1/jobs/{job_id}/checkpoint")
+    assert r.status_code == 409 and "runs in Slurm" in r.json()["detail"], r.text
+    t0 = time.monotonic()
+    assert stack.post(f"/v1/jobs/{job_id}/stop").status_code == 200
+    wait_for(lambda: len(list(marks.glob("*.term"))) == 2, timeout=30, what="SIGTERM reached both ranks")
+    assert stack.job(job_id)["state"] == "STOPPING"  # they ignore it: the grace runs
+    stopped = stack.wait_state(job_id, "STOPPED", timeout=60)
+    took = time.monotonic() - t0
+    assert GRACE_S <= took < GRACE_S + 15, f"SIGKILL after the grace, not Slurm's KillWait (30 s): {took:.1f}s"
+    assert "ended" in stopped["reason"], stopped
+    wait_for(lambda: _squeue(slurm) == "", timeout=30, what="squeue empty")
+    wait_for(lambda: _job_processes(job_id) == [], timeout=30, what="no process of the job left")
+
+
+@pytest.mark.parametrize("stack", [{"PULSE_JOB_START_TIMEOUT_S": "6"}], indirect=True)
+def test_ranks_that_never_join_fail_the_job_at_the_start_timeout_and_it_is_cancelled(
+    stack: Stack, slurm: SlurmCluster
+) -> None:
+    body = _job(steps=1, entrypoint=[RANK_PY, "--no-register", "--seconds", "600"])
+    r = stack.post("/v1/jobs", body)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    failed = stack.wait_state(job_id, "FAILED", timeout=60)
+    sid = failed["slurm_job_id"]
+    assert failed["reason"].startswith(f"ranks did not rendezvous within 6 s of Slurm job {sid} running on "), failed
+    assert failed["reason"].endswith("0 of 2 ranks registered or reported a step; cancelled"), failed
+    wait_for(lambda: _squeue(slurm) == "", timeout=60, what="squeue empty")
+    wait_for(lambda: _job_processes(job_id) == [], timeout=30, what="no process of the job left")
+
+
+def _slurm_job_ids(slurm: SlurmCluster) -> set[str]:
+    """Every job slurmctld still holds, ended ones included (for MinJobAge)."""
+    out = slurm._run(["scontrol", "show", "job", "--oneliner"]).stdout
+    return {line.split()[0] for line in out.splitlines() if line.startswith("JobId=")}
+
+
+def test_more_nodes_than_are_healthy_is_refused_and_nothing_submitted(stack: Stack, slurm: SlurmCluster) -> None:
+    before = _slurm_job_ids(slurm)
+    r = stack.post("/v1/jobs", _job(steps=5, nodes=4))
+    assert r.status_code == 409, r.text
+    detail = r.json()["detail"]
+    assert detail.startswith("placement refused: 4 nodes with 1 free GPUs each requested, 3 HEALTHY"), detail
+    assert stack.get("/v1/jobs")["count"] == 0
+    time.sleep(4 * POLL_S)  # what is to be shown is an absence: four polls of the job loop pass first
+    assert _squeue(slurm) == ""
+    assert _slurm_job_ids(slurm) == before

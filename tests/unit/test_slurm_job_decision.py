@@ -1,0 +1,173 @@
+"""The Slurm job backend's pure part (services/slurm_jobs.py): parsing ``scontrol show job``, the
+sbatch command line and batch script, and the state a job takes from Slurm's."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from services.slurm_jobs import (
+    SlurmJob,
+    Submission,
+    batch_script,
+    decide,
+    excluded,
+    find,
+    parse_job_line,
+    parse_jobs,
+    rank_steps,
+    sbatch_argv,
+)
+
+# recorded from the test Slurm (slurm-wlm 22.05.8), trimmed of fields nobody reads
+LINE = (
+    "JobId=12 JobName=pulse-ab12 UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
+    "Account=(null) QOS=(null) JobState=COMPLETED Reason=None Dependency=(null) Requeue=1 Restarts=0 "
+    "BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED AllocNode:Sid=localhost:21065 "
+    "ReqNodeList=sj[1,3] ExcNodeList=sj2 NodeList=sj[1,3] BatchHost=sj1 NumNodes=2 NumCPUs=4 NumTasks=4 "
+    "Command=(null) WorkDir=/work/a dir StdErr=/tmp/out.txt StdIn=/dev/null StdOut=/tmp/out.txt Power= "
+)
+
+
+def test_parse_a_oneliner() -> None:
+    f = parse_job_line(LINE)
+    assert f["JobId"] == "12" and f["AllocNode:Sid"] == "localhost:21065" and f["WorkDir"] == "/work/a dir"
+    assert f["Power"] == ""
+    jobs = parse_jobs(LINE + "\n\n" + LINE.replace("JobId=12", "JobId=13").replace("COMPLETED", "RUNNING"))
+    assert jobs["12"] == SlurmJob("12", "pulse-ab12", "COMPLETED", "", "0:0", "sj[1,3]")
+    assert jobs["13"].state == "RUNNING" and not jobs["13"].over and jobs["12"].over
+    assert parse_jobs("No jobs in the system\n") == {}
+    with pytest.raises(ValueError, match="without JobId"):
+        parse_jobs("JobName=x JobState=RUNNING")
+
+
+def test_find_by_id_else_by_name_the_newest() -> None:
+    jobs = {i: SlurmJob(i, f"pulse-{n}", "RUNNING") for i, n in (("7", "a"), ("9", "a"), ("8", "b"))}
+    assert find(jobs, job_id="a", slurm_job_id=None) == jobs["9"]
+    assert find(jobs, job_id="a", slurm_job_id="7") == jobs["7"]
+    assert find(jobs, job_id="c", slurm_job_id=None) is None
+    assert find(jobs, job_id="a", slurm_job_id="99") is None
+
+
+def test_exclude_every_node_not_usable() -> None:
+    assert excluded(["n3", "n1", "n2", "n4"], {"n1", "n2"}) == ["n3", "n4"]
+
+
+SUB = Submission(
+    job_id="ab12", name="train", nodes=["n1", "n2"], gpus_per_node=4,
+    entrypoint=["-m", "trainer.example", "--steps", "10", "--note", "it's"], master_port=29601,
+    addrs={"n1": "10.0.0.1", "n2": ""}, exclude=["n3", "n9"], gres="gpu", partition="train",
+    workdir="/work", output="/logs/", python="/venv/bin/python",
+)  # fmt: skip
+
+
+def test_sbatch_argv() -> None:
+    assert sbatch_argv(["sudo", "-n", "sbatch"], SUB) == [
+        "sudo", "-n", "sbatch", "--parsable", "--job-name=pulse-ab12", "--nodes=2", "--ntasks-per-node=4",
+        "--nodelist=n1,n2", "--gres=gpu:4", "--exclude=n3,n9", "--partition=train", "--chdir=/work",
+        "--output=/logs/pulse-ab12-%j.out", "--export=ALL", "--comment=clusterpulse job ab12 (train)",
+    ]  # fmt: skip
+    plain = Submission(
+        job_id="x", name="y", nodes=["n1"], gpus_per_node=1, entrypoint=["t.py"], master_port=1, addrs={}, gres=""
+    )
+    argv = sbatch_argv(["sbatch"], plain)
+    assert not any(a.startswith(("--gres", "--exclude", "--partition", "--chdir", "--output")) for a in argv)
+
+
+def test_batch_script_gives_each_rank_the_launchers_environment() -> None:
+    script = batch_script(SUB)
+    assert "  n1) export MASTER_ADDR=10.0.0.1 ;;" in script and "n2)" not in script  # n2: no address known
+    assert "export MASTER_PORT=29601 PULSE_JOB_ID=ab12" in script
+    assert "export LOCAL_WORLD_SIZE=4 LOCAL_SIZE=4" in script
+    for var in ('RANK="$SLURM_PROCID"', 'LOCAL_RANK="$SLURM_LOCALID"', 'WORLD_SIZE="$SLURM_NTASKS"',
+                'CROSS_RANK="$SLURM_NODEID"', 'CROSS_SIZE="$SLURM_NNODES"', 'PULSE_NODE="$SLURMD_NODENAME"',
+                'MASTER_ADDR="${MASTER_ADDR:-$SLURM_LAUNCH_NODE_IPADDR}"'):  # fmt: skip
+        assert var in script, var
+    assert "srun --export=ALL --kill-on-bad-exit=0 --nodes=2 --ntasks-per-node=4 " in script
+    assert "/venv/bin/python -u -m trainer.run -m trainer.example --steps 10 --note 'it'\"'\"'s'" in script
+    assert "/venv/bin/python -m agent.jobstore" in script and "TORCHELASTIC_USE_AGENT_STORE=True" in script
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
+
+
+def _d(state: str, slurm: SlurmJob | None, **kw: object) -> tuple[str, str, str | None, str | None]:
+    args: dict[str, object] = dict(
+        state=state, job_id="ab12", slurm=slurm, slurm_job_id=None, since=100.0, created=100.0, now=101.0,
+        joined=(), world=2, grace_s=5.0, start_timeout=60.0,
+    )  # fmt: skip
+    args.update(kw)
+    d = decide(**args)  # type: ignore[arg-type]
+    return d.state, d.reason, d.action, d.slurm_job_id
+
+
+def S(state: str, reason: str = "", exit_code: str = "0:0") -> SlurmJob:
+    return SlurmJob("41", "pulse-ab12", state, reason, exit_code, "n[1-2]")
+
+
+def test_not_submitted_yet() -> None:
+    assert _d("PENDING", None) == ("PENDING", "", "submit", None)
+    assert _d("PENDING", None, submit_error="sbatch: refused")[2] == "submit"  # retried
+    st, why, action, _ = _d("PENDING", None, submit_error="sbatch: refused", now=161.0)
+    assert (st, action) == ("FAILED", None) and "within 60s; sbatch said: sbatch: refused" in why
+    st, why, action, _ = _d("PENDING", None, unusable=["n2"])
+    assert (st, action) == ("FAILED", None) and "n2 no longer HEALTHY and schedulable" in why
+
+
+def test_state_follows_slurm() -> None:
+    assert _d("PENDING", S("PENDING", "Resources")) == ("PENDING", "Slurm job 41 PENDING: Resources", None, "41")
+    assert _d("PENDING", S("PENDING"), slurm_job_id="41")[3] is None  # known: nothing to store
+    assert _d("PENDING", S("RUNNING"))[:2] == ("STARTING", "Slurm job 41 RUNNING on n[1-2]: 0 of 2 ranks joined")
+    assert _d("STARTING", S("RUNNING"), joined={0, 5})[0] == "STARTING"  # rank 5 is outside the world
+    assert _d("STARTING", S("RUNNING"), joined={0, 1})[0] == "RUNNING"
+    assert _d("RUNNING", S("RUNNING"))[0] == "RUNNING"
+    st, why, action, _ = _d("STARTING", S("RUNNING"), joined={1}, now=161.0)  # start_timeout 60 after since
+    assert (st, action) == ("FAILED", "cancel"), why
+    assert why == (
+        "ranks did not rendezvous within 60 s of Slurm job 41 running on n[1-2]: "
+        "1 of 2 ranks registered or reported a step; cancelled"
+    )
+    assert _d("RUNNING", S("RUNNING"), now=1000.0)[0] == "RUNNING"  # the timeout is the start's only
+    assert _d("RUNNING", S("COMPLETING"))[:2] == ("RUNNING", "")
+    assert _d("RUNNING", S("COMPLETED"))[:2] == ("SUCCEEDED", "Slurm job 41 COMPLETED (exit 0:0)")
+    st, why, _, _ = _d("RUNNING", S("FAILED", "NonZeroExitCode", "1:0"))
+    assert (st, why) == ("FAILED", "Slurm job 41 FAILED (exit 1:0, reason NonZeroExitCode)")
+    assert _d("RUNNING", S("TIMEOUT"))[0] == "FAILED"
+    assert _d("RUNNING", S("NODE_FAIL"))[0] == "FAILED"
+    assert _d("RUNNING", S("CANCELLED"))[:2] == ("STOPPED", "Slurm job 41 CANCELLED (exit 0:0): cancelled in Slurm")
+    st, why, _, _ = _d("RUNNING", None, slurm_job_id="41")
+    assert st == "FAILED" and "no longer listed" in why
+    assert _d("SUCCEEDED", S("RUNNING")) == ("SUCCEEDED", "", None, None)  # terminal stays
+
+
+def test_stop_is_term_then_kill_after_the_grace_then_stopped() -> None:
+    assert _d("STOPPING", S("RUNNING"), now=101.0)[2] == "term"
+    assert _d("STOPPING", S("RUNNING"), now=105.0)[2] == "kill"
+    assert _d("STOPPING", S("COMPLETING"), now=101.0)[2] is None  # Slurm is ending it: nothing to signal
+    assert _d("STOPPING", S("COMPLETING"), now=105.0)[:3] == ("STOPPING", "", None)
+    assert _d("STOPPING", S("FAILED", exit_code="0:15"))[:2] == ("STOPPED", "Slurm job 41 ended FAILED (exit 0:15)")
+    assert _d("STOPPING", None)[:2] == ("STOPPED", "stopped before it was submitted to Slurm")
+    assert _d("STOPPING", None, slurm_job_id="41")[:2] == ("STOPPED", "Slurm job 41 is gone")
+
+
+def test_rank_steps_leave_the_batch_shell_out() -> None:
+    text = (
+        "StepId=1.batch UserId=0 State=RUNNING NodeList=sj1 Nodes=1 CPUs=0 Tasks=1 Name=batch\n"
+        "StepId=1.extern UserId=0 State=RUNNING NodeList=sj[1-2] Name=extern\n"
+        "StepId=1.0 UserId=0 State=RUNNING NodeList=sj[1-2] Nodes=2 CPUs=2 Tasks=2 Name=sh SrunHost:Pid=vm:15243\n"
+    )
+    assert rank_steps(text) == ["1.0"]
+    assert rank_steps("") == []
+
+
+def test_the_slurm_job_backend_as_default_needs_slurm_on() -> None:
+    from pydantic import ValidationError
+
+    from clusterpulse.settings import load_settings
+
+    with pytest.raises(ValidationError, match="PULSE_JOB_BACKEND=slurm needs PULSE_SLURM=on"):
+        load_settings(job_backend="slurm")
+    assert load_settings(job_backend="slurm", slurm=True).job_backend == "slurm"
+    with pytest.raises(ValidationError, match="slurm_gres"):
+        load_settings(slurm_gres="gpu:4")  # the count is the job's gpus_per_node

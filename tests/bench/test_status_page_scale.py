@@ -1,0 +1,131 @@
+"""The status page at 2,048 nodes: a real ``pulse orchestrator``, ``pulse simulate --nodes N``
+(8 GPUs each) and headless Chromium (Debian's ``chromium`` and ``chromium-driver``).
+
+Figures: how long ``GET /v1/nodes`` takes and how large it is, the page's first render of every
+node card, the time of one ``refresh()`` of the page (the function the timer and the event
+stream call; median of ``--refreshes``), and the requests a refresh makes (one per resource,
+never one per node: counted over every refresh meanwhile, the page's own included).
+
+Skipped unless ``PULSE_BENCH=1``; ``python -m tests.bench.test_status_page_scale`` prints one
+JSON object (``--nodes``, ``--refreshes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.stack import Stack
+from tests.support import REDIS_URL, spawn, stop, wait_for
+
+
+@contextmanager
+def _chromium() -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        raise RuntimeError("Debian's chromium and chromium-driver are needed (scripts/bootstrap installs them)")
+    opts = Options()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,900"):
+        opts.add_argument(arg)
+    d = webdriver.Chrome(options=opts, service=Service(driver))
+    try:
+        yield d
+    finally:
+        d.quit()
+
+
+def measure(tmp: Path, *, nodes: int, refreshes: int) -> dict[str, Any]:
+    stack = Stack(
+        tmp,
+        PULSE_SUSPECT_AFTER_S="15",
+        PULSE_DEGRADED_AFTER_S="30",
+        PULSE_LOST_AFTER_S="600",
+        PULSE_REDIS_URL=REDIS_URL,
+    )
+    try:
+        stack.orchestrator()
+        sim = ["simulate", "--nodes", str(nodes), "--gpus-per-node", "8", "--interval", "5"]
+        stack.procs["sim"] = spawn(sim, env=stack.env, log=tmp / "sim.log")
+        wait_for(lambda: stack.get("/v1/nodes")["count"] >= nodes, timeout=120, what=f"{nodes} nodes", every=1)
+        t = time.perf_counter()
+        body = httpx.get(f"{stack.api}/v1/nodes", timeout=30).content
+        nodes_s = time.perf_counter() - t
+        with _chromium() as d:
+            t = time.perf_counter()
+            d.get(f"{stack.api}/")
+            count = "return document.querySelectorAll('[data-node]').length"
+            wait_for(lambda: d.execute_script(count) >= nodes, timeout=120, what="every card", every=0.1)
+            first_render_s = time.perf_counter() - t
+            before = d.execute_script("return performance.getEntriesByType('resource').length")
+            times = [
+                d.execute_async_script(
+                    "const done = arguments[0]; const t = performance.now(); refresh().then(() => done(performance.now() - t));"
+                )
+                / 1000
+                for _ in range(refreshes)
+            ]
+            names = d.execute_script(
+                "return performance.getEntriesByType('resource').slice(arguments[0]).map(e => new URL(e.name).pathname)",
+                before,
+            )
+            cards = d.execute_script(count)
+    finally:
+        if "sim" in stack.procs:
+            stop(stack.procs["sim"])
+        stack.close()
+    return {
+        "nodes": nodes,
+        "gpus": nodes * 8,
+        "cards_shown": cards,
+        "get_nodes_s": round(nodes_s, 3),
+        "get_nodes_bytes": len(body),
+        "first_render_s": round(first_render_s, 2),
+        "refresh_s_median": round(statistics.median(times), 3),
+        "refresh_s": [round(x, 3) for x in times],
+        # each refresh reads /v1/nodes once (the page's own timer and stream wake-ups refresh too)
+        "requests_per_refresh": round(len(names) / max(1, names.count("/v1/nodes")), 2),
+        "paths_requested": sorted(set(names)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tests.bench.test_status_page_scale", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--nodes", type=int, default=2048)
+    p.add_argument("--refreshes", type=int, default=5)
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pulse-page-") as d:
+        print(json.dumps(measure(Path(d), nodes=a.nodes, refreshes=a.refreshes)))
+    return 0
+
+
+@pytest.mark.skipif(os.environ.get("PULSE_BENCH") != "1", reason="benchmark: set PULSE_BENCH=1")
+@pytest.mark.timeout(600)
+def test_status_page_at_2048_nodes(tmp_path: Path) -> None:
+    result = measure(tmp_path, nodes=2048, refreshes=5)
+    print(json.dumps(result))
+    assert result["cards_shown"] == 2048
+    assert result["requests_per_refresh"] <= 3  # nodes, jobs, events: one request per resource
+    assert set(result["paths_requested"]) <= {"/v1/nodes", "/v1/jobs", "/v1/events"}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,10 @@ def _job(steps: int, **extra: Any) -> dict[str, Any]:
         "gpus_per_node": 1,
         "backend": "slurm",
         "entrypoint": ["-m", "trainer.example", "--steps", str(steps), "--step-delay", str(STEP_DELAY_S)],
-        "env": {"PULSE_PLAN_POLL_S": "0.5"},
+        # The ops scripts/bootstrap compiled (tests/conftest.py): sbatch hands its ranks a small
+        # environment, and DeepSpeed's default ~/.cache would compile them again under the test's
+        # deadline, leaving a lock behind that every later start waits on when the test ends it.
+        "env": {"PULSE_PLAN_POLL_S": "0.5", "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]},
         **extra,
     }
 

@@ -48,17 +48,21 @@ class OperatorActions:
         self.jobs = jobs
         self.slurm = slurm
 
-    async def create_job(self, spec: dict[str, Any], *, idempotency_key: str | None, actor: str) -> tuple[str, bool]:
-        """Place and store a job. Returns (job id, created); a repeated idempotency key returns
-        the first job when the body is the same, else raises :class:`IdempotencyKeyReused`.
-        Raises :class:`PlacementRefused` with the failed constraint; nothing is written then."""
+    async def create_job(
+        self, spec: dict[str, Any], *, idempotency_key: str | None, actor: str
+    ) -> tuple[str, bool, Any]:
+        """Place and store a job. Returns (job id, created, the job's row as this transaction
+        left it: PENDING when created, however fast the job loop moves it on); a repeated
+        idempotency key returns the first job when the body is the same, else raises
+        :class:`IdempotencyKeyReused`. Raises :class:`PlacementRefused` with the failed
+        constraint; nothing is written then."""
         from services.jobs import master_addr, master_port
         from services.placement import NodeCapacity, Placement, PlacementRequest, place
 
         assert self.shared.cluster is not None
         cluster = self.shared.cluster
 
-        def write() -> tuple[str, bool]:
+        def write() -> tuple[str, bool, Any]:
             with self.writer.tx("job create") as s:
                 if idempotency_key:
                     prior = db.job_by_idempotency_key(s, key=idempotency_key)
@@ -70,7 +74,7 @@ class OperatorActions:
                                 f"Idempotency-Key {idempotency_key!r} was used for job {prior.id} with another body "
                                 f"(differs in {', '.join(changed)}); use a new key for a new job"
                             )
-                        return prior.id, False
+                        return prior.id, False, prior
                 used: dict[str, int] = {}
                 for j in db.list_jobs(s, states=ACTIVE_JOB_STATES):
                     for n in j.assigned_nodes:
@@ -102,7 +106,7 @@ class OperatorActions:
                 first = cluster.nodes[result.nodes[0]]
                 published = first.latest.addr if first.latest is not None else ""
                 addr = master_addr(result.nodes[0], first.labels.get(self.settings.job_master_addr_label), published)
-                db.create_job(
+                row = db.create_job(
                     s,
                     job_id=job_id,
                     name=spec["name"],
@@ -114,7 +118,7 @@ class OperatorActions:
                     at=self.clock.now(),
                     actor=actor,
                 )
-                return job_id, True
+                return job_id, True, row
 
         async with self.writer.lock:
             return await asyncio.to_thread(write)

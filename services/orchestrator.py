@@ -375,7 +375,9 @@ class Orchestrator:
         return await self.writer.run("slurm", fn)
 
     # --- operator actions (services/operator.py) and the jobs loop (services/reconcile.py) -------
-    async def create_job(self, spec: dict[str, Any], *, idempotency_key: str | None, actor: str) -> tuple[str, bool]:
+    async def create_job(
+        self, spec: dict[str, Any], *, idempotency_key: str | None, actor: str
+    ) -> tuple[str, bool, Any]:
         return await self.operator.create_job(spec, idempotency_key=idempotency_key, actor=actor)
 
     async def stop_job(self, job_id: str, *, actor: str) -> bool:

@@ -99,14 +99,15 @@ async def create_job(
             "use backend 'agents'",
         )
     try:
-        job_id, created = await orch.create_job(spec, idempotency_key=idempotency_key, actor=caller.name)
+        job_id, created, row = await orch.create_job(spec, idempotency_key=idempotency_key, actor=caller.name)
     except PlacementRefused as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=f"placement refused: {exc}") from None
     except IdempotencyKeyReused as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from None
     if not created:
         response.status_code = status.HTTP_200_OK
-    return await _get_job(orch, job_id)
+        return await _get_job(orch, job_id)  # a replay: the job as it stands now
+    return _job_public(orch, row)  # as created (PENDING), not as the job loop may have moved it since
 
 
 async def _get_job(orch: Orchestrator, job_id: str) -> JobPublic:

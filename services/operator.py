@@ -18,7 +18,7 @@ from services.clock import RedisClock
 from services.reconcile import JobReconciler, Send
 from services.shared import Shared, Writer
 from services.slurm import SlurmSync
-from services.slurm_backend import is_slurm
+from services.slurm_jobs import is_slurm
 
 
 class PlacementRefused(Exception):

@@ -29,6 +29,7 @@ from services.clock import RedisClock
 from services.leader import FENCED_COMMANDS, LeaderLease, commands_args
 from services.models import JobRow
 from services.shared import Shared, Writer
+from services.slurm_jobs import is_slurm
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -91,10 +92,10 @@ class JobReconciler:
     async def reconcile(self) -> None:
         shared = self.shared
         statuses, shared.job_statuses = shared.job_statuses, []
-        plans, progress = shared.plans, shared.progress
+        plans = shared.plans
         self._excluded_nodes = {job: plans.excluded_nodes(job) for job in plans.plans}
         self._joined = {  # ranks that registered or stepped, of the jobs waiting for them (services/jobs.py)
-            job: {*plans.ranks.get(job, ()), *(p.ranks if (p := progress.jobs.get(job)) else ())}
+            job: shared.joined(job)
             for job, (state, _) in shared.job_states.items()
             if state in (JobState.PENDING, JobState.STARTING)
         }
@@ -158,7 +159,7 @@ class JobReconciler:
                 except KeyError:
                     log.warning("event=job_status_unknown_job job=%s node=%s", st.job, st.node)
             for job in db.list_jobs(s, states=ACTIVE_JOB_STATES):
-                if job.spec.get("backend") == "slurm":
+                if is_slurm(job.spec):
                     continue  # Slurm runs its ranks: services/slurm_backend.py follows it
                 if job.id not in self._rejoins and job.state == JobState.RUNNING and excluded.get(job.id):
                     self._count_rejoins(s, job.id)

@@ -69,6 +69,12 @@ class Shared:
     def empty(cls, settings: Settings) -> Shared:
         return cls(cluster=None, plans=new_plans(settings), progress=new_progress(settings))
 
+    def joined(self, job: str) -> set[int]:
+        """The job's ranks that registered or reported a step: what RUNNING waits for
+        (services/jobs.py, services/slurm_jobs.py)."""
+        prog = self.progress.jobs.get(job)
+        return {*self.plans.ranks.get(job, ()), *(prog.ranks if prog else ())}
+
 
 class Writer:
     """Database writes under the leader's epoch."""

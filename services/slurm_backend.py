@@ -42,6 +42,7 @@ from services.slurm_jobs import (
     decide,
     excluded,
     find,
+    is_slurm,
     parse_jobs,
     rank_steps,
     sbatch_argv,
@@ -69,10 +70,6 @@ class Job:
     updated_at: float
 
 
-def is_slurm(spec: dict[str, Any]) -> bool:
-    return spec.get("backend") == "slurm"
-
-
 class SlurmJobs:
     """The leader's Slurm job loop (module docstring)."""
 
@@ -98,7 +95,6 @@ class SlurmJobs:
         self.slurm_nodes = slurm_nodes  # the nodes Slurm knows, as the node sync last read them
         self.sbatch = shlex.split(settings.slurm_sbatch)
         self.scancel = shlex.split(settings.slurm_scancel)
-        self.scontrol = shlex.split(settings.slurm_scontrol)
         self.submit_errors: dict[str, str] = {}  # job -> the last sbatch failure
         self.signalled: dict[tuple[str, str], float] = {}  # (job, term|kill) -> when
         self.last_submit: dict[str, float] = {}  # job -> when sbatch was last run for it
@@ -136,7 +132,7 @@ class SlurmJobs:
             ]
 
     async def list_slurm_jobs(self) -> dict[str, SlurmJob]:
-        text = await self.client.run("jobs", [*self.scontrol, "show", "job", "--oneliner"])
+        text = await self.client.run("jobs", [*self.client.scontrol_cmd, "show", "job", "--oneliner"])
         try:
             return parse_jobs(text)
         except ValueError as exc:
@@ -158,7 +154,7 @@ class SlurmJobs:
             world = len(job.nodes) * max(1, int(job.spec.get("gpus_per_node", 1)))
             d = decide(
                 state=job.state, job_id=job.id, slurm=slurm, slurm_job_id=job.slurm_job_id,
-                since=job.updated_at, created=job.created_at, now=now, joined=self._joined(job.id), world=world,
+                since=job.updated_at, created=job.created_at, now=now, joined=self.shared.joined(job.id), world=world,
                 grace_s=self.settings.job_stop_grace_s, start_timeout=self.settings.job_start_timeout_s,
                 submit_error=self.submit_errors.get(job.id, ""),
                 unusable=[n for n in job.nodes if n not in usable] if slurm is None else (),
@@ -203,10 +199,6 @@ class SlurmJobs:
             for n, v in nodes.items()
             if v.health.state == NodeState.HEALTHY and v.schedulable and (v.scheduler is None or v.scheduler.available)
         }
-
-    def _joined(self, job_id: str) -> set[int]:
-        prog = self.shared.progress.jobs.get(job_id)
-        return {*self.shared.plans.ranks.get(job_id, ()), *(prog.ranks if prog else ())}
 
     def submission(self, job: Job, usable: set[str]) -> Submission:
         cluster = self.shared.cluster
@@ -259,7 +251,7 @@ class SlurmJobs:
         if action == "term":
             await self.signal(slurm.id, "TERM")
         elif last is None:  # the rank steps at once (services/slurm_jobs.py)
-            text = await self.client.run("jobs", [*self.scontrol, "show", "step", "--oneliner", slurm.id])
+            text = await self.client.run("jobs", [*self.client.scontrol_cmd, "show", "step", "--oneliner", slurm.id])
             for step in rank_steps(text):
                 await self.signal(step, "KILL")
         else:  # still there a resend later: the whole job, batch shell included

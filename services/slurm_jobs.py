@@ -62,6 +62,11 @@ SLURM_ENDING = frozenset({"COMPLETING"})
 # every other state is an end: COMPLETED, CANCELLED, FAILED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, ...
 
 
+def is_slurm(spec: Mapping[str, object]) -> bool:
+    """A job created with ``"backend": "slurm"`` (a job stored before backends were named: agents)."""
+    return spec.get("backend") == "slurm"
+
+
 @dataclass(frozen=True)
 class SlurmJob:
     """One job as ``scontrol show job --oneliner`` prints it."""

@@ -15,40 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.browser import chromium
 from tests.stack import Stack
 from tests.support import REDIS_URL, spawn, stop, wait_for
-
-
-@contextmanager
-def _chromium() -> Iterator[Any]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium is None or driver is None:
-        raise RuntimeError("Debian's chromium and chromium-driver are needed (scripts/bootstrap installs them)")
-    opts = Options()
-    opts.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,900"):
-        opts.add_argument(arg)
-    d = webdriver.Chrome(options=opts, service=Service(driver))
-    try:
-        yield d
-    finally:
-        d.quit()
 
 
 def measure(tmp: Path, *, nodes: int, refreshes: int) -> dict[str, Any]:
@@ -67,7 +45,7 @@ def measure(tmp: Path, *, nodes: int, refreshes: int) -> dict[str, Any]:
         t = time.perf_counter()
         body = httpx.get(f"{stack.api}/v1/nodes", timeout=30).content
         nodes_s = time.perf_counter() - t
-        with _chromium() as d:
+        with chromium() as d:
             t = time.perf_counter()
             d.get(f"{stack.api}/")
             count = "return document.querySelectorAll('[data-node]').length"

@@ -27,6 +27,7 @@ import httpx
 import pytest
 import redis
 
+from tests.browser import chromium, missing
 from tests.stack import AUTH, Stack
 from tests.support import REDIS_URL, REPO, stop, wait_for
 
@@ -61,22 +62,10 @@ def _states(stack: Stack) -> dict[str, str]:
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium is None or driver_path is None:
-        pytest.skip("Debian's chromium and chromium-driver are not installed (scripts/bootstrap installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    opts = Options()
-    opts.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,900"):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(options=opts, service=Service(driver_path))  # no Selenium Manager download
-    try:
+    if (why := missing()) is not None:
+        pytest.skip(why)
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture
@@ -126,13 +115,6 @@ def _plan(stack: Stack, job: str) -> dict[str, Any] | None:
     r.raise_for_status()
     out: dict[str, Any] = r.json()
     return out
-
-
-def _job_plan_text(driver: Any, job: str) -> str:
-    from selenium.webdriver.common.by import By
-
-    cells = driver.find_elements(By.CSS_SELECTOR, f"[data-job='{job}'] .job-plan")
-    return str(cells[0].text) if cells else ""
 
 
 def _cell(driver: Any, job: str, cls: str) -> str:
@@ -187,7 +169,7 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     assert plan is not None and plan["proxies"] == {} and plan["excluded"] == [], plan
     ranks = {node: int(r) for r, node in plan["ranks"].items()}
     wait_for(
-        lambda: "nobody carried" in _job_plan_text(browser, job), timeout=REFRESH_S * 2, what="the plan on the page"
+        lambda: "nobody carried" in _cell(browser, job, "job-plan"), timeout=REFRESH_S * 2, what="the plan on the page"
     )
 
     stop(stack.procs[VICTIM])  # the same node comes back with its PS2 sagging 12 A
@@ -207,8 +189,8 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     carried = _plan(stack, job)
     assert carried is not None and carried["proxies"] == {str(ranks[VICTIM]): ranks[NEIGHBOUR]}, carried
     says = f"rank {ranks[NEIGHBOUR]} ({NEIGHBOUR}) carries rank {ranks[VICTIM]} ({VICTIM})"
-    wait_for(lambda: says in _job_plan_text(browser, job), timeout=REFRESH_S / 2, what=f"{says!r} on the page")
-    assert f"generation {carried['generation']}" in _stable(lambda: _job_plan_text(browser, job))
+    wait_for(lambda: says in _cell(browser, job, "job-plan"), timeout=REFRESH_S / 2, what=f"{says!r} on the page")
+    assert f"generation {carried['generation']}" in _stable(lambda: _cell(browser, job, "job-plan"))
     # the job's figures: a step rate no faster than its ranks step, and loss and MFU trends
     wait_for(lambda: _cell(browser, job, "job-rate") not in ("", "-"), timeout=REFRESH_S * 2, what="a step rate")
     assert 0 < float(_stable(lambda: _cell(browser, job, "job-rate"))) <= 1.1 / STEP_EVERY_S

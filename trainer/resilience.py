@@ -224,15 +224,16 @@ class Resilience:
             collective_timeout_s=T if s.survives else None,
             store=store,
         )
-        self.rider = deepspeed_reroute.Rider(values=self._rider_values)
+        rider = deepspeed_reroute.Rider(values=self._rider_values)
         try:
-            deepspeed_reroute.attach(engine, reroute, rejoining=s.rejoin, rider=self.rider)
+            deepspeed_reroute.attach(engine, reroute, rejoining=s.rejoin, rider=rider)
         except deepspeed_reroute.RerouteConfigError as exc:
             if s.rejoin:
                 raise
             log.warning("event=reroute_off job=%s rank=%d reason=%r note=reporting_only", s.job_id, self.rank, str(exc))
             return
         self._guard_reduction()
+        self.rider = rider
         self.reroute = reroute
         self.follower = PlanFollower(
             job=s.job_id,

@@ -235,15 +235,15 @@ function gpuRows(n) {
 
 async function refreshNode(name) {
   const path = encodeURIComponent(name);
-  let n;
-  try {
-    n = await get(`/v1/nodes/${path}`);
-  } catch (e) {
-    if (e.status !== 404) throw e;
+  const unknown = (e) => {
+    if (e.status === 404) return null;
+    throw e;
+  };
+  const [n, { data: events }] = await Promise.all([get(`/v1/nodes/${path}`).catch(unknown), get(`/v1/events?node=${path}&limit=${NODE_EVENTS}`)]);
+  if (n === null) {
     document.getElementById("node-page").replaceChildren(el("a", { href: "#" }, "← all nodes"), el("p", {}, `no node named ${name}`));
     return;
   }
-  const events = (await get(`/v1/events?node=${path}&limit=${NODE_EVENTS}`)).data;
   const moves = events.filter((e) => e.to_state).reverse();
   const history = moves.map((e) =>
     el(

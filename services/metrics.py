@@ -3,10 +3,17 @@
 Why not ``prometheus_client`` Gauges: a Gauge child per (node, GPU, metric) is state that must be
 kept in sync and removed when a node goes away, and ``generate_latest`` formats each sample
 through several Python calls. This renderer reads the snapshot (``services/cluster.py``) at scrape
-time, so a removed node's series vanish with it, and writes the text format directly with
-per-node label strings cached. ``pulse bench ingest`` measures it against the Gauge-children
-baseline. A node whose telemetry is partial yields the series it has; one bad value never fails
-the scrape.
+time, so a removed node's series vanish with it, and writes the text format directly.
+
+How it stays fast at 131,072 GPUs (``pulse bench ingest``): a node's lines of one family are one
+``%``-format of a template shared by every node with the same GPUs (or PSUs, fans), its values
+taken in one ``attrgetter`` call per GPU and the node's name interleaved, so the per-line work
+happens in C. Families whose values rarely move (memory total, power limit, PCIe widths, lost, ECC,
+throttle reasons) keep each node's text from the previous scrape and reuse it while the values
+are equal. A node whose telemetry is partial yields the series it has; one bad value never fails
+the scrape. ``shard``/``shards`` split one scrape into several (a stable hash of the node's name;
+the cluster-wide series are in shard 0), for parallel Prometheus scrapes
+(deploy/prometheus/prometheus.yml).
 
 Every name here is fixed by SPEC.md; units are in the names.
 """
@@ -14,7 +21,10 @@ Every name here is fixed by SPEC.md; units are in the names.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from clusterpulse import wire
@@ -25,24 +35,70 @@ from services.progress import Progress
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-GpuGetter = Callable[[wire.GpuSample], float | int | None]
 
-GPU_GAUGES: tuple[tuple[str, str, GpuGetter], ...] = (
-    ("pulse_gpu_utilization_ratio", "GPU utilisation, 0-1.", lambda g: g.utilization_ratio),
-    ("pulse_gpu_temperature_celsius", "GPU core temperature.", lambda g: g.temperature_celsius),
-    ("pulse_gpu_power_watts", "GPU power draw.", lambda g: g.power_watts),
-    ("pulse_gpu_power_limit_watts", "GPU enforced power limit.", lambda g: g.power_limit_watts),
-    ("pulse_gpu_memory_used_bytes", "GPU memory in use.", lambda g: g.memory_used_bytes),
-    ("pulse_gpu_memory_total_bytes", "GPU memory in total.", lambda g: g.memory_total_bytes),
-    ("pulse_gpu_pcie_link_width", "Current PCIe link width (lanes).", lambda g: g.pcie_link_width),
-    ("pulse_gpu_pcie_link_width_max", "Maximum PCIe link width (lanes).", lambda g: g.pcie_link_width_max),
-    (
-        "pulse_gpu_sm_clock_hertz",
-        "SM clock.",
-        lambda g: None if g.sm_clock_mhz is None else g.sm_clock_mhz * 1e6,
-    ),
-    ("pulse_gpu_lost", "1 when the GPU is lost (fallen off the bus).", lambda g: 1 if g.lost else 0),
+@dataclass(frozen=True)
+class GpuGauge:
+    """One per-GPU gauge: its name, help, the sample's attribute, and how its value is written."""
+
+    metric: str
+    help: str
+    attr: str
+    fmt: str = "%s"  # "%d" writes a bool as 1/0
+    scale: int = 1
+    steady: bool = False  # rarely changes: a node's text is reused while its values are equal
+
+    def value(self, g: wire.GpuSample) -> float | int | None:
+        v = getattr(g, self.attr)
+        return None if v is None else v * self.scale
+
+
+GPU_GAUGES: tuple[GpuGauge, ...] = (
+    GpuGauge("pulse_gpu_utilization_ratio", "GPU utilisation, 0-1.", "utilization_ratio"),
+    GpuGauge("pulse_gpu_temperature_celsius", "GPU core temperature.", "temperature_celsius"),
+    GpuGauge("pulse_gpu_power_watts", "GPU power draw.", "power_watts"),
+    GpuGauge("pulse_gpu_power_limit_watts", "GPU enforced power limit.", "power_limit_watts", steady=True),
+    GpuGauge("pulse_gpu_memory_used_bytes", "GPU memory in use.", "memory_used_bytes"),
+    GpuGauge("pulse_gpu_memory_total_bytes", "GPU memory in total.", "memory_total_bytes", steady=True),
+    GpuGauge("pulse_gpu_pcie_link_width", "Current PCIe link width (lanes).", "pcie_link_width", steady=True),
+    GpuGauge("pulse_gpu_pcie_link_width_max", "Maximum PCIe link width (lanes).", "pcie_link_width_max", steady=True),
+    GpuGauge("pulse_gpu_sm_clock_hertz", "SM clock.", "sm_clock_mhz", scale=1_000_000),
+    GpuGauge("pulse_gpu_lost", "1 when the GPU is lost (fallen off the bus).", "lost", fmt="%d", steady=True),
 )
+_GPU_VALUES = attrgetter(
+    "index", "lost", *(g.attr for g in GPU_GAUGES), "ecc_volatile_corrected", "ecc_volatile_uncorrected"
+)
+_THROTTLE = attrgetter("throttle")
+
+
+_Kept = tuple[tuple[str, ...], tuple[Any, ...], str]  # a node's family: label suffixes, basis, text
+
+
+class _GpuShape:
+    """The label suffixes of one set of GPUs (which indices, which lost), shared by every node
+    that has it."""
+
+    def __init__(self, indices: tuple[int, ...], lost: tuple[bool, ...]) -> None:
+        self.gpu = tuple(f'gpu="{i}"' for i in indices)
+        self.ecc = tuple(f'{g},type="{t}"' for g in self.gpu for t in ("corrected", "uncorrected"))
+        self.live = tuple(pos for pos, gone in enumerate(lost) if not gone)  # a lost GPU has no throttle
+        self.throttle = tuple(f'{self.gpu[pos]},reason="{r}"' for pos in self.live for r in THROTTLE_REASONS)
+
+    def active(self, throttles: tuple[tuple[str, ...], ...]) -> tuple[bool, ...]:
+        return tuple(r in throttles[pos] for pos in self.live for r in THROTTLE_REASONS)
+
+
+def _pairs(columns: tuple[tuple[Any, ...], tuple[Any, ...]]) -> tuple[Any, ...]:
+    """(corrected per GPU, uncorrected per GPU) -> GPU 0's corrected, its uncorrected, GPU 1's ..."""
+    return tuple(v for pair in zip(*columns, strict=True) for v in pair)
+
+
+PSU_GAUGES = (
+    ("pulse_psu_output_current_amperes", "PSU output current.", "output_current_amperes", "%s"),
+    ("pulse_psu_input_current_amperes", "PSU input current.", "input_current_amperes", "%s"),
+    ("pulse_psu_input_power_watts", "PSU input power.", "input_power_watts", "%s"),
+    ("pulse_psu_ok", "1 when the PSU reports ok, 0 when failed.", "ok", "%d"),
+)
+_PSU_VALUES = attrgetter(*(attr for _, _, attr, _ in PSU_GAUGES))
 
 
 def _fmt(v: float | int) -> str:
@@ -61,121 +117,228 @@ def escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-class Renderer:
-    """Renders the cluster snapshot. Holds only label-string caches, never values."""
+def shard_of(node: str, shards: int) -> int:
+    """The scrape shard a node's series are in: stable across processes and restarts."""
+    return zlib.crc32(node.encode()) % shards if shards > 1 else 0
+
+
+class _Families:
+    """Each family's chunks of one render, in the order first added; every family is written as one
+    group (HELP, TYPE, then its lines), as the text format requires."""
 
     def __init__(self) -> None:
-        self._gpu_labels: dict[tuple[str, int], str] = {}
+        self.chunks: dict[str, list[str]] = {}
+        self.heads: list[str] = []
 
-    def _gl(self, node: str, index: int) -> str:
-        key = (node, index)
-        s = self._gpu_labels.get(key)
-        if s is None:
-            s = f'node="{escape(node)}",gpu="{index}"'
-            if len(self._gpu_labels) > 1_000_000:  # nodes come and go: keep the cache bounded
-                self._gpu_labels.clear()
-            self._gpu_labels[key] = s
-        return s
+    def family(self, name: str, help_: str, kind: str = "gauge") -> list[str]:
+        if name not in self.chunks:
+            self.chunks[name] = []
+            self.heads.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}")
+        return self.chunks[name]
+
+    def lines(self) -> list[str]:
+        """Every family's head and chunks, in order, for one final join (one copy of the body)."""
+        out: list[str] = []
+        for head, chunks in zip(self.heads, self.chunks.values(), strict=True):
+            out.append(head)
+            out += chunks
+        return out
+
+
+class Renderer:
+    """Renders the cluster snapshot. Holds templates (per metric and label shape, shared by every
+    node) and the last text of each node's steady families, never state of its own."""
+
+    def __init__(self) -> None:
+        self._templates: dict[tuple[str, tuple[str, ...], str], str] = {}
+        self._shapes: dict[tuple[tuple[int, ...], tuple[bool, ...]], _GpuShape] = {}
+        self._named: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
+        self._split: dict[tuple[int, int], dict[tuple[str, str], _Kept]] = {}  # per (shard, shards)
+        self._steady: dict[tuple[str, str], _Kept] = {}  # the last render's, of this shard
+        self._kept: dict[tuple[str, str], _Kept] = {}  # this render's
 
     def render(
-        self, cluster: Cluster, *, now: float, progress: Progress | None = None, extra: Iterable[str] = ()
+        self,
+        cluster: Cluster,
+        *,
+        now: float,
+        progress: Progress | None = None,
+        extra: Iterable[str] = (),
+        shard: int = 0,
+        shards: int = 1,
     ) -> str:
-        out: list[str] = []
-        views = sorted(cluster.nodes.items())
-        self._nodes(out, cluster, views, now)
-        self._gpus(out, views)
-        self._power(out, views)
-        self._itself(out, cluster)
-        if progress is not None:
-            out.extend(render_jobs(progress))
-        out.extend(extra)
+        """The exposition text; with ``shards`` > 1, only the nodes of ``shard`` (and the
+        cluster-wide series in shard 0)."""
+        views = [
+            (escape(n), v) for n, v in sorted(cluster.nodes.items()) if shards == 1 or shard_of(n, shards) == shard
+        ]
+        fams = _Families()
+        if len(self._split) > 64:  # callers choose the split: keep what it holds bounded
+            self._split.clear()
+        self._steady, self._kept = self._split.get((shard, shards), {}), {}
+        self._nodes(fams, cluster, views, now, whole=shard == 0)
+        reporting = [(name, v.latest) for name, v in views if v.latest is not None]
+        self._gpus(fams, reporting)
+        self._power(fams, reporting)
+        self._split[(shard, shards)] = self._kept  # a removed node's text goes with it
+        out = fams.lines()
+        if shard == 0:
+            self._itself(out, cluster)
+            if progress is not None:
+                out.extend(render_jobs(progress))
+            out.extend(extra)
         out.append("")
         return "\n".join(out)
 
-    def _nodes(self, out: list[str], cluster: Cluster, views: list[tuple[str, NodeView]], now: float) -> None:
-        add, family = out.append, _family(out)
-        family("pulse_node_state", "1 for the node's current health state, 0 for the others.")
+    # --- one node's lines of one family ---------------------------------------------------------
+    def _template(self, metric: str, suffixes: tuple[str, ...], fmt: str) -> str:
+        key = (metric, suffixes, fmt)
+        t = self._templates.get(key)
+        if t is None:
+            if len(self._templates) > 100_000:  # label shapes come and go: keep the cache bounded
+                self._templates.clear()
+            t = "\n".join(f'{metric}{{node="%s",{s.replace("%", "%%")}}} {fmt}' for s in suffixes)
+            self._templates[key] = t
+        return t
+
+    def _emit(
+        self, out: list[str], metric: str, node: str, suffixes: tuple[str, ...], values: Sequence[Any], *, fmt: str
+    ) -> None:
+        """``metric{node,<suffix>} value`` for each suffix whose value is not None."""
+        if None in values:
+            pairs = [(s, v) for s, v in zip(suffixes, values, strict=True) if v is not None]
+            if not pairs:
+                return
+            suffixes, values = tuple(p[0] for p in pairs), [p[1] for p in pairs]
+        filled: list[Any] = [node] * (2 * len(values))
+        filled[1::2] = values
+        out.append(self._template(metric, suffixes, fmt) % tuple(filled))
+
+    def _emit_steady(
+        self,
+        out: list[str],
+        metric: str,
+        node: str,
+        suffixes: tuple[str, ...],
+        basis: tuple[Any, ...],
+        *,
+        fmt: str,
+        values: Callable[[Any], Sequence[Any]] | None = None,
+    ) -> None:
+        """:meth:`_emit`, reusing the node's text of the last render while ``basis`` is equal: the
+        values themselves, or what ``values`` derives them from (only on a change)."""
+        key = (metric, node)
+        last = self._steady.get(key)
+        if last is not None and last[1] == basis and last[0] == suffixes:
+            text = last[2]
+        else:
+            chunk: list[str] = []
+            self._emit(chunk, metric, node, suffixes, basis if values is None else values(basis), fmt=fmt)
+            text = chunk[0] if chunk else ""
+        self._kept[key] = (suffixes, basis, text)
+        if text:
+            out.append(text)
+
+    # --- families -------------------------------------------------------------------------------
+    def _nodes(
+        self, fams: _Families, cluster: Cluster, views: list[tuple[str, NodeView]], now: float, *, whole: bool
+    ) -> None:
+        state = fams.family("pulse_node_state", "1 for the node's current health state, 0 for the others.")
+        suffixes = tuple(f'state="{s.value}"' for s in STATES)
         for name, v in views:
             st = v.health.state
-            for s in STATES:
-                add(f'pulse_node_state{{node="{escape(name)}",state="{s.value}"}} {1 if s is st else 0}')
-        family("pulse_nodes", "Nodes per health state.")
-        for state, n in cluster.counts().items():
-            add(f'pulse_nodes{{state="{state}"}} {n}')
-        family(
-            "pulse_node_heartbeat_age_seconds",
-            "Seconds since the node's last heartbeat (orchestrator clock).",
+            self._emit(state, "pulse_node_state", name, suffixes, [s is st for s in STATES], fmt="%d")
+        if whole:
+            counts = fams.family("pulse_nodes", "Nodes per health state.")
+            counts += [f'pulse_nodes{{state="{state}"}} {n}' for state, n in cluster.counts().items()]
+        age = fams.family(
+            "pulse_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat (orchestrator clock)."
         )
-        for name, v in views:
-            if v.health.last_seen is not None:
-                add(
-                    f'pulse_node_heartbeat_age_seconds{{node="{escape(name)}"}} {_fmt(round(now - v.health.last_seen, 3))}'
-                )
-        family("pulse_node_schedulable", "1 when the node accepts new jobs (not cordoned).")
-        for name, v in views:
-            add(f'pulse_node_schedulable{{node="{escape(name)}"}} {1 if v.schedulable else 0}')
-        family(
-            "pulse_node_clock_skew_seconds",
-            "Agent wall clock minus Redis server time (reported, never trusted).",
+        age += [
+            f'pulse_node_heartbeat_age_seconds{{node="{name}"}} {_fmt(round(now - v.health.last_seen, 3))}'
+            for name, v in views
+            if v.health.last_seen is not None
+        ]
+        sched = fams.family("pulse_node_schedulable", "1 when the node accepts new jobs (not cordoned).")
+        sched += [f'pulse_node_schedulable{{node="{name}"}} {1 if v.schedulable else 0}' for name, v in views]
+        skew = fams.family(
+            "pulse_node_clock_skew_seconds", "Agent wall clock minus Redis server time (reported, never trusted)."
         )
-        for name, v in views:
-            if v.clock_skew_s is not None:
-                add(f'pulse_node_clock_skew_seconds{{node="{escape(name)}"}} {_fmt(round(v.clock_skew_s, 3))}')
+        skew += [
+            f'pulse_node_clock_skew_seconds{{node="{name}"}} {_fmt(round(v.clock_skew_s, 3))}'
+            for name, v in views
+            if v.clock_skew_s is not None
+        ]
 
-    def _gpus(self, out: list[str], views: list[tuple[str, NodeView]]) -> None:
-        add, family = out.append, _family(out)
-        gpus = [(name, g) for name, v in views if v.latest is not None for g in v.latest.gpus]
-        for metric, help_, get in GPU_GAUGES:
-            family(metric, help_)
-            for name, g in gpus:
-                val = get(g)
-                if val is not None:
-                    add(f"{metric}{{{self._gl(name, g.index)}}} {_fmt(val)}")
-        family("pulse_gpu_ecc_errors_total", "Volatile ECC errors since driver load, by type.", "counter")
-        for name, g in gpus:
-            lbl = self._gl(name, g.index)
-            if g.ecc_volatile_corrected is not None:
-                add(f'pulse_gpu_ecc_errors_total{{{lbl},type="corrected"}} {g.ecc_volatile_corrected}')
-            if g.ecc_volatile_uncorrected is not None:
-                add(f'pulse_gpu_ecc_errors_total{{{lbl},type="uncorrected"}} {g.ecc_volatile_uncorrected}')
-        family("pulse_gpu_xid_errors_total", "XID events seen by the agent since it started, by XID.", "counter")
-        for name, g in gpus:
-            if g.xid_counts:
-                lbl = self._gl(name, g.index)
-                for xid, n in sorted(g.xid_counts.items()):
-                    add(f'pulse_gpu_xid_errors_total{{{lbl},xid="{escape(xid)}"}} {n}')
-        family("pulse_gpu_throttle_active", "1 while the clock-event (throttle) reason is active.")
-        for name, g in gpus:
-            if g.lost:
+    def _gpus(self, fams: _Families, nodes: list[tuple[str, wire.Heartbeat]]) -> None:
+        gauges = [(g, fams.family(g.metric, g.help)) for g in GPU_GAUGES]
+        ecc = fams.family("pulse_gpu_ecc_errors_total", "Volatile ECC errors since driver load, by type.", "counter")
+        xid = fams.family(
+            "pulse_gpu_xid_errors_total", "XID events seen by the agent since it started, by XID.", "counter"
+        )
+        throttle = fams.family("pulse_gpu_throttle_active", "1 while the clock-event (throttle) reason is active.")
+        for node, hb in nodes:
+            gpus = hb.gpus
+            if not gpus:
                 continue
-            lbl = self._gl(name, g.index)
-            active = g.throttle
-            for r in THROTTLE_REASONS:
-                add(f'pulse_gpu_throttle_active{{{lbl},reason="{r}"}} {1 if r in active else 0}')
+            indices, lost, *cols = zip(*map(_GPU_VALUES, gpus), strict=True)
+            shape = self._shape(indices, lost)
+            for (gauge, out), raw in zip(gauges, cols, strict=False):
+                col = raw if gauge.scale == 1 else tuple(None if v is None else v * gauge.scale for v in raw)
+                if gauge.steady:
+                    self._emit_steady(out, gauge.metric, node, shape.gpu, col, fmt=gauge.fmt)
+                else:
+                    self._emit(out, gauge.metric, node, shape.gpu, col, fmt=gauge.fmt)
+            self._emit_steady(
+                ecc, "pulse_gpu_ecc_errors_total", node, shape.ecc, (cols[-2], cols[-1]), fmt="%s", values=_pairs
+            )
+            for g in gpus:
+                if g.xid_counts:
+                    xid += [
+                        f'pulse_gpu_xid_errors_total{{node="{node}",gpu="{g.index}",xid="{escape(x)}"}} {n}'
+                        for x, n in sorted(g.xid_counts.items())
+                    ]
+            self._emit_steady(
+                throttle,
+                "pulse_gpu_throttle_active",
+                node,
+                shape.throttle,
+                tuple(map(_THROTTLE, gpus)),
+                fmt="%d",
+                values=shape.active,
+            )
 
-    def _power(self, out: list[str], views: list[tuple[str, NodeView]]) -> None:
-        add, family = out.append, _family(out)
-        psus = [(name, p) for name, v in views if v.latest is not None for p in v.latest.psus]
-        for metric, help_, attr in (
-            ("pulse_psu_output_current_amperes", "PSU output current.", "output_current_amperes"),
-            ("pulse_psu_input_current_amperes", "PSU input current.", "input_current_amperes"),
-            ("pulse_psu_input_power_watts", "PSU input power.", "input_power_watts"),
-        ):
-            family(metric, help_)
-            for name, p in psus:
-                val = getattr(p, attr)
-                if val is not None:
-                    add(f'{metric}{{node="{escape(name)}",psu="{escape(p.name)}"}} {_fmt(val)}')
-        family("pulse_psu_ok", "1 when the PSU reports ok, 0 when failed.")
-        for name, p in psus:
-            if p.ok is not None:
-                add(f'pulse_psu_ok{{node="{escape(name)}",psu="{escape(p.name)}"}} {1 if p.ok else 0}')
-        family("pulse_fan_speed_rpm", "Fan speed.")
-        for name, v in views:
-            if v.latest is not None:
-                for f in v.latest.fans:
-                    if f.rpm is not None:
-                        add(f'pulse_fan_speed_rpm{{node="{escape(name)}",fan="{escape(f.name)}"}} {_fmt(f.rpm)}')
+    def _shape(self, indices: tuple[int, ...], lost: tuple[bool, ...]) -> _GpuShape:
+        key = (indices, lost)
+        shape = self._shapes.get(key)
+        if shape is None:
+            if len(self._shapes) > 10_000:
+                self._shapes.clear()
+            shape = self._shapes[key] = _GpuShape(indices, lost)
+        return shape
+
+    def _power(self, fams: _Families, nodes: list[tuple[str, wire.Heartbeat]]) -> None:
+        outs = [(metric, fmt, fams.family(metric, help_)) for metric, help_, _, fmt in PSU_GAUGES]
+        fans = fams.family("pulse_fan_speed_rpm", "Fan speed.")
+        for node, hb in nodes:
+            if hb.psus:
+                sfx = self._labels("psu", tuple(p.name for p in hb.psus))
+                cols = list(zip(*map(_PSU_VALUES, hb.psus), strict=True))
+                for (metric, fmt, out), col in zip(outs, cols, strict=True):
+                    self._emit(out, metric, node, sfx, col, fmt=fmt)
+            if hb.fans:
+                sfx = self._labels("fan", tuple(f.name for f in hb.fans))
+                self._emit(fans, "pulse_fan_speed_rpm", node, sfx, [f.rpm for f in hb.fans], fmt="%s")
+
+    def _labels(self, label: str, names: tuple[str, ...]) -> tuple[str, ...]:
+        """``label="name"`` for each name, escaped, cached per set of names (PSUs, fans)."""
+        key = (label, names)
+        sfx = self._named.get(key)
+        if sfx is None:
+            if len(self._named) > 10_000:
+                self._named.clear()
+            sfx = self._named[key] = tuple(f'{label}="{escape(n)}"' for n in names)
+        return sfx
 
     def _itself(self, out: list[str], cluster: Cluster) -> None:
         add, family = out.append, _family(out)

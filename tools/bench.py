@@ -88,7 +88,7 @@ def _gauge_baseline(cluster: Any) -> float:
     from services.metrics import GPU_GAUGES
 
     reg = CollectorRegistry()
-    gauges = {name: Gauge(name, help_, ["node", "gpu"], registry=reg) for name, help_, _ in GPU_GAUGES}
+    gauges = {g.metric: Gauge(g.metric, g.help, ["node", "gpu"], registry=reg) for g in GPU_GAUGES}
     thr = Gauge("pulse_gpu_throttle_active", "x", ["node", "gpu", "reason"], registry=reg)
     ecc = Gauge("pulse_gpu_ecc_errors", "x", ["node", "gpu", "type"], registry=reg)
     psu = Gauge("pulse_psu_output_current_amperes", "x", ["node", "psu"], registry=reg)
@@ -97,10 +97,10 @@ def _gauge_baseline(cluster: Any) -> float:
         for s in ("HEALTHY", "SUSPECT", "DEGRADED", "LOST"):
             state.labels(name, s).set(1 if view.health.state.value == s else 0)
         for g in view.latest.gpus:
-            for metric, _, get in GPU_GAUGES:
-                v = get(g)
+            for gauge in GPU_GAUGES:
+                v = gauge.value(g)
                 if v is not None:
-                    gauges[metric].labels(name, str(g.index)).set(v)
+                    gauges[gauge.metric].labels(name, str(g.index)).set(v)
             for r in wire.THROTTLE_REASONS:
                 thr.labels(name, str(g.index), r).set(1 if r in g.throttle else 0)
             ecc.labels(name, str(g.index), "corrected").set(g.ecc_volatile_corrected or 0)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from services import db
 from services.deps import HealthReader, MetricsReader, OrchestratorDep
 from services.leader import leader_lines
 from services.metrics import CONTENT_TYPE, Renderer, job_state_lines, plan_lines
+from services.routes.common import bad_query
 from services.slurm import metric_lines as slurm_lines
 
 router = APIRouter()
@@ -38,12 +40,33 @@ async def readyz(orch: OrchestratorDep, _: HealthReader) -> JSONResponse:
     return JSONResponse(checks, status_code=200 if ok else 503)
 
 
+MAX_SHARDS = 256
+
+
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(request: Request, orch: OrchestratorDep, _: MetricsReader) -> Response:
+async def metrics(
+    request: Request,
+    orch: OrchestratorDep,
+    _: MetricsReader,
+    shard: Annotated[int, Query(ge=0, lt=MAX_SHARDS, description="which part of a split scrape (0-based)")] = 0,
+    shards: Annotated[
+        int,
+        Query(
+            ge=1,
+            le=MAX_SHARDS,
+            description="split the nodes' series into this many parts by a stable hash of the node's name; "
+            "the cluster-wide series are in shard 0",
+        ),
+    ] = 1,
+) -> Response:
     assert orch.cluster is not None
+    if shard >= shards:
+        raise bad_query("shard", str(shard), f"0 to {shards - 1} (shards={shards})")
     renderer: Renderer = request.app.state.renderer
     text = renderer.render(
         orch.cluster,
+        shard=shard,
+        shards=shards,
         now=orch.clock.now(),
         progress=orch.progress,
         extra=(

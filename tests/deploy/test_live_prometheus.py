@@ -18,6 +18,7 @@ on PATH (skipped otherwise).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 from collections.abc import Iterator
@@ -169,8 +170,13 @@ def live_config(tmp: Path, target: str) -> Path:
 @pytest.fixture
 def prometheus(stack: Stack, promtool: str, tmp_path: Path) -> Iterator[str]:
     """A real Prometheus server scraping ``stack``; yields its base URL."""
+    with running_prometheus(live_config(tmp_path, stack.target), promtool, tmp_path) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running_prometheus(config: Path, promtool: str, tmp_path: Path) -> Iterator[str]:
     binary = require_tool("prometheus")
-    config = live_config(tmp_path, stack.target)
     checked = run_tool(promtool, "check", "config", config)
     assert checked.returncode == 0, tool_output(checked)
     port = free_port()
@@ -320,3 +326,35 @@ def test_every_used_metric_is_on_live_metrics(stack: Stack) -> None:
     # With the faults in place, each used and exported name has a sample too.
     assert used - NOT_YET_EXPORTED - TYPE_ONLY <= sampled, f"no samples: {sorted(used - sampled - NOT_YET_EXPORTED)}"
     assert not sampled - typed, f"samples without a # TYPE line: {sorted(sampled - typed)}"
+
+
+# ---- the split scrape (deploy/prometheus/scrape-sharded.yml)
+
+
+def test_a_split_scrape_gives_every_series_once(stack: Stack, promtool: str, tmp_path: Path) -> None:
+    """The deployed sharded scrape job, on loopback: four targets up, every GPU's series from
+    exactly one of them, the cluster-wide series once, and OrchestratorDown's query satisfied."""
+    config = load_yaml(live_config(tmp_path, stack.target))
+    (sharded,) = load_yaml(PROMETHEUS / "scrape-sharded.yml")["scrape_configs"]
+    assert sharded["job_name"] == ORCHESTRATOR_SCRAPE_JOB and sharded["honor_labels"] is True
+    for group in sharded["static_configs"]:
+        group["targets"] = [stack.target]
+    config["scrape_configs"] = [sharded]
+    path = tmp_path / "sharded.yml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    with running_prometheus(path, promtool, tmp_path) as url:
+
+        def scraped() -> bool:
+            up = api(url, "query", query=f'up{{job="{ORCHESTRATOR_SCRAPE_JOB}"}} == 1')["result"]
+            gpus = api(url, "query", query="count(pulse_gpu_power_watts)")["result"]
+            return len(up) == 4 and bool(gpus) and gpus[0]["value"][1] == str(len(NODES) * 8)
+
+        wait_for(scraped, timeout=20, what="all four parts scraped", every=0.25)
+        dup = api(url, "query", query="count by (node, gpu) (pulse_gpu_power_watts) > 1")["result"]
+        assert dup == [], f"series from more than one part: {dup}"
+        parts = api(url, "query", query="count by (scrape_shard) (pulse_gpu_power_watts)")["result"]
+        assert len(parts) >= 2, f"the nodes all landed in one part: {parts}"
+        (nodes,) = api(url, "query", query="count(pulse_nodes)")["result"]
+        assert nodes["value"][1] == "4"  # one per state, from shard 0 only
+        leader = api(url, "query", query=f'sum by (job) (pulse_leader{{job="{ORCHESTRATOR_SCRAPE_JOB}"}})')
+        assert [r["value"][1] for r in leader["result"]] == ["1"]

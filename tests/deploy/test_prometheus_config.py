@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
 from deploy_files import (
     ALERTS_FILE,
     COMPOSE_FILE,
@@ -23,8 +25,9 @@ def scrape_job(name: str) -> dict[str, Any]:
     return jobs[name]
 
 
-def test_promtool_check_config(promtool: str) -> None:
-    proc = run_tool(promtool, "check", "config", PROMETHEUS_CONFIG)
+@pytest.mark.parametrize("config", [PROMETHEUS_CONFIG, PROMETHEUS / "scrape-sharded.yml"], ids=lambda p: p.name)
+def test_promtool_check_config(promtool: str, config: Path) -> None:
+    proc = run_tool(promtool, "check", "config", config)
     assert proc.returncode == 0, tool_output(proc)
 
 

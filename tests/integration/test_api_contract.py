@@ -242,3 +242,28 @@ def test_a_slurm_job_on_an_orchestrator_without_slurm_is_a_409_naming_the_backen
     ok = http.post("/v1/jobs", json=JOB)  # no backend: the orchestrator's default, the agents
     assert ok.status_code == 201 and ok.json()["backend"] == "agents" and ok.json()["slurm_job_id"] is None, ok.text
     http.post(f"/v1/jobs/{ok.json()['id']}/stop")
+
+
+@pytest.mark.parametrize(
+    ("query", "field"), [("shard=4&shards=4", "shard"), ("shards=0", "shards"), ("shard=-1", "shard")]
+)
+def test_a_split_scrape_out_of_range_is_a_422_naming_the_parameter(http: httpx.Client, query: str, field: str) -> None:
+    r = http.get(f"/metrics?{query}")
+    assert r.status_code == 422, r.text
+    assert any(e["loc"] == ["query", field] for e in r.json()["detail"]), r.text
+
+
+def test_the_parts_of_a_split_scrape_are_the_whole(http: httpx.Client) -> None:
+    whole = http.get("/metrics")
+    parts = [http.get(f"/metrics?shard={k}&shards=3") for k in range(3)]
+    assert whole.status_code == 200 and all(p.status_code == 200 for p in parts)
+    assert "pulse_leader" in parts[0].text and all("pulse_leader" not in p.text for p in parts[1:])
+
+    def samples(text: str) -> set[str]:  # the series, values aside (ages move between requests)
+        return {line.rsplit(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+    union = [s for p in parts for s in samples(p.text)]
+    assert len(union) == len(set(union))
+    assert set(union) - {s for s in union if "ratelimit" in s} == samples(whole.text) - {
+        s for s in samples(whole.text) if "ratelimit" in s
+    }

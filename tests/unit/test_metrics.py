@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.daemon import NodeAgent
@@ -138,3 +139,50 @@ def test_each_simulated_fault_reads_as_its_real_failure() -> None:
     clean.sample()
     hb = NodeAgent(node="n", gpu=clean, gpu_source="simulated", interval_s=1, sim=clean).heartbeat(clean.sample())
     assert assess(hb, throttle_for=0.0, policy=Policy()).level is NodeState.HEALTHY
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (f.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+def test_a_split_scrape_is_the_whole_in_disjoint_parts() -> None:
+    c = _cluster(12, faults={"n3": "xid", "n5": "gpu_lost"})
+    r = Renderer()
+    whole = _samples(r.render(c, now=11.0, extra=["pulse_leader 1"]))
+    parts = [_samples(r.render(c, now=11.0, shard=k, shards=3, extra=["pulse_leader 1"])) for k in range(3)]
+    union: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for part in parts:
+        assert not union.keys() & part.keys()  # each series in exactly one part
+        union.update(part)
+    assert union == whole
+    assert all(len({lbl for _, lbl in part}) > 1 for part in parts)  # every part holds some nodes
+    cluster_wide = {"pulse_nodes", "pulse_heartbeats_received", "pulse_partition_suspected", "pulse_leader"}
+    for k, part in enumerate(parts):
+        assert ({name for name, _ in part} & cluster_wide) == (cluster_wide if k == 0 else set())
+
+
+def test_a_changed_steady_value_is_rendered_not_the_kept_text() -> None:
+    """Memory total, PCIe widths, ECC and throttle reasons keep their text between scrapes while
+    equal; a change must show at the next scrape."""
+    c = _cluster(2)
+    r = Renderer()
+    r.render(c, now=11.0)
+    hb = c.nodes["n1"].latest
+    assert hb is not None
+    g0 = hb.gpus[0]
+    changed = msgspec.structs.replace(
+        g0, pcie_link_width=8, ecc_volatile_uncorrected=3, throttle=("thermal",), memory_total_bytes=1
+    )
+    c.nodes["n1"].latest = msgspec.structs.replace(hb, gpus=[changed, *hb.gpus[1:]])
+    after = _samples(r.render(c, now=11.0))
+    gpu0 = (("gpu", "0"), ("node", "n1"))
+    assert after[("pulse_gpu_pcie_link_width", gpu0)] == 8
+    assert after[("pulse_gpu_memory_total_bytes", gpu0)] == 1
+    assert after[("pulse_gpu_ecc_errors", (*gpu0, ("type", "uncorrected")))] == 3
+    assert after[("pulse_gpu_throttle_active", (("gpu", "0"), ("node", "n1"), ("reason", "thermal")))] == 1
+    assert after[("pulse_gpu_pcie_link_width", (("gpu", "0"), ("node", "n0")))] == 16  # the other node as it was
+    assert after == _samples(Renderer().render(c, now=11.0))  # the same as a renderer with nothing kept

@@ -89,7 +89,9 @@ class Settings(BaseSettings):
     evaluate_interval_s: float = Field(0.5, gt=0)
     ingest_block_s: float = Field(0.2, gt=0)
     ingest_batch: int = Field(2000, ge=1)
-    persist_interval_s: float = Field(5.0, gt=0)
+    persist_interval_s: float = Field(5.0, gt=0)  # the outbox written, stream entries acknowledged
+    # The compact summary (services/summary.py): when each node was last seen, identities changed.
+    summary_interval_s: float = Field(30.0, gt=0)
     retry_backoff_s: float = Field(0.2, gt=0)
     retry_backoff_max_s: float = Field(5.0, gt=0)
     # The event stream GET /v1/stream (services/routes/stream.py): how often it polls the events

@@ -12,11 +12,9 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-import msgspec
-
 from clusterpulse import wire
 from clusterpulse.states import EventKind, NodeState
-from services import health
+from services import health, summary
 from services.health import NodeHealth, Policy, Transition
 from services.slurm_sync import SlurmNode
 
@@ -32,7 +30,8 @@ class NodeView:
     clock_skew_s: float | None = None
     schedulable: bool = True
     labels: dict[str, str] = field(default_factory=dict)
-    dirty: bool = False  # telemetry changed since the last flush to the database
+    dirty: bool = False  # seen since the last summary written to the database (services/persist.py)
+    stored: wire.Heartbeat | None = None  # the identity the database holds (services/summary.py)
     scheduler: SlurmNode | None = None  # Slurm's view at the last sync (PULSE_SLURM=on), else None
 
 
@@ -134,18 +133,17 @@ class Cluster:
         schedulable: bool,
         labels: dict[str, str],
         telemetry: dict[str, object],
+        latest: wire.Heartbeat | None = None,
     ) -> None:
-        latest = None
-        if telemetry:
-            try:
-                latest = msgspec.convert(telemetry, wire.Heartbeat)
-            except msgspec.ValidationError:
-                latest = None
+        """A node as the database holds it; ``latest`` is its newest heartbeat where Redis still
+        has one, else its stored identity stands in (measurements absent)."""
+        stored = summary.stored(telemetry)
         self.nodes[name] = NodeView(
             health=NodeHealth(name=name, state=NodeState(state), since=since, reason=reason, last_seen=last_seen),
-            latest=latest,
+            latest=latest if latest is not None and latest.node == name else stored,
             schedulable=schedulable,
             labels=dict(labels),
+            stored=stored,
         )
 
     def set_schedulable(self, name: str, schedulable: bool) -> None:

@@ -14,7 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, delete, event, func, inspect, make_url, select, text, tuple_
+from sqlalchemy import (
+    Engine,
+    bindparam,
+    create_engine,
+    delete,
+    event,
+    func,
+    inspect,
+    make_url,
+    or_,
+    select,
+    text,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -119,55 +133,68 @@ def ping(engine: Engine) -> None:
 
 
 @dataclass(frozen=True)
-class NodeUpdate:
-    """The latest telemetry summary of one node, flushed periodically by the orchestrator."""
+class NodeSeen:
+    """When a node was last heard from (services/persist.py writes these on the summary interval)."""
+
+    name: str
+    last_seen: float | None
+    seq: int
+    clock_skew_s: float | None
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Who a node is (services/summary.py): written when it changes, with its GPUs' rows."""
 
     name: str
     labels: dict[str, str]
-    last_seen: float | None
     boot_id: str
-    seq: int
-    clock_skew_s: float | None
-    telemetry: dict[str, Any]
+    telemetry: dict[str, Any]  # summary.identity(heartbeat), as builtins
     gpus: list[dict[str, Any]]
+    known: bool = True  # False: stored for the first time (no GPU rows of an earlier identity to drop)
 
 
 def _insert(session: Session) -> Any:
     return postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
 
 
-def upsert_telemetry(session: Session, *, updates: Sequence[NodeUpdate], at: float) -> None:
-    """Write the latest telemetry of many nodes; health columns stay untouched.
+def store_seen(session: Session, *, rows: Sequence[NodeSeen], at: float) -> None:
+    """Last seen, seq and clock skew of many nodes: one UPDATE executed for many rows
+    (``executemany``: compiled once, no JSON, a few bytes per node). Rows that do not exist yet
+    are left to :func:`ensure_nodes`."""
+    if not rows:
+        return
+    stmt = (
+        update(NodeRow)
+        .where(NodeRow.name == bindparam("b_name"))
+        .values(last_seen=bindparam("b_seen"), seq=bindparam("b_seq"), clock_skew_s=bindparam("b_skew"), updated_at=at)
+    )
+    session.connection().execute(
+        stmt, [{"b_name": r.name, "b_seen": r.last_seen, "b_seq": r.seq, "b_skew": r.clock_skew_s} for r in rows]
+    )
 
-    One statement per table, executed for many rows (``executemany``): compiled once and cached,
-    where a multi-row ``VALUES`` list would be compiled anew for every batch, with a bind
-    parameter per value (most of a 2,048-node flush's time went to that compile, holding the GIL
-    the ingest loop needs)."""
+
+def store_identity(session: Session, *, updates: Sequence[NodeIdentity], at: float) -> None:
+    """The identity of nodes whose identity changed (or was never stored), and their GPU rows: a
+    GPU gone from a node loses its row at once. Health columns stay untouched."""
     if not updates:
         return
     insert = _insert(session)
     nodes, gpus = NodeRow.__table__, GpuRow.__table__
     rows = [
         {
-            "name": u.name,
-            "labels": u.labels,
-            "last_seen": u.last_seen,
-            "boot_id": u.boot_id,
-            "seq": u.seq,
-            "clock_skew_s": u.clock_skew_s,
-            "telemetry": u.telemetry,
-            "updated_at": at,
-            "state": "HEALTHY",
-            "state_since": at,
-            "reason": "first heartbeat",
-            "schedulable": True,
+            "name": u.name, "labels": u.labels, "boot_id": u.boot_id, "telemetry": u.telemetry, "updated_at": at,
+            "seq": 0, "state": "HEALTHY", "state_since": at, "reason": "first heartbeat", "schedulable": True,
         }
         for u in updates
-    ]
+    ]  # fmt: skip
     stmt = insert(nodes)
-    cols = ("labels", "last_seen", "boot_id", "seq", "clock_skew_s", "telemetry", "updated_at")
+    cols = ("labels", "boot_id", "telemetry", "updated_at")
     conn = session.connection()
     conn.execute(stmt.on_conflict_do_update(index_elements=["name"], set_={c: stmt.excluded[c] for c in cols}), rows)
+    for u in (u for u in updates if u.known):
+        present = [g["index"] for g in u.gpus]
+        conn.execute(delete(GpuRow).where(GpuRow.node == u.name, GpuRow.index.not_in(present)))
     gpu_rows = [
         {
             "node": u.name,
@@ -540,8 +567,15 @@ def prune_plans(session: Session, *, before: float, limit: int) -> int:
 
 
 def prune_gpus(session: Session, *, before: float, limit: int) -> int:
-    """Stored GPU rows not updated since ``before`` (a GPU gone from its node, a node gone)."""
-    q = select(GpuRow.node, GpuRow.index).where(GpuRow.updated_at < before).order_by(GpuRow.updated_at).limit(limit)
+    """The GPU rows of nodes not seen since ``before`` (a node gone; a GPU gone from a node that
+    still reports loses its row when the node's identity is stored, :func:`store_identity`)."""
+    gone = select(NodeRow.name).where(or_(NodeRow.last_seen < before, NodeRow.last_seen.is_(None)))
+    q = (
+        select(GpuRow.node, GpuRow.index)
+        .where(GpuRow.node.in_(gone), GpuRow.updated_at < before)
+        .order_by(GpuRow.updated_at)
+        .limit(limit)
+    )
     keys = [(n, i) for n, i in session.execute(q)]
     if keys:
         session.execute(delete(GpuRow).where(tuple_(GpuRow.node, GpuRow.index).in_(keys)))

@@ -71,7 +71,8 @@ writes a ``leader`` event. A leader stopped cleanly releases the lease: its succ
 at its next tick. With one replica (the default, SQLite) it leads from its first tick, as before.
 
 Known limits: followers show no training progress figures (trainer reports are folded by the
-leader only) and their node telemetry is as fresh as the leader's last persist; a stream entry
+leader only) and their node's last-seen time is as fresh as the leader's last summary (their
+telemetry is read from the nodes' latest heartbeats in Redis at each refresh); a stream entry
 a stale leader read in the instant between its last check and its pause stays pending under its
 consumer name until the next takeover claims it; each process leaves its consumer name in the
 group (harmless, visible in ``XINFO CONSUMERS``).

@@ -14,8 +14,10 @@ replaced whole at a take-over) and started as a supervised loop:
   database. While Redis does not answer, health is held and the partition is said. A transition
   or a rank change replans (services/plan_loop.py: outbox first, then Redis; newer generations
   found in Redis at a take-over are adopted).
-- **persist** (services/persist.py) flushes the outbox and the latest telemetry of changed nodes
-  every ``persist_interval_s``, then acknowledges the stream entries.
+- **persist** (services/persist.py) flushes the outbox every ``persist_interval_s``, and the
+  compact summary (services/summary.py: last seen, identities; never a measurement) every
+  ``summary_interval_s``, then acknowledges the stream entries. A take-over and a follower's
+  refresh read the nodes' latest heartbeats back from Redis.
 - **jobs** (services/reconcile.py) moves every active job on (services/jobs.py decides) and sends
   the agents their commands; operator actions (services/operator.py) write first, then act.
 - **slurm** (``PULSE_SLURM=on`` only): the node sync with Slurm, its own loop so that a Slurm
@@ -228,7 +230,7 @@ class Orchestrator:
         self._tasks.clear()
         if self.leading:
             with contextlib.suppress(Exception):
-                await self.persister.flush()
+                await self.persister.flush(final=True)
         with contextlib.suppress(Exception):
             await self.leader.release()
 
@@ -263,8 +265,9 @@ class Orchestrator:
         shared.progress = new_progress(self.settings)
         cluster = Cluster(policy=Policy.from_settings(self.settings), grace_start=now)
         rows = await asyncio.to_thread(load_nodes, self.sessions)
+        latest = await self._latest_heartbeats([r["name"] for r in rows])
         for r in rows:
-            cluster.restore(**r)
+            cluster.restore(**r, latest=latest.get(r["name"]))
         shared.cluster = cluster  # whole: reads never see a half-loaded snapshot
         if self.slurm is not None:
             await asyncio.to_thread(self._load_slurm, now)
@@ -341,8 +344,10 @@ class Orchestrator:
     async def _refresh_snapshot(self) -> None:
         await self.clock.sync()
         cluster = Cluster(policy=Policy.from_settings(self.settings), grace_start=self.clock.now())
-        for r in await asyncio.to_thread(load_nodes, self.sessions):
-            cluster.restore(**r)
+        rows = await asyncio.to_thread(load_nodes, self.sessions)
+        latest = await self._latest_heartbeats([r["name"] for r in rows])
+        for r in rows:
+            cluster.restore(**r, latest=latest.get(r["name"]))
         ranks, plans = await asyncio.to_thread(load_plans, self.sessions)
         keeper = new_plans(self.settings)
         keeper.restore(ranks=ranks, plans=plans)
@@ -355,6 +360,25 @@ class Orchestrator:
         job_states = await asyncio.to_thread(read_job_states)
         if not self.leading:
             self.shared.cluster, self.shared.plans, self.shared.job_states = cluster, keeper, job_states
+
+    async def _latest_heartbeats(self, names: list[str]) -> dict[str, wire.Heartbeat]:
+        """The newest heartbeat of each node that Redis still holds (its latest key): measurements
+        live there and in memory, never in the database (services/summary.py). A Redis that does
+        not answer leaves the stored identities standing in until the next heartbeats."""
+        out: dict[str, wire.Heartbeat] = {}
+        try:
+            for i in range(0, len(names), 1000):
+                chunk = names[i : i + 1000]
+                pipe = self.redis.pipeline(transaction=False)
+                for name in chunk:
+                    pipe.get(wire.node_latest_key(name))
+                for name, raw in zip(chunk, await pipe.execute(), strict=True):
+                    if raw:
+                        with contextlib.suppress(wire.WireError):
+                            out[name] = wire.decode_heartbeat(raw)
+        except Exception as exc:
+            log.warning("event=latest_heartbeats_unread nodes=%d error=%r", len(names), str(exc))
+        return out
 
     # --- Slurm ----------------------------------------------------------------------------------
     async def _slurm_loop(self) -> None:

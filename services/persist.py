@@ -1,25 +1,31 @@
-"""Persist: the outbox and the latest telemetry of changed nodes go to the database every
-``persist_interval_s``, and only then are the stream entries they came from acknowledged.
+"""Persist: every ``persist_interval_s`` the outbox goes to the database, with the identity of
+nodes seen for the first time, and only then are the stream entries they came from acknowledged.
+Every ``summary_interval_s`` the compact summary follows: when each node was last seen, and the
+identity of nodes whose identity changed (services/summary.py). Measurements never go to the
+database: they stay in memory and in Redis.
 
 Order matters: the outbox first (a flush while it cannot be written acknowledges nothing, so a
-crash re-reads those entries), then the telemetry, then ``XACK``. A write that fails marks the
-nodes dirty again and puts the entries back, first, for the next flush.
+crash re-reads those entries), then the summary, then ``XACK``. A write that fails marks the nodes
+dirty again and puts the entries back, first, for the next flush. What a crash can lose is how
+recently a node was seen, at most one summary interval of it: a new leader grants every node a
+full ``degraded_after`` anyway and reads the latest heartbeats back from Redis.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
-import msgspec
 import redis.asyncio as aioredis
 
 from clusterpulse import wire
 from clusterpulse.retry import is_transient
 from clusterpulse.settings import Settings
-from services import db
+from services import db, summary
 from services.clock import RedisClock
+from services.cluster import NodeView
 from services.ingest import Ingest
 from services.leader import NotLeader
 from services.outbox import Outbox
@@ -49,6 +55,7 @@ class Persister:
         self.ingest = ingest
         self.clock = clock
         self.leading = leading
+        self._summary_due = time.monotonic() + settings.summary_interval_s
 
     async def loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -56,8 +63,9 @@ class Persister:
             if self.leading():
                 await self.flush()
 
-    async def flush(self) -> None:
-        """Write the outbox and dirty telemetry, then acknowledge what they came from."""
+    async def flush(self, *, final: bool = False) -> None:
+        """Write the outbox and the summary that is due (all of it when ``final``: stopping), then
+        acknowledge what they came from."""
         cluster = self.shared.cluster
         assert cluster is not None
         if self.outbox.pending:
@@ -67,46 +75,67 @@ class Persister:
             cluster = self.shared.cluster
             assert cluster is not None
         acks = self.ingest.take_acks()
-        updates = []
-        for view in cluster.nodes.values():
-            if view.dirty and view.latest is not None:
-                hb = view.latest
-                updates.append(
-                    db.NodeUpdate(
-                        name=hb.node,
-                        labels=dict(hb.labels),
-                        last_seen=view.health.last_seen,
-                        boot_id=hb.boot_id,
-                        seq=hb.seq,
-                        clock_skew_s=view.clock_skew_s,
-                        telemetry=msgspec.to_builtins(hb),
-                        gpus=[msgspec.to_builtins(g) for g in hb.gpus],
-                    )
-                )
-                view.dirty = False
+        due = final or time.monotonic() >= self._summary_due
+        seen, identities, written = self._summary(cluster.nodes, due=due)
         try:
-            if updates:
+            if seen or identities:
                 async with self.writer.lock:
-                    await asyncio.to_thread(self._write_telemetry, updates)
+                    await asyncio.to_thread(self._write_summary, seen, identities)
             self.writer.ok = True
         except Exception as exc:
             cluster = self.shared.cluster
             assert cluster is not None
-            for u in updates:
-                cluster.nodes[u.name].dirty = True
+            for name, before in written.items():  # as they were: written at the next flush
+                if (view := cluster.nodes.get(name)) is not None:
+                    view.dirty, view.stored = True, before
             self.ingest.return_acks(acks)
             if isinstance(exc, NotLeader):
                 return
             if not is_transient(exc):
                 raise
             self.writer.ok = False
-            log.warning("event=db_unavailable dirty_nodes=%d error=%r", len(updates), str(exc))
+            log.warning("event=db_unavailable dirty_nodes=%d error=%r", len(written), str(exc))
             return
+        if due:
+            self._summary_due = time.monotonic() + self.settings.summary_interval_s
         for stream, ids in acks.items():
             for i in range(0, len(ids), 10_000):
                 await self.redis.xack(stream, wire.ORCHESTRATOR_GROUP, *ids[i : i + 10_000])
 
-    def _write_telemetry(self, updates: list[db.NodeUpdate]) -> None:
-        with self.writer.tx("telemetry") as s:
+    def _summary(
+        self, nodes: dict[str, NodeView], *, due: bool
+    ) -> tuple[list[db.NodeSeen], dict[str, db.NodeIdentity], dict[str, wire.Heartbeat | None]]:
+        """What to write now: nodes seen for the first time always; when the summary is ``due``,
+        when every node seen since was last seen, and the identities that changed. The third item
+        is each written node's stored identity before, to put back if the write fails."""
+        seen: list[db.NodeSeen] = []
+        identities: dict[str, db.NodeIdentity] = {}
+        written: dict[str, wire.Heartbeat | None] = {}
+        for name, view in nodes.items():
+            hb = view.latest
+            if hb is None or not (view.stored is None or (due and view.dirty)):
+                continue
+            written[name] = view.stored
+            if view.dirty:
+                seen.append(db.NodeSeen(name, view.health.last_seen, hb.seq, view.clock_skew_s))
+                view.dirty = False
+            ident = summary.identity(hb)
+            if ident != view.stored:
+                identities[name] = db.NodeIdentity(
+                    name=name,
+                    labels=dict(hb.labels),
+                    boot_id=hb.boot_id,
+                    telemetry=(row := summary.as_row(ident)),
+                    gpus=row["gpus"],
+                    known=view.stored is not None,
+                )
+                view.stored = ident
+        return seen, identities, written
+
+    def _write_summary(self, seen: list[db.NodeSeen], identities: dict[str, db.NodeIdentity]) -> None:
+        with self.writer.tx("summary") as s:
+            at = self.clock.now()
+            updates = list(identities.values())
             for i in range(0, len(updates), 500):
-                db.upsert_telemetry(s, updates=updates[i : i + 500], at=self.clock.now())
+                db.store_identity(s, updates=updates[i : i + 500], at=at)
+            db.store_seen(s, rows=seen, at=at)

@@ -10,31 +10,35 @@ from services import db
 from services.models import GpuRow, NodeRow
 
 
-def _update(name: str, seq: int = 1, lost: bool = False) -> db.NodeUpdate:
-    return db.NodeUpdate(
+def _identity(name: str, *gpus: tuple[int, bool], known: bool = True) -> db.NodeIdentity:
+    return db.NodeIdentity(
         name=name,
         labels={"rack": "r1"},
-        last_seen=100.0 + seq,
         boot_id="boot",
-        seq=seq,
-        clock_skew_s=0.01,
-        telemetry={"node": name, "seq": seq},
-        gpus=[{"index": 0, "uuid": "GPU-0", "name": "NVIDIA H200", "lost": lost}],
+        telemetry={"node": name, "gpus": len(gpus)},
+        gpus=[{"index": i, "uuid": f"GPU-{i}", "name": "NVIDIA H200", "lost": lost} for i, lost in gpus],
+        known=known,
     )
 
 
-def test_upsert_telemetry_inserts_then_updates_without_touching_health(session: Session) -> None:
-    db.upsert_telemetry(session, updates=[_update("n1"), _update("n2")], at=1.0)
+def test_the_summary_stores_identity_and_last_seen_without_touching_health(session: Session) -> None:
+    db.store_identity(session, updates=[_identity("n1", (0, False), (1, False), known=False)], at=1.0)
+    db.store_identity(session, updates=[_identity("n2", (0, False), known=False)], at=1.0)
+    db.store_seen(session, rows=[db.NodeSeen("n1", 101.0, 1, 0.01), db.NodeSeen("n2", 101.0, 1, None)], at=1.0)
     db.record_transition(session, node="n1", old="HEALTHY", new="DEGRADED", reason="PCIe x8", at=2.0)
-    db.upsert_telemetry(session, updates=[_update("n1", seq=2, lost=True)], at=3.0)
+    # n1 loses GPU 0 and GPU 1 goes: the identity changes, GPU 1's row goes with it
+    db.store_identity(session, updates=[_identity("n1", (0, True))], at=3.0)
+    db.store_seen(session, rows=[db.NodeSeen("n1", 102.0, 2, 0.02)], at=3.0)
     session.flush()
     session.expire_all()
     n1 = db.get_node(session, name="n1")
     assert n1 is not None
-    assert (n1.seq, n1.last_seen, n1.state, n1.reason) == (2, 102.0, "DEGRADED", "PCIe x8")
-    assert n1.telemetry == {"node": "n1", "seq": 2}
+    assert (n1.seq, n1.last_seen, n1.clock_skew_s, n1.state, n1.reason) == (2, 102.0, 0.02, "DEGRADED", "PCIe x8")
+    assert n1.telemetry == {"node": "n1", "gpus": 1}
     gpu = session.get(GpuRow, ("n1", 0))
     assert gpu is not None and gpu.lost is True
+    assert session.get(GpuRow, ("n1", 1)) is None
+    assert session.get(GpuRow, ("n2", 0)) is not None
     assert [n.name for n in db.load_nodes(session)] == ["n1", "n2"]
 
 

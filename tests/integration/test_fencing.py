@@ -139,7 +139,7 @@ def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, 
             await a.outbox.write()
             assert not _leads(a) and a.leader.refused["events"] == 1
 
-            # telemetry of a node
+            # the summary of a node (its identity: never stored yet)
             _pretend_leading(a, old)
             a.outbox.clear()
             before = _node(engine, "n1")
@@ -147,7 +147,7 @@ def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, 
             view.dirty = True
             view.latest = msgspec_heartbeat("n1")
             await a.persister.flush()
-            assert a.leader.refused["telemetry"] == 1 and _node(engine, "n1") == before
+            assert a.leader.refused["summary"] == 1 and _node(engine, "n1") == before
 
             # a job written by the stale leader (the placement passes: a node with a GPU)
             _pretend_leading(a, old)

@@ -224,6 +224,64 @@ def test_degraded_node_stays_degraded_across_a_restart(redis_url: str, sqlite_ur
     asyncio.run(_with_orchestrator(settings, second))
 
 
+def _stored(sqlite_url: str, name: str) -> tuple[int, float | None, dict[str, object]]:
+    engine = db.make_engine(sqlite_url)
+    try:
+        with db.session_factory(engine)() as s:
+            row = db.get_node(s, name=name)
+            assert row is not None
+            return row.seq, row.last_seen, dict(row.telemetry)
+    finally:
+        engine.dispose()
+
+
+def test_the_database_gets_identities_and_a_summary_not_every_heartbeat(redis_url: str, sqlite_url: str) -> None:
+    """Measurements stay in memory and Redis: between summaries, persist acknowledges entries and
+    writes only what is new (a node's identity at first contact), never the latest heartbeat."""
+    settings = _settings(redis_url, sqlite_url, summary_interval_s=3600)
+
+    async def body(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        client = aioredis.from_url(redis_url)
+        agents = _agents(2)
+        await run_agents(agents, _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=3)
+        await _until(lambda: len(orch.cluster.nodes) == 2 and orch.cluster.received == 6)
+        await asyncio.sleep(0.4)  # persist ticks
+        seq, seen, telemetry = await asyncio.to_thread(_stored, sqlite_url, "n0")
+        gpus = telemetry["gpus"]
+        assert isinstance(gpus, list) and len(gpus) == 4 and gpus[0]["uuid"]
+        assert not {"power_watts", "utilization_ratio", "temperature_celsius"} & set(gpus[0])  # no measurement
+        assert seq >= 1 and seen is not None  # as of first contact
+        await run_agents(agents, _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=2)
+        await _until(lambda: orch.cluster.received == 10)
+        await asyncio.sleep(0.4)  # persist ticks
+        assert (await asyncio.to_thread(_stored, sqlite_url, "n0"))[:2] == (seq, seen)  # waits for the summary...
+        pending = await client.xpending(wire.heartbeat_stream_key(0), wire.ORCHESTRATOR_GROUP)
+        assert pending["pending"] == 0  # ...the acknowledgements do not
+        # a lost GPU changes the identity: stored with the next summary, not before
+        agents[1].sim.faults.add("gpu_lost")  # type: ignore[union-attr]
+        await run_agents(agents[1:], _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=1)
+        await _until(lambda: orch.cluster.received == 11)
+        await asyncio.sleep(0.4)
+        assert not (await asyncio.to_thread(_stored, sqlite_url, "n1"))[2]["gpus"][3]["lost"]  # type: ignore[index]
+        await client.aclose()
+
+    asyncio.run(_with_orchestrator(settings, body))
+    seq, seen, telemetry = _stored(sqlite_url, "n1")  # stopping writes the whole summary
+    assert seq == 6 and seen is not None and telemetry["gpus"][3]["lost"] is True  # type: ignore[index]
+
+    async def restarted(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        n0, n1 = orch.cluster.nodes["n0"].latest, orch.cluster.nodes["n1"].latest
+        assert n0 is not None and n0.gpus[0].power_watts is not None  # from Redis: measurements too
+        assert n1 is not None and n1.gpus[3].lost and n1.gpus[0].power_watts is None  # its identity stood in
+
+    raw = redis.Redis.from_url(redis_url)
+    raw.delete(wire.node_latest_key("n1"))  # n1's latest expired while the orchestrator was down
+    raw.close()
+    asyncio.run(_with_orchestrator(settings, restarted))
+
+
 def test_publisher_survives_redis_down_and_backs_off() -> None:
     async def body() -> None:
         client = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)

@@ -55,8 +55,11 @@ def _populate(sessions: sessionmaker[Session]) -> None:
         _job(s, "done-old", state=JobState.SUCCEEDED, at=OLD)
         _job(s, "done-new", state=JobState.FAILED, at=NEW)
         _job(s, "running-old", state=JobState.RUNNING, at=OLD)
-        s.add(GpuRow(node="n1", index=0, updated_at=OLD))
+        s.add(GpuRow(node="n1", index=0, updated_at=OLD))  # n1 not seen since: its old row goes
         s.add(GpuRow(node="n1", index=1, updated_at=NEW))
+        db.ensure_node(s, name="n2", at=OLD)  # n2 reports today with the GPU it had then: kept
+        db.store_seen(s, rows=[db.NodeSeen("n2", NEW, 1, None)], at=NEW)
+        s.add(GpuRow(node="n2", index=0, updated_at=OLD))
 
 
 def test_old_records_go_and_what_is_in_force_stays(sessions: sessionmaker[Session]) -> None:
@@ -76,7 +79,7 @@ def test_old_records_go_and_what_is_in_force_stays(sessions: sessionmaker[Sessio
         assert {e.kind for e in old if e.job is None} == {EventKind.SLURM_BREAKER_OPEN}
         assert {e.job for e in old if e.job is not None} == {"running-old"}
         assert any(e.reason == "new" for e in kept)
-        assert set(s.scalars(select(GpuRow.index))) == {1}
+        assert set(s.execute(select(GpuRow.node, GpuRow.index))) == {("n1", 1), ("n2", 0)}
     assert deleted["jobs"] == 1 and deleted["plans"] == 1 and deleted["gpus"] == 1
     assert deleted["events"] >= 7  # several batches of 3
     assert asyncio.run(retention.run_once(NOW)) == {"events": 0, "jobs": 0, "plans": 0, "gpus": 0}

@@ -31,7 +31,7 @@ class NodeView:
     schedulable: bool = True
     labels: dict[str, str] = field(default_factory=dict)
     dirty: bool = False  # seen since the last summary written to the database (services/persist.py)
-    stored: wire.Heartbeat | None = None  # the identity the database holds (services/summary.py)
+    stored: summary.Key | None = None  # the identity the database holds (services/summary.py)
     scheduler: SlurmNode | None = None  # Slurm's view at the last sync (PULSE_SLURM=on), else None
 
 
@@ -143,7 +143,7 @@ class Cluster:
             latest=latest if latest is not None and latest.node == name else stored,
             schedulable=schedulable,
             labels=dict(labels),
-            stored=stored,
+            stored=None if stored is None else summary.key(stored),
         )
 
     def set_schedulable(self, name: str, schedulable: bool) -> None:

@@ -236,8 +236,8 @@ def ensure_nodes(session: Session, *, nodes: Sequence[tuple[str, float, dict[str
         }
         for name, at, labels in nodes
     ]
-    for i in range(0, len(rows), 500):
-        session.execute(insert(NodeRow).values(rows[i : i + 500]).on_conflict_do_nothing(index_elements=["name"]))
+    if rows:  # executemany: compiled once, whatever the number of nodes
+        session.connection().execute(insert(NodeRow).on_conflict_do_nothing(index_elements=["name"]), rows)
 
 
 def ensure_node(session: Session, *, name: str, at: float, labels: dict[str, str] | None = None) -> NodeRow:
@@ -281,6 +281,22 @@ def record_event(
     ev = EventRow(at=at, kind=kind, node=node, job=job, reason=reason, actor=actor)
     session.add(ev)
     return ev
+
+
+def record_events(session: Session, *, events: Sequence[tuple[str, str | None, str, float]]) -> None:
+    """Many events, (kind, node, reason, at) each, in order, in one statement executed for many
+    rows (a cluster's first contact is one event per node). Objects added to the session before
+    are flushed first, so the ids follow the order the events were decided in; each row carries
+    the session's epoch, as the rows the ORM adds do (:func:`session_factory`)."""
+    session.flush()
+    epoch = session.info.get(EPOCH)
+    session.connection().execute(
+        EventRow.__table__.insert(),  # type: ignore[attr-defined]
+        [
+            {"kind": k, "node": n, "reason": r, "at": at, "actor": "orchestrator", "epoch": epoch}
+            for k, n, r, at in events
+        ],
+    )
 
 
 def record_event_once(

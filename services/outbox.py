@@ -26,6 +26,10 @@ from services.shared import Shared, Writer
 
 log = logging.getLogger("pulse.orchestrator")
 
+# A burst this large (a cluster's first contact, a rack going silent) is written at once, in the
+# batches ingest folds it in, rather than at the next persist tick.
+EARLY_WRITE = 500
+
 
 @dataclass(frozen=True)
 class Registered:
@@ -51,15 +55,20 @@ class Outbox:
         self.shared = shared
         self.writer = writer
         self.pending: list[Outboxed] = []
+        self.wake = asyncio.Event()  # set when EARLY_WRITE are pending: persist writes them at once
 
     def __len__(self) -> int:
         return len(self.pending)
 
     def append(self, item: Outboxed) -> None:
         self.pending.append(item)
+        if len(self.pending) >= EARLY_WRITE:
+            self.wake.set()
 
     def extend(self, items: list[Transition] | list[ClusterEvent]) -> None:
         self.pending.extend(items)
+        if len(self.pending) >= EARLY_WRITE:
+            self.wake.set()
 
     def clear(self) -> None:
         """Drop what was not written (stepping down, taking over: the leader recomputes it)."""
@@ -98,7 +107,14 @@ class Outbox:
                 db.ensure_nodes(
                     s, nodes=[(n, at, views[n].labels if n in views else {}) for n, at in new_nodes.items()]
                 )
+            plain: list[ClusterEvent] = []  # a run of plain events: one statement for all of them
             for item in batch:
+                if type(item) is ClusterEvent:
+                    plain.append(item)
+                    continue
+                if plain:
+                    db.record_events(s, events=[(e.kind, e.node, e.reason, e.at) for e in plain])
+                    plain = []
                 if isinstance(item, Transition):
                     db.record_transition(
                         s,
@@ -132,5 +148,5 @@ class Outbox:
                         s, kind=checkpoints.WRITTEN, job=item.job, key=checkpoints.written_key(item.step),
                         reason=item.reason, at=item.at, node=item.node,
                     )  # fmt: skip
-                else:
-                    db.record_event(s, kind=item.kind, node=item.node, reason=item.reason, at=item.at)
+            if plain:
+                db.record_events(s, events=[(e.kind, e.node, e.reason, e.at) for e in plain])

@@ -14,6 +14,7 @@ full ``degraded_after`` anyway and reads the latest heartbeats back from Redis.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from services.outbox import Outbox
 from services.shared import Shared, Writer
 
 log = logging.getLogger("pulse.orchestrator")
+
+IDENTITY_BATCH = 2000  # identities written per flush: a cluster's first contact spreads over a few
 
 
 class Persister:
@@ -58,8 +61,15 @@ class Persister:
         self._summary_due = time.monotonic() + settings.summary_interval_s
 
     async def loop(self, stop: asyncio.Event) -> None:
+        """A flush every ``persist_interval_s``, and at once when a burst fills the outbox
+        (``outbox.EARLY_WRITE``): a cluster's first contact is registered in the batches ingest folds
+        it in, not after a full interval."""
+        wake = self.outbox.wake
         while not stop.is_set():
-            await asyncio.sleep(self.settings.persist_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), self.settings.persist_interval_s)
+                await asyncio.sleep(min(0.1, self.settings.persist_interval_s))  # let a burst gather
+            wake.clear()
             if self.leading():
                 await self.flush()
 
@@ -76,7 +86,7 @@ class Persister:
             assert cluster is not None
         acks = self.ingest.take_acks()
         due = final or time.monotonic() >= self._summary_due
-        seen, identities, written = self._summary(cluster.nodes, due=due)
+        seen, identities, written = self._summary(cluster.nodes, due=due, cap=None if final else IDENTITY_BATCH)
         try:
             if seen or identities:
                 async with self.writer.lock:
@@ -103,33 +113,38 @@ class Persister:
                 await self.redis.xack(stream, wire.ORCHESTRATOR_GROUP, *ids[i : i + 10_000])
 
     def _summary(
-        self, nodes: dict[str, NodeView], *, due: bool
-    ) -> tuple[list[db.NodeSeen], dict[str, db.NodeIdentity], dict[str, wire.Heartbeat | None]]:
-        """What to write now: nodes seen for the first time always; when the summary is ``due``,
-        when every node seen since was last seen, and the identities that changed. The third item
-        is each written node's stored identity before, to put back if the write fails."""
+        self, nodes: dict[str, NodeView], *, due: bool, cap: int | None
+    ) -> tuple[list[db.NodeSeen], dict[str, db.NodeIdentity], dict[str, summary.Key | None]]:
+        """What to write now: when the summary is ``due``, when every node seen since was last
+        seen and the identities that changed; at every flush, the identities never stored (a
+        cluster's first contact). At most ``cap`` identities per flush (None: all): the rest follow
+        at the next ones. The third item is each written node's stored identity before, to put
+        back if the write fails."""
         seen: list[db.NodeSeen] = []
         identities: dict[str, db.NodeIdentity] = {}
-        written: dict[str, wire.Heartbeat | None] = {}
+        written: dict[str, summary.Key | None] = {}
         for name, view in nodes.items():
             hb = view.latest
-            if hb is None or not (view.stored is None or (due and view.dirty)):
+            if hb is None:
                 continue
-            written[name] = view.stored
-            if view.dirty:
+            check = view.stored is None
+            if due and view.dirty:
                 seen.append(db.NodeSeen(name, view.health.last_seen, hb.seq, view.clock_skew_s))
-                view.dirty = False
-            ident = summary.identity(hb)
+                written[name], view.dirty, check = view.stored, False, True
+            if not check or (cap is not None and len(identities) >= cap):
+                continue
+            ident = summary.key(hb)
             if ident != view.stored:
+                row = summary.row(hb)
                 identities[name] = db.NodeIdentity(
                     name=name,
-                    labels=dict(hb.labels),
+                    labels=row["labels"],
                     boot_id=hb.boot_id,
-                    telemetry=(row := summary.as_row(ident)),
+                    telemetry=row,
                     gpus=row["gpus"],
                     known=view.stored is not None,
                 )
-                view.stored = ident
+                written[name], view.stored = view.stored, ident
         return seen, identities, written
 
     def _write_summary(self, seen: list[db.NodeSeen], identities: dict[str, db.NodeIdentity]) -> None:

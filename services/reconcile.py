@@ -29,7 +29,7 @@ from services.clock import RedisClock
 from services.leader import FENCED_COMMANDS, LeaderLease, commands_args
 from services.models import JobRow
 from services.shared import Shared, Writer
-from services.slurm_jobs import is_slurm
+from services.slurm_jobs import fold_rank_status, is_slurm
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -47,6 +47,7 @@ class Send:
     only: tuple[str, ...] = ()
     rejoin: bool = False
     request: str = ""  # a checkpoint's request id
+    job_stream: bool = False  # one command on the job's stream (a Slurm job's, wire.job_commands_key), not the nodes'
 
 
 def hostport(addr: str, port: int) -> str:
@@ -119,11 +120,12 @@ class JobReconciler:
 
     async def send(self, send: Send) -> None:
         """One command to the job's nodes (``send.only``: to those alone; ``send.rejoin``: ranks
-        that join the running job, services/jobs.py)."""
+        that join the running job, services/jobs.py), or with ``send.job_stream`` one to the job's
+        own stream (a Slurm job: its ranks' supervisors read it, ``agent/slurm_rank.py``)."""
         kind, job_id, nodes, spec = send.kind, send.job, send.nodes, send.spec
-        commands = []
+        commands: list[tuple[str, bytes]] = []
         for rank, node in enumerate(nodes):
-            if send.only and node not in send.only:
+            if (send.only and node not in send.only) or (send.job_stream and commands):
                 continue
             cmd = wire.JobCommand(
                 v=wire.PROTOCOL_VERSION,
@@ -139,11 +141,12 @@ class JobReconciler:
                 env={**spec.get("env", {}), **ds_env(spec), **({"PULSE_REJOIN": "1"} if send.rejoin else {})},
                 grace_s=self.settings.job_stop_grace_s,
             )
-            commands.append((node, wire.encode(cmd)))
+            key = wire.job_commands_key(job_id) if send.job_stream else wire.node_commands_key(node)
+            commands.append((key, wire.encode(cmd)))
         keys, args = commands_args(self.leader.fence(), commands, maxlen=10_000)
         await self.leader.fenced_eval(FENCED_COMMANDS, keys, args, what="job command")
         log.info(
-            "event=job_command job=%s kind=%s nodes=%s rejoin=%s", job_id, kind, [c[0] for c in commands], send.rejoin
+            "event=job_command job=%s kind=%s to=%s rejoin=%s", job_id, kind, [c[0] for c in commands], send.rejoin
         )
 
     def _reconcile_db(self, statuses: list[wire.JobStatus], now: float) -> list[Send]:
@@ -155,7 +158,7 @@ class JobReconciler:
         with self.writer.tx("jobs") as s:
             for st in statuses:
                 try:
-                    db.set_job_node_status(s, job_id=st.job, node=st.node, status=msgspec.to_builtins(st), at=now)
+                    self._store_status(s, st, now)
                 except KeyError:
                     log.warning("event=job_status_unknown_job job=%s node=%s", st.job, st.node)
             for job in db.list_jobs(s, states=ACTIVE_JOB_STATES):
@@ -192,6 +195,21 @@ class JobReconciler:
                 sends.extend(self._relaunch(s, job, d.relaunch, now))
             self.shared.job_states = db.job_states(s, changed_after=now - self.settings.job_stale_after_s)
         return sends
+
+    @staticmethod
+    def _store_status(s: Session, st: wire.JobStatus, now: float) -> None:
+        """A node's status as it came; one rank's (a Slurm job's supervisor, ``st.rank``) folded
+        into its node's (services/slurm_jobs.py), without moving the job's ``updated_at``: the Slurm
+        job loop times its start and its stop's grace from it."""
+        status = msgspec.to_builtins(st)
+        if st.rank is None:
+            db.set_job_node_status(s, job_id=st.job, node=st.node, status=status, at=now)
+            return
+        row = db.get_job(s, job_id=st.job)
+        if row is None:
+            raise KeyError(st.job)
+        folded = fold_rank_status(row.node_status.get(st.node), status)
+        db.set_job_node_status(s, job_id=st.job, node=st.node, status=folded, at=now, touch=False)
 
     def _count_rejoins(self, s: Session, job_id: str) -> None:
         """Counted from the events, so a restarted orchestrator keeps the cap."""

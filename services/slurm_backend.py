@@ -44,6 +44,7 @@ from services.slurm_jobs import (
     find,
     is_slurm,
     parse_jobs,
+    rank_exits,
     rank_steps,
     sbatch_argv,
 )
@@ -68,6 +69,7 @@ class Job:
     slurm_job_id: str | None
     created_at: float
     updated_at: float
+    node_status: dict[str, Any]
 
 
 class SlurmJobs:
@@ -98,6 +100,7 @@ class SlurmJobs:
         self.submit_errors: dict[str, str] = {}  # job -> the last sbatch failure
         self.signalled: dict[tuple[str, str], float] = {}  # (job, term|kill) -> when
         self.last_submit: dict[str, float] = {}  # job -> when sbatch was last run for it
+        self.ended: dict[str, float] = {}  # job -> when Slurm was first seen to show it over, or not list it
 
     async def loop(self, stop: asyncio.Event, leading: Callable[[], bool]) -> None:
         while not stop.is_set():
@@ -126,6 +129,7 @@ class SlurmJobs:
                     j.slurm_job_id,
                     j.created_at,
                     j.updated_at,
+                    dict(j.node_status),
                 )
                 for j in db.list_jobs(s, states=ACTIVE_JOB_STATES, limit=100_000)
                 if is_slurm(j.spec)
@@ -144,6 +148,7 @@ class SlurmJobs:
         self.submit_errors = {k: v for k, v in self.submit_errors.items() if k in active}
         self.signalled = {k: v for k, v in self.signalled.items() if k[0] in active}
         self.last_submit = {k: v for k, v in self.last_submit.items() if k in active}
+        self.ended = {k: v for k, v in self.ended.items() if k in active}
         if not jobs:
             return
         listed = await self.list_slurm_jobs()
@@ -152,12 +157,16 @@ class SlurmJobs:
             now = self.clock.now()
             slurm = find(listed, job_id=job.id, slurm_job_id=job.slurm_job_id)
             world = len(job.nodes) * max(1, int(job.spec.get("gpus_per_node", 1)))
+            if (slurm is None and job.slurm_job_id) or (slurm is not None and slurm.over):
+                self.ended.setdefault(job.id, now)
             d = decide(
                 state=job.state, job_id=job.id, slurm=slurm, slurm_job_id=job.slurm_job_id,
                 since=job.updated_at, created=job.created_at, now=now, joined=self.shared.joined(job.id), world=world,
                 grace_s=self.settings.job_stop_grace_s, start_timeout=self.settings.job_start_timeout_s,
                 submit_error=self.submit_errors.get(job.id, ""),
                 unusable=[n for n in job.nodes if n not in usable] if slurm is None else (),
+                exits=rank_exits(job.node_status), excluded_ranks=self._excluded(job.id),
+                ended_for=now - self.ended.get(job.id, now), exit_wait_s=self.settings.slurm_exit_wait_s,
             )  # fmt: skip
             sid, reason = d.slurm_job_id, d.reason
             if d.action == "submit" and now - self.last_submit.get(job.id, -1e18) < self.settings.job_resend_s:
@@ -190,6 +199,12 @@ class SlurmJobs:
             log.info("event=job_transition job=%s to=%s reason=%r backend=slurm", job.id, state, reason)
         elif reason and reason != row.reason:
             db.set_job_slurm(s, job_id=job.id, reason=reason)
+
+    def _excluded(self, job_id: str) -> set[int]:
+        """The job's ranks its plan excluded or its survivors reported unreachable (services/plans.py)."""
+        plans = self.shared.plans
+        plan = plans.plans.get(job_id)
+        return set(plan.excluded if plan is not None else ()) | plans.unreachable.get(job_id, set())
 
     def _usable(self) -> set[str]:
         cluster = self.shared.cluster

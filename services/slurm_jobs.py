@@ -52,6 +52,7 @@ import re
 import shlex
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from clusterpulse.states import TERMINAL_JOB_STATES, JobState
 
@@ -190,40 +191,51 @@ def sbatch_argv(sbatch: Sequence[str], sub: Submission) -> list[str]:
     return argv
 
 
-# One rank: the variables of agent/launcher.py's rank_env, from srun's own, then the rank itself.
-_RANK_SHELL = (
-    'export MASTER_ADDR="${MASTER_ADDR:-$SLURM_LAUNCH_NODE_IPADDR}" '
-    'RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS" '
-    'CROSS_RANK="$SLURM_NODEID" CROSS_SIZE="$SLURM_NNODES" PULSE_NODE="$SLURMD_NODENAME"; exec "$@"'
-)
-
-
 def batch_script(sub: Submission) -> str:
-    """The batch script (module docstring). Its exit status is srun's: the highest of the ranks'."""
+    """The batch script (module docstring). Its exit status is srun's: the highest of the ranks'.
+    Each srun task is a rank's supervisor (``agent/slurm_rank.py``), which sets the rank's
+    environment from srun's, reports its exit and delivers checkpoint requests to it alone."""
     q = shlex.quote
     per = max(1, sub.gpus_per_node)
     cases = "".join(f"  {q(n)}) export MASTER_ADDR={q(a)} ;;\n" for n, a in sub.addrs.items() if a)
     store = [q(sub.python), "-m", "agent.jobstore", '--port="$MASTER_PORT"', f"--job={q(sub.job_id)}"]
-    rank = [q(sub.python), "-u", "-m", "trainer.run", *(q(a) for a in sub.entrypoint)]
+    rank = [q(sub.python), "-m", "agent.slurm_rank", "--", q(sub.python), "-u", "-m", "trainer.run"]
+    rank += [q(a) for a in sub.entrypoint]
     return (
         "#!/bin/bash\n"
         f"# ClusterPulse job {sub.job_id} ({sub.name}), submitted by the orchestrator: services/slurm_jobs.py\n"
         'case "$SLURMD_NODENAME" in\n'
         f"{cases}esac\n"
         f"export MASTER_PORT={sub.master_port} PULSE_JOB_ID={q(sub.job_id)}\n"
-        f"export LOCAL_WORLD_SIZE={per} LOCAL_SIZE={per}\n"
+        f"export LOCAL_WORLD_SIZE={per} LOCAL_SIZE={per} WORLD_SIZE={per * len(sub.nodes)} CROSS_SIZE={len(sub.nodes)}\n"
         "store=\n"
         f"if {q(sub.python)} -c 'import importlib.util as u, sys; sys.exit(u.find_spec(\"torch\") is None)'; then\n"
         f"  {' '.join(store)} --linger={sub.store_linger_s:g} &\n"
         "  store=$!\n"
         "  export TORCHELASTIC_USE_AGENT_STORE=True\n"
         "fi\n"
-        f"srun --export=ALL --kill-on-bad-exit=0 --nodes={len(sub.nodes)} --ntasks-per-node={per} "
-        f"/bin/sh -c {q(_RANK_SHELL)} rank {' '.join(rank)}\n"
+        f"srun --export=ALL --kill-on-bad-exit=0 --nodes={len(sub.nodes)} --ntasks-per-node={per} {' '.join(rank)}\n"
         "rc=$?\n"
         'if [ -n "$store" ]; then kill "$store" 2>/dev/null; wait "$store" 2>/dev/null; fi\n'
         "exit $rc\n"
     )
+
+
+def fold_rank_status(previous: Mapping[str, Any] | None, status: Mapping[str, Any]) -> dict[str, Any]:
+    """One rank's ``JobStatus`` (``agent/slurm_rank.py``: ``started``, ``exited``) folded into its
+    node's: ``ranks`` maps each rank (a string: it is stored as JSON) to its exit code, None while
+    it runs; the node is ``exited`` once every rank it reported has, with the first non-zero code
+    (else 0), and ``started`` while one runs."""
+    ranks = dict((previous or {}).get("ranks") or {})
+    ranks[str(status["rank"])] = status.get("exit_code") if status["state"] == "exited" else None
+    done = all(c is not None for c in ranks.values())
+    first = next((c for c in ranks.values() if c), 0) if done else None
+    return {**status, "state": "exited" if done else "started", "exit_code": first, "ranks": ranks}
+
+
+def rank_exits(node_status: Mapping[str, Mapping[str, Any]]) -> dict[int, int | None]:
+    """rank -> its last exit code (None: it runs), from the nodes' folded statuses."""
+    return {int(r): c for st in node_status.values() for r, c in (st.get("ranks") or {}).items()}
 
 
 def decide(
@@ -241,12 +253,21 @@ def decide(
     start_timeout: float,
     submit_error: str = "",
     unusable: Sequence[str] = (),
+    exits: Mapping[int, int | None] | None = None,
+    excluded_ranks: Collection[int] = (),
+    ended_for: float = 0.0,
+    exit_wait_s: float = 0.0,
 ) -> SlurmJobDecision:
     """What a Slurm job's state should be and what to do (module docstring). ``slurm``: the job
     as Slurm lists it (found by :func:`find`), None when Slurm does not list it; ``slurm_job_id``:
     Slurm's id as stored; ``since``: when the job entered ``state``; ``submit_error``: the last
     ``sbatch`` failure, "" when none; ``unusable``: the job's placed nodes that are no longer
-    HEALTHY and schedulable (a job not yet submitted then FAILS rather than being sent there)."""
+    HEALTHY and schedulable (a job not yet submitted then FAILS rather than being sent there);
+    ``exits``: rank -> its exit code as its supervisor reported it (None: running;
+    :func:`rank_exits`); ``excluded_ranks``: the ranks the job's plan excluded or its survivors
+    reported unreachable; ``ended_for``: how long Slurm has shown the job over (or not listed it),
+    the ranks' exits awaited up to ``exit_wait_s`` of it."""
+    ranks = _Ranks(exits or {}, frozenset(excluded_ranks), world, ended_for < exit_wait_s)
     if state in TERMINAL_JOB_STATES:
         return SlurmJobDecision(state, "")
     found = slurm.id if slurm is not None and slurm.id != slurm_job_id else None
@@ -255,9 +276,7 @@ def decide(
         return _stopping(slurm, sid, found, since=since, now=now, grace_s=grace_s)
     if slurm is None:
         if slurm_job_id:
-            return SlurmJobDecision(
-                JobState.FAILED, f"Slurm job {slurm_job_id} is no longer listed by Slurm (its end was not seen)"
-            )
+            return _vanished(state, slurm_job_id, ranks)
         if unusable:
             return SlurmJobDecision(
                 JobState.FAILED,
@@ -284,7 +303,7 @@ def decide(
                 slurm_job_id=found,
             )
         return _running(state, slurm, found, joined=joined, world=world)
-    return _ended(slurm, found)
+    return _ended(state, slurm, found, ranks)
 
 
 def _stopping(
@@ -321,7 +340,49 @@ def _running(
     )
 
 
-def _ended(slurm: SlurmJob, found: str | None) -> SlurmJobDecision:
+@dataclass(frozen=True)
+class _Ranks:
+    """What the ranks' supervisors said of their exits, and whether to wait for more."""
+
+    exits: Mapping[int, int | None]
+    excluded: frozenset[int]
+    world: int
+    waiting: bool  # Slurm's end is recent: a rank's exit may still be on its way
+
+    @property
+    def live(self) -> list[int]:
+        return [r for r in range(self.world) if r not in self.excluded]
+
+    def said(self, ranks: Iterable[int]) -> str:
+        return ", ".join(f"rank {r} {'running' if self.exits.get(r) is None else self.exits[r]}" for r in ranks)
+
+    def verdict(self, state: str, said: str, found: str | None) -> SlurmJobDecision | None:
+        """SUCCEEDED when the job was RUNNING and every rank it still counts (not excluded) exited
+        0; unchanged while one of them has not reported and ``waiting``; else None (FAILED)."""
+        live = self.live
+        missing = [r for r in live if self.exits.get(r) is None]
+        failed = [r for r in live if self.exits.get(r) not in (None, 0)]
+        if state != JobState.RUNNING or not live or failed:
+            return None
+        if missing:
+            return SlurmJobDecision(state, "", slurm_job_id=found) if self.waiting else None
+        out = sorted(r for r in self.excluded if r < self.world)
+        why = (
+            f"ranks excluded by the plan: {self.said(out)}; the {len(live)} others" if out else f"all {len(live)} ranks"
+        )
+        return SlurmJobDecision(JobState.SUCCEEDED, f"{said}: {why} exited 0", slurm_job_id=found)
+
+
+def _vanished(state: str, slurm_job_id: str, ranks: _Ranks) -> SlurmJobDecision:
+    """Slurm no longer lists the job (past ``MinJobAge``, its end unseen): the ranks' exits decide."""
+    said = f"Slurm job {slurm_job_id} is no longer listed by Slurm (its end was not seen)"
+    if (d := ranks.verdict(state, said, None)) is not None:
+        return d
+    failed = [r for r in range(ranks.world) if ranks.exits.get(r)]
+    return SlurmJobDecision(JobState.FAILED, said + (f"; {ranks.said(failed)}" if failed else ""))
+
+
+def _ended(state: str, slurm: SlurmJob, found: str | None, ranks: _Ranks) -> SlurmJobDecision:
     said = f"Slurm job {slurm.id} {slurm.state} (exit {slurm.exit_code}" + (
         f", reason {slurm.reason})" if slurm.reason else ")"
     )
@@ -329,4 +390,7 @@ def _ended(slurm: SlurmJob, found: str | None) -> SlurmJobDecision:
         return SlurmJobDecision(JobState.SUCCEEDED, said, slurm_job_id=found)
     if slurm.state == "CANCELLED":
         return SlurmJobDecision(JobState.STOPPED, f"{said}: cancelled in Slurm", slurm_job_id=found)
-    return SlurmJobDecision(JobState.FAILED, said, slurm_job_id=found)
+    if ranks.excluded and (d := ranks.verdict(state, said, found)) is not None:
+        return d  # an excluded rank's exit does not fail the job (module docstring)
+    failed = [r for r in range(ranks.world) if ranks.exits.get(r)]
+    return SlurmJobDecision(JobState.FAILED, said + (f"; {ranks.said(failed)}" if failed else ""), slurm_job_id=found)

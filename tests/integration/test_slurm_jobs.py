@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from tests.slurm_cluster import SlurmCluster, available
-from tests.stack import Stack
+from tests.stack import Stack, reports
 from tests.support import REPO, spawn, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -173,8 +174,6 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
     stack.wait_state(job_id, "RUNNING", timeout=120)  # both ranks registered
-    r = stack.post(f"/v1/jobs/{job_id}/checkpoint")
-    assert r.status_code == 409 and "runs in Slurm" in r.json()["detail"], r.text
     t0 = time.monotonic()
     assert stack.post(f"/v1/jobs/{job_id}/stop").status_code == 200
     wait_for(lambda: len(list(marks.glob("*.term"))) == 2, timeout=30, what="SIGTERM reached both ranks")
@@ -219,3 +218,70 @@ def test_more_nodes_than_are_healthy_is_refused_and_nothing_submitted(stack: Sta
     time.sleep(4 * POLL_S)  # what is to be shown is an absence: four polls of the job loop pass first
     assert _squeue(slurm) == ""
     assert _slurm_job_ids(slurm) == before
+
+
+def _rank_process(job_id: str, rank: int) -> int:
+    """The training process of ``rank`` (the child of its supervisor, agent/slurm_rank.py)."""
+    for pid in _job_processes(job_id):
+        with contextlib.suppress(OSError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in env and b"trainer.run" in argv and b"agent.slurm_rank" not in argv:
+                return pid
+    raise AssertionError(f"no training process of rank {rank} of job {job_id}")
+
+
+def _survival(steps: int, ckpt: Path | None = None) -> dict[str, Any]:
+    """Three ranks that notice a dead peer within a few seconds and train on without it."""
+    body = _job(steps=steps, nodes=3)
+    body["env"] |= {"PULSE_COLLECTIVE_TIMEOUT_S": "3", "PULSE_PROXY_TIMEOUT_S": "5", "OMP_NUM_THREADS": "1"}
+    if ckpt is not None:
+        body["env"]["PULSE_CHECKPOINT_DIR"] = str(ckpt)
+    return body
+
+
+def test_an_excluded_ranks_death_does_not_fail_the_job(stack: Stack, slurm: SlurmCluster) -> None:
+    r = stack.post("/v1/jobs", _survival(steps=60))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    stack.wait_state(job_id, "RUNNING", timeout=240)
+    wait_for(lambda: _step(stack, job_id) >= 3, timeout=60, what="steps reported")
+    os.kill(_rank_process(job_id, 1), signal.SIGKILL)
+    wait_for(lambda: 1 in stack.get(f"/v1/jobs/{job_id}/plan")["excluded"], timeout=30, what="rank 1 excluded")
+    done = stack.wait_state(job_id, "SUCCEEDED", timeout=120)
+    sid = done["slurm_job_id"]
+    assert done["reason"].startswith(f"Slurm job {sid} FAILED (exit 137:0"), done  # Slurm saw the step's 137
+    assert done["reason"].endswith("ranks excluded by the plan: rank 1 137; the 2 others exited 0"), done
+    assert "JobState=FAILED" in slurm.scontrol("show", "job", "--oneliner", sid)
+    unreachable = [e["reason"] for e in stack.events() if e["kind"] == "rank_unreachable"]
+    assert any(r.startswith(f"job {job_id} rank 1: ") for r in unreachable), unreachable
+
+
+def test_an_emergency_checkpoint_reaches_every_rank_of_a_slurm_job(
+    stack: Stack, slurm: SlurmCluster, tmp_path: Path, redis_url: str
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    body = _job(steps=1_000_000)
+    body["env"]["PULSE_CHECKPOINT_DIR"] = str(ckpt)
+    r = stack.post("/v1/jobs", body)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    stack.wait_state(job_id, "RUNNING", timeout=240)
+    wait_for(lambda: _step(stack, job_id) >= 2, timeout=60, what="steps reported")
+    r = stack.post(f"/v1/jobs/{job_id}/checkpoint", {"reason": "test"})
+    assert r.status_code == 202, r.text
+    wait_for(
+        lambda: any(e["kind"] == "checkpoint_written" for e in stack.events(job=job_id)), timeout=60, what="written"
+    )
+    saved = {
+        rep.rank: rep.step
+        for rep in reports(redis_url)
+        if rep.job == job_id and (rep.event or "").startswith("checkpoint_written")
+    }
+    assert set(saved) == {0, 1} and len(set(saved.values())) == 1, saved  # every rank, at one step
+    written = [p.name for p in ckpt.iterdir() if p.name.startswith("emergency-step")]
+    assert written == [f"emergency-step{saved[0]}"], list(ckpt.iterdir())
+    assert (ckpt / written[0] / "mp_rank_00_model_states.pt").is_file(), list(ckpt.rglob("*"))
+    assert stack.job(job_id)["state"] == "RUNNING"  # training goes on: no rank died of SIGUSR2
+    assert stack.post(f"/v1/jobs/{job_id}/stop").status_code == 200
+    stack.wait_state(job_id, "STOPPED", timeout=60)

@@ -322,6 +322,7 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     argv: list[str] = []
     env: dict[str, str] = {}
     grace_s: NonNegFloat = 10.0
+    node: str = ""  # on a job's stream (wire.job_commands_key): the node a launch is for; "" on a node's own
 
 
 class JobStatus(msgspec.Struct, kw_only=True, frozen=True):

@@ -48,6 +48,7 @@ class Send:
     rejoin: bool = False
     request: str = ""  # a checkpoint's request id
     job_stream: bool = False  # one command on the job's stream (a Slurm job's, wire.job_commands_key), not the nodes'
+    node_rank: int | None = None  # the node's place in the job where it is not its place in ``nodes`` (Slurm's order)
 
 
 def hostport(addr: str, port: int) -> str:
@@ -132,7 +133,7 @@ class JobReconciler:
                 kind=cast(Literal["launch", "stop", "checkpoint"], kind),
                 job=job_id,
                 request=send.request,
-                node_rank=rank,
+                node_rank=rank if send.node_rank is None else send.node_rank,
                 nodes=len(nodes),
                 gpus_per_node=spec["gpus_per_node"],
                 master_addr=send.addr,
@@ -140,6 +141,7 @@ class JobReconciler:
                 argv=list(spec["entrypoint"]),
                 env={**spec.get("env", {}), **ds_env(spec), **({"PULSE_REJOIN": "1"} if send.rejoin else {})},
                 grace_s=self.settings.job_stop_grace_s,
+                node=node if send.job_stream else "",
             )
             key = wire.job_commands_key(job_id) if send.job_stream else wire.node_commands_key(node)
             commands.append((key, wire.encode(cmd)))

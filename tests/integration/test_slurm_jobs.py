@@ -2,7 +2,9 @@
 machine (tests/slurm_cluster.py), a real ``pulse orchestrator`` with ``PULSE_SLURM=on`` and
 ``pulse simulate`` agents for three of the four Slurm nodes (``sb-003`` has none: it is never
 HEALTHY here, so every job excludes it). Ranks are real DeepSpeed ranks of ``trainer.example``
-on gloo, started by ``sbatch``/``srun``. The test Slurm has no GPU GRES (its nodes have no
+on gloo, started by ``sbatch``/``srun`` under their supervisors (``agent/slurm_rank.py``): a rank
+SIGKILLed mid-run is excluded without failing the job, or relaunched as a new step to rejoin; an
+emergency checkpoint reaches every rank. The test Slurm has no GPU GRES (its nodes have no
 devices to report), so ``PULSE_SLURM_GRES`` is empty here; the GRES argument is a unit test's.
 Skipped where slurm-wlm and munge, or torch and deepspeed, are not installed."""
 
@@ -240,6 +242,7 @@ def _survival(steps: int, ckpt: Path | None = None) -> dict[str, Any]:
     return body
 
 
+@pytest.mark.parametrize("stack", [{"PULSE_JOB_MAX_REJOINS": "0"}], indirect=True)  # the rank stays out
 def test_an_excluded_ranks_death_does_not_fail_the_job(stack: Stack, slurm: SlurmCluster) -> None:
     r = stack.post("/v1/jobs", _survival(steps=60))
     assert r.status_code == 201, r.text
@@ -255,6 +258,7 @@ def test_an_excluded_ranks_death_does_not_fail_the_job(stack: Stack, slurm: Slur
     assert "JobState=FAILED" in slurm.scontrol("show", "job", "--oneliner", sid)
     unreachable = [e["reason"] for e in stack.events() if e["kind"] == "rank_unreachable"]
     assert any(r.startswith(f"job {job_id} rank 1: ") for r in unreachable), unreachable
+    assert not any(e["kind"] == "rank_rejoin" for e in stack.events(job=job_id))
 
 
 def test_an_emergency_checkpoint_reaches_every_rank_of_a_slurm_job(
@@ -285,3 +289,31 @@ def test_an_emergency_checkpoint_reaches_every_rank_of_a_slurm_job(
     assert stack.job(job_id)["state"] == "RUNNING"  # training goes on: no rank died of SIGUSR2
     assert stack.post(f"/v1/jobs/{job_id}/stop").status_code == 200
     stack.wait_state(job_id, "STOPPED", timeout=60)
+
+
+def test_a_killed_rank_is_relaunched_as_a_new_step_and_rejoins(stack: Stack, slurm: SlurmCluster) -> None:
+    r = stack.post("/v1/jobs", _survival(steps=200))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    running = stack.wait_state(job_id, "RUNNING", timeout=240)
+    wait_for(lambda: _step(stack, job_id) >= 3, timeout=60, what="steps reported")
+    os.kill(_rank_process(job_id, 1), signal.SIGKILL)
+    wait_for(lambda: 1 in stack.get(f"/v1/jobs/{job_id}/plan")["excluded"], timeout=30, what="rank 1 excluded")
+    wait_for(lambda: any(e["kind"] == "rank_rejoin" for e in stack.events(job=job_id)), timeout=30, what="a relaunch")
+    pid = int(str(wait_for(lambda: _rank_process_or_none(job_id, 1), timeout=30, what="rank 1 running again")))
+    env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
+    assert env[b"PULSE_REJOIN"] == b"1" and env[b"SLURM_JOB_ID"] == running["slurm_job_id"].encode(), env
+    assert env[b"SLURM_STEP_ID"] != b"0" and env[b"RANK"] == b"1" and env[b"WORLD_SIZE"] == b"3"  # a new step
+    wait_for(lambda: 1 in stack.get(f"/v1/jobs/{job_id}/plan")["participants"], timeout=90, what="rank 1 rejoined")
+    done = stack.wait_state(job_id, "SUCCEEDED", timeout=120)
+    assert done["reason"].endswith("all 3 ranks exited 0"), done  # rank 1's last run too
+    rejoins = [e for e in stack.events(job=job_id) if e["kind"] == "rank_rejoin"]
+    assert len(rejoins) == 1 and "as a new step of Slurm job" in rejoins[0]["reason"], rejoins
+    wait_for(lambda: _squeue(slurm) == "", timeout=30, what="squeue empty")
+    wait_for(lambda: _job_processes(job_id) == [], timeout=30, what="no process of the job left")
+
+
+def _rank_process_or_none(job_id: str, rank: int) -> int | None:
+    with contextlib.suppress(AssertionError):
+        return _rank_process(job_id, rank)
+    return None

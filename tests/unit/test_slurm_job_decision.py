@@ -18,8 +18,11 @@ from services.slurm_jobs import (
     fold_rank_status,
     parse_job_line,
     parse_jobs,
+    parse_sacct,
     rank_exits,
     rank_steps,
+    relaunch,
+    sacct_argv,
     sbatch_argv,
 )
 
@@ -90,6 +93,9 @@ def test_batch_script_gives_each_rank_the_launchers_environment() -> None:
         "/venv/bin/python -u -m trainer.run -m trainer.example --steps 10 --note 'it'\"'\"'s'"
     ) in script
     assert "/venv/bin/python -m agent.jobstore" in script and "TORCHELASTIC_USE_AGENT_STORE=True" in script
+    # the relauncher of ranks that rejoin starts before the step, is told to finish after it, and waited for
+    relauncher = "/venv/bin/python -m agent.slurm_rejoin --per=4 -- /venv/bin/python -m agent.slurm_rank -- "
+    assert script.index(relauncher) < script.index("srun --export") < script.index('kill -TERM "$rejoin"')
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
 
@@ -155,7 +161,7 @@ def test_an_excluded_ranks_exit_does_not_fail_a_job_whose_other_ranks_exited_0()
     # a rank the plan still counts failed: FAILED, naming it
     st, why, _, _ = _d("RUNNING", failed, world=3, exits={0: 0, 1: 137, 2: 1}, excluded_ranks={1})
     assert (st, why) == ("FAILED", "Slurm job 41 FAILED (exit 137:0, reason NonZeroExitCode); rank 1 137, rank 2 1")
-    # nobody excluded: Slurm's word stands
+    # nobody excluded: the failed rank counts
     assert _d("RUNNING", failed, world=3, exits={0: 0, 1: 137, 2: 0})[0] == "FAILED"
     # not RUNNING yet (the ranks never all joined): exclusions do not count, as with the agents
     assert _d("STARTING", failed, **kw)[0] == "FAILED"
@@ -198,6 +204,28 @@ def test_rank_statuses_fold_into_their_nodes() -> None:
     assert rank_exits({"n1": d, "n2": {"state": "exited", "exit_code": 0}}) == {2: 0, 3: 137}  # an agent's: no ranks
 
 
+def test_an_excluded_node_whose_ranks_exited_is_relaunched_while_healthy_under_the_cap() -> None:
+    exited = {"state": "exited", "node_rank": 2, "ranks": {"4": 137, "5": 0}}
+    status = {"n1": {"state": "started", "node_rank": 0, "ranks": {"0": None, "1": None}}, "n3": exited}
+    kw: dict[str, object] = dict(node_status=status, excluded={4, 5}, healthy={"n1", "n3"}, rejoins={}, max_rejoins=2,
+                                 per_node=2)  # fmt: skip
+    assert relaunch(**kw) == [("n3", 2)]  # its place in the job: Slurm's node order, as its ranks reported it
+    assert relaunch(**{**kw, "excluded": {4}}) == []  # rank 5 still counts
+    assert relaunch(**{**kw, "healthy": {"n1"}}) == []  # not HEALTHY (or drained in Slurm)
+    assert relaunch(**{**kw, "rejoins": {"n3": 2}}) == []  # the cap
+    running = {**status, "n3": {**exited, "ranks": {"4": 137, "5": None}}}
+    assert relaunch(**{**kw, "node_status": running}) == []  # rank 5 still runs
+    half = {**status, "n3": {**exited, "ranks": {"4": 137}}}
+    assert relaunch(**{**kw, "node_status": half}) == []  # rank 5 never reported: not known to be gone
+
+
+def test_a_rejoined_ranks_last_run_decides() -> None:
+    # rank 1 was killed (137), relaunched, rejoined (no longer excluded) and exited 0: Slurm's batch
+    # exit is the first step's 137, the job SUCCEEDED
+    st, why, _, _ = _d("RUNNING", S("FAILED", "NonZeroExitCode", "137:0"), world=3, exits={0: 0, 1: 0, 2: 0})
+    assert (st, why) == ("SUCCEEDED", "Slurm job 41 FAILED (exit 137:0, reason NonZeroExitCode): all 3 ranks exited 0")
+
+
 def test_stop_is_term_then_kill_after_the_grace_then_stopped() -> None:
     assert _d("STOPPING", S("RUNNING"), now=101.0)[2] == "term"
     assert _d("STOPPING", S("RUNNING"), now=105.0)[2] == "kill"
@@ -228,3 +256,22 @@ def test_the_slurm_job_backend_as_default_needs_slurm_on() -> None:
     assert load_settings(job_backend="slurm", slurm=True).job_backend == "slurm"
     with pytest.raises(ValidationError, match="slurm_gres"):
         load_settings(slurm_gres="gpu:4")  # the count is the job's gpus_per_node
+
+
+# sacct --jobs 12 --noheader --parsable2 --allocations --format=JobID,JobName,State,ExitCode,NodeList,Reason
+# in sacct's documented --parsable2 layout (the test Slurm has no slurmdbd, so nothing recorded there)
+SACCT = "12|pulse-ab12|FAILED|137:0|sj[1,3]|None\n"
+
+
+def test_sacct_reads_the_jobs_own_record() -> None:
+    argv = sacct_argv(["sacct"], "12")
+    assert argv[:6] == ["sacct", "--jobs", "12", "--noheader", "--parsable2", "--allocations"]
+    assert argv[6] == "--format=JobID,JobName,State,ExitCode,NodeList,Reason"
+    assert parse_sacct(SACCT, "12") == SlurmJob("12", "pulse-ab12", "FAILED", "", "137:0", "sj[1,3]")
+    cancelled = parse_sacct("12|pulse-ab12|CANCELLED by 0|0:15|sj1|None\n", "12")
+    assert cancelled is not None and cancelled.state == "CANCELLED" and cancelled.over
+    assert parse_sacct("", "12") is None and parse_sacct(SACCT, "13") is None  # no record of it
+    with pytest.raises(ValueError, match="expected JobID,JobName"):
+        parse_sacct("12 FAILED", "12")
+    # what sacct found is decided as if scontrol still listed it
+    assert _d("RUNNING", parse_sacct(SACCT, "12"), slurm_job_id="12")[0] == "FAILED"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from agent.slurm_rank import exit_code, rank_env
+from agent.slurm_rejoin import srun_argv
 
 SRUN = {"SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_NTASKS": "8", "SLURM_NNODES": "4",
         "SLURMD_NODENAME": "sn3", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9", "LOCAL_WORLD_SIZE": "2"}  # fmt: skip
@@ -41,3 +42,9 @@ def test_the_supervisor_runs_the_rank_with_its_environment_and_takes_its_exit_co
         env=env, capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     assert (out.returncode, out.stdout) == (7, "5 sn3\n"), out.stderr
+
+
+def test_a_relaunch_is_a_new_overlapping_step_of_one_node() -> None:
+    argv = srun_argv(["srun"], node="sn3", per=2, rank=["py", "-m", "agent.slurm_rank", "--", "py", "x.py"])
+    assert argv == ["srun", "--overlap", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--nodelist=sn3",
+                    "--kill-on-bad-exit=0", "--export=ALL", "py", "-m", "agent.slurm_rank", "--", "py", "x.py"]  # fmt: skip

@@ -4,8 +4,8 @@ machine (tests/slurm_cluster.py), a real ``pulse orchestrator`` with ``PULSE_SLU
 HEALTHY here, so every job excludes it). Ranks are real DeepSpeed ranks of ``trainer.example``
 on gloo, started by ``sbatch``/``srun`` under their supervisors (``agent/slurm_rank.py``): a rank
 SIGKILLed mid-run is excluded without failing the job, or relaunched as a new step to rejoin; an
-emergency checkpoint reaches every rank. The test Slurm has no GPU GRES (its nodes have no
-devices to report), so ``PULSE_SLURM_GRES`` is empty here; the GRES argument is a unit test's.
+emergency checkpoint reaches every rank. The test Slurm's nodes have a GPU GRES of 2
+(tests/slurm_cluster.py), so every job is submitted with ``--gres=gpu:<gpus_per_node>``.
 Skipped where slurm-wlm and munge, or torch and deepspeed, are not installed."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         pytest.skip(why)
     if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("torch") is None:
         pytest.skip("torch and deepspeed are not installed (pip install 'clusterpulse[trainer]')")
-    with SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=SLURM_NODES) as cluster:
+    with SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=SLURM_NODES, gpus=2) as cluster:
         yield cluster
 
 
@@ -76,7 +76,6 @@ def stack(slurm: SlurmCluster, redis_url: str, tmp_path: Path, request: pytest.F
         "PULSE_SLURM_JOB_POLL_S": str(POLL_S),
         "PULSE_SLURM_BACKOFF_MAX_S": "1",
         "PULSE_SLURM_COMMAND_TIMEOUT_S": "10",
-        "PULSE_SLURM_GRES": "",
         "PULSE_SLURM_OUTPUT_DIR": str(tmp_path / "out"),
         "PULSE_JOB_START_TIMEOUT_S": "120",
         "PULSE_JOB_STOP_GRACE_S": str(GRACE_S),
@@ -148,6 +147,7 @@ def test_a_two_node_job_runs_to_succeeded_through_slurm(stack: Stack, slurm: Slu
     assert f"JobName=pulse-{job['id']}" in shown and "ExcNodeList=sb-003" in shown, shown
     assert f"ReqNodeList={done['assigned_nodes'][0]}" in shown or "ReqNodeList=sb-[" in shown, shown
     assert "NumNodes=2 " in shown and "NumTasks=2 " in shown, shown
+    assert "TresPerNode=gres:gpu:1" in shown, shown  # --gres=gpu:<gpus_per_node>
 
 
 def test_a_stop_leaves_no_rank(stack: Stack, slurm: SlurmCluster) -> None:

@@ -125,6 +125,7 @@ class JobReconciler:
         own stream (a Slurm job: its ranks' supervisors read it, ``agent/slurm_rank.py``)."""
         kind, job_id, nodes, spec = send.kind, send.job, send.nodes, send.spec
         commands: list[tuple[str, bytes]] = []
+        targets: list[str] = []  # the nodes commanded (a Slurm job's: the node its command is for)
         for rank, node in enumerate(nodes):
             if (send.only and node not in send.only) or (send.job_stream and commands):
                 continue
@@ -145,11 +146,13 @@ class JobReconciler:
             )
             key = wire.job_commands_key(job_id) if send.job_stream else wire.node_commands_key(node)
             commands.append((key, wire.encode(cmd)))
+            targets.append(node)
         keys, args = commands_args(self.leader.fence(), commands, maxlen=10_000)
         await self.leader.fenced_eval(FENCED_COMMANDS, keys, args, what="job command")
         log.info(
-            "event=job_command job=%s kind=%s to=%s rejoin=%s", job_id, kind, [c[0] for c in commands], send.rejoin
-        )
+            "event=job_command job=%s kind=%s nodes=%s rejoin=%s job_stream=%s",
+            job_id, kind, targets, send.rejoin, send.job_stream,
+        )  # fmt: skip
 
     def _reconcile_db(self, statuses: list[wire.JobStatus], now: float) -> list[Send]:
         from services.jobs import decide

@@ -101,15 +101,23 @@ class Supervisor:
                     return
                 time.sleep(backoff.next_delay())
 
-    def listen(self, rank_pid: int) -> None:
-        """The job's command stream, from its end when this started: checkpoint requests."""
-        key = wire.job_commands_key(self.job)
-        last, backoff = "", Backoff()
+    def newest(self) -> str:
+        """The job's command stream's last entry id ("0-0": empty; "": Redis did not answer)."""
+        try:
+            newest: Any = self.redis.xrevrange(wire.job_commands_key(self.job), count=1)
+        except redis.RedisError:
+            return ""
+        return newest[0][0].decode() if newest else "0-0"
+
+    def listen(self, rank_pid: int, last: str) -> None:
+        """The job's command stream after ``last`` (taken before ``started`` was reported, so a
+        command sent after that report reaches this rank): checkpoint requests."""
+        key, backoff = wire.job_commands_key(self.job), Backoff()
         while not self.stop.is_set():
             try:
+                last = last or self.newest() or ""
                 if not last:
-                    newest: Any = self.redis.xrevrange(key, count=1)
-                    last = newest[0][0].decode() if newest else "0-0"
+                    raise redis.ConnectionError("no answer to XREVRANGE")
                 resp: Any = self.redis.xread({key: last}, count=100, block=500)
             except redis.RedisError as exc:
                 log.warning("event=job_commands_unavailable job=%s error=%r", self.job, str(exc))
@@ -164,8 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5),
         job=job, env=env, report_timeout_s=a.report_timeout,
     )  # fmt: skip
+    last = sup.newest()
     sup.report("started", pids=[proc.pid])
-    threading.Thread(target=sup.listen, args=(proc.pid,), name="job-commands", daemon=True).start()
+    threading.Thread(target=sup.listen, args=(proc.pid, last), name="job-commands", daemon=True).start()
     code = exit_code(proc.wait())
     sup.stop.set()
     sup.report("exited", exit_code=code, pids=[proc.pid], detail=f"rank {sup.rank} on {sup.node} exited with {code}")

@@ -12,8 +12,10 @@ allowed on one key is not allowed on another (``SET`` on the node's latest key m
   rules depend on ``heartbeat_stream_shards``: change it and re-apply every node's rules), to the
   job-status stream (agent/launcher.py) and to the trainer report and registration streams
   (trainer/report.py);
-- ``XREAD`` its own command stream (``pulse:{node:NAME}:commands``), ``GET`` job plans and
-  ``SUBSCRIBE`` to the plan channel (trainer/follow.py);
+- ``XREAD`` its own command stream (``pulse:{node:NAME}:commands``) and, for the supervisors of
+  a Slurm job's ranks on it (agent/slurm_rank.py), ``XREAD``/``XREVRANGE`` jobs' command streams
+  (``pulse:{job:ID}:commands``); ``GET`` job plans and ``SUBSCRIBE`` to the plan channel
+  (trainer/follow.py);
 - ``PING`` and ``SELECT`` (what redis-py sends on connecting; its ``CLIENT SETINFO`` is refused
   and ignored).
 
@@ -92,6 +94,7 @@ def node_acl(node: str, *, shards: int, password: str, user: str | None = None) 
         f"(+set {_key(esc(wire.node_latest_key(node)), 'W')})",
         "(+xadd " + " ".join(_key(esc(k), "W") for k in writes) + ")",
         f"(+xread {_key(esc(wire.node_commands_key(node)), 'R')})",
+        f"(+xread +xrevrange {_key(wire.key_glob(wire.job_commands_key), 'R')})",
         f"(+get {_key(wire.key_glob(wire.job_plan_key), 'R')})",
     ]
 
@@ -99,7 +102,7 @@ def node_acl(node: str, *, shards: int, password: str, user: str | None = None) 
 def orchestrator_acl(*, password: str, user: str = ORCHESTRATOR_USER) -> list[str]:
     """The arguments of ``ACL SETUSER`` for the orchestrator (services/orchestrator.py, api.py):
     the consumer group over every stream it reads, plans (key and channel), job commands to any
-    node, reading any node's latest key (the sender check), ``TIME`` (the one clock), claiming a
+    node or Slurm job, reading any node's latest key (the sender check), ``TIME`` (the one clock), claiming a
     previous leader's pending entries and the fencing scripts (``EVAL`` over the leader's epoch
     key and the plans or commands it writes). Every heartbeat shard, whatever their number."""
     esc = wire.glob_escape
@@ -120,11 +123,11 @@ def orchestrator_acl(*, password: str, user: str = ORCHESTRATOR_USER) -> list[st
         "&" + esc(wire.PLAN_CHANNEL),
         "(+xreadgroup +xack +xautoclaim +xgroup|create " + " ".join(_key(s) for s in streams) + ")",
         f"(+set +get {_key(wire.key_glob(wire.job_plan_key))})",
-        f"(+xadd {_key(wire.key_glob(wire.node_commands_key), 'W')})",
+        f"(+xadd {_key(wire.key_glob(wire.node_commands_key), 'W')} {_key(wire.key_glob(wire.job_commands_key), 'W')})",
         # the fencing scripts (services/leader.py): the epoch key, then the plans or commands
         f"(+get +set {_key(esc(wire.LEADER_KEY))})",
         f"(+eval {_key(esc(wire.LEADER_KEY))} {_key(wire.key_glob(wire.job_plan_key))} "
-        f"{_key(wire.key_glob(wire.node_commands_key))})",
+        f"{_key(wire.key_glob(wire.node_commands_key))} {_key(wire.key_glob(wire.job_commands_key))})",
         f"(+get {_key(wire.key_glob(wire.node_latest_key), 'R')})",
     ]
 

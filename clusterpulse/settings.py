@@ -125,7 +125,9 @@ class Settings(BaseSettings):
     job_backend: Literal["agents", "slurm"] = "agents"
     slurm_sbatch: str = "sbatch"
     slurm_scancel: str = "scancel"
+    slurm_sacct: str = "sacct"  # a job scontrol no longer lists is looked up here (empty: never)
     slurm_job_poll_s: float = Field(2.0, gt=0)  # how often the leader reads its jobs' Slurm state
+    slurm_exit_wait_s: float = Field(10.0, ge=0)  # a Slurm job that ended waits this long for its ranks' exits
     slurm_gres: str = Field("gpu", pattern=r"^[A-Za-z0-9_/]*$")  # --gres=<this>:<gpus_per_node>; "": none
     slurm_partition: str = ""  # --partition; "": Slurm's default partition
     slurm_workdir: str = ""  # --chdir of the batch script and ranks; "": the orchestrator's own

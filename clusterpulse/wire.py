@@ -218,6 +218,12 @@ def node_commands_key(node: str) -> str:
     return f"pulse:{{node:{node}}}:commands"
 
 
+def job_commands_key(job: str) -> str:
+    """Stream of commands (checkpoint, a rank's relaunch to rejoin) for a job that runs in Slurm:
+    its ranks' supervisors and its batch driver read it (``agent/slurm_rank.py``), not an agent."""
+    return f"pulse:{{job:{job}}}:commands"
+
+
 def job_plan_key(job: str) -> str:
     """The job's current aggregation plan (encoded :class:`Plan`)."""
     return f"pulse:{{job:{job}}}:plan"
@@ -316,6 +322,7 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     argv: list[str] = []
     env: dict[str, str] = {}
     grace_s: NonNegFloat = 10.0
+    node: str = ""  # on a job's stream (wire.job_commands_key): the node a launch is for; "" on a node's own
 
 
 class JobStatus(msgspec.Struct, kw_only=True, frozen=True):
@@ -324,6 +331,10 @@ class JobStatus(msgspec.Struct, kw_only=True, frozen=True):
     ``started`` (the preflight passed and the ranks run; ``pids``), ``exited`` (``exit_code``,
     the tail of the log), ``preflight_failed`` (``detail`` says what), ``lost`` (the agent
     restarted and the ranks it had started are gone without an exit code it could read).
+
+    ``rank``: None for the node's share of the job (the agents); the one rank the status is about
+    for a job that runs in Slurm, whose ranks each have a supervisor of their own
+    (``agent/slurm_rank.py``: ``started``, then ``exited`` with the rank's code).
     """
 
     v: int
@@ -335,6 +346,7 @@ class JobStatus(msgspec.Struct, kw_only=True, frozen=True):
     pids: list[int] = []
     detail: Annotated[str, msgspec.Meta(max_length=8192)] = ""
     log_tail: Annotated[str, msgspec.Meta(max_length=16384)] = ""
+    rank: NonNegInt | None = None
 
 
 class RankRegistration(msgspec.Struct, kw_only=True, frozen=True):

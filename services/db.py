@@ -471,12 +471,16 @@ def set_job_slurm(session: Session, *, job_id: str, slurm_job_id: str | None = N
         row.reason = reason
 
 
-def set_job_node_status(session: Session, *, job_id: str, node: str, status: dict[str, Any], at: float) -> None:
+def set_job_node_status(
+    session: Session, *, job_id: str, node: str, status: dict[str, Any], at: float, touch: bool = True
+) -> None:
+    """The node's latest status of the job; ``touch``: the job's ``updated_at`` becomes ``at``."""
     row = session.get(JobRow, job_id)
     if row is None:
         raise KeyError(job_id)
     row.node_status = {**row.node_status, node: status}
-    row.updated_at = at
+    if touch:
+        row.updated_at = at
 
 
 # --- Ranks and plans ---------------------------------------------------------------------------

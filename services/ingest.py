@@ -213,8 +213,9 @@ class Ingest:
         await self._fold_heartbeats(stream, entries)
 
     def _ranks_exited(self, st: wire.JobStatus, at: float) -> None:
-        """A node's ranks of a plan-following job exited non-zero or were lost: exclude them
-        (services/plans.py), so the others train on and the job lifecycle does not fail the job."""
+        """A node's ranks (or, in Slurm, one rank: ``st.rank``) of a plan-following job exited
+        non-zero or were lost: exclude them (services/plans.py), so the others train on and the job
+        lifecycle does not fail the job."""
         if st.state not in ("exited", "lost") or (st.state == "exited" and st.exit_code == 0):
             return
         if self.shared.job_states.get(st.job, ("", 0.0))[0] != JobState.RUNNING:
@@ -222,12 +223,16 @@ class Ingest:
         prog = self.shared.progress.jobs.get(st.job)
         if prog is None or not any(p.report.plan_generation is not None for p in prog.ranks.values()):
             return  # not following plans: the job fails as before
-        for rank in self.shared.plans.node_exited(st.job, st.node):
+        plans = self.shared.plans
+        if st.rank is None:
+            gone = plans.node_exited(st.job, st.node)
+        else:
+            gone = [st.rank] if plans.rank_unreachable(st.job, st.rank) else []
+        for rank in gone:
             self.shared.ranks_changed = True
             code = "" if st.exit_code is None else f" with {st.exit_code}"
-            reason = (
-                f"job {st.job} rank {rank}: the ranks on {st.node} {st.state}{code}; excluded until it registers again"
-            )
+            who = f"the ranks on {st.node}" if st.rank is None else f"it {st.state} on {st.node}"
+            reason = f"job {st.job} rank {rank}: {who}{code}; excluded until it registers again"
             self.outbox.append(ClusterEvent(EventKind.RANK_UNREACHABLE, reason, at, st.node))
 
     async def _fold_heartbeats(self, stream: str, entries: Entries) -> None:

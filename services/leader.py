@@ -221,11 +221,12 @@ def plans_args(epoch: int, plans: Iterable[tuple[str, bytes]]) -> tuple[list[str
 def commands_args(
     epoch: int, commands: Iterable[tuple[str, bytes]], *, maxlen: int
 ) -> tuple[list[str], list[str | bytes | int]]:
-    """KEYS and ARGV of :data:`FENCED_COMMANDS` for (node, encoded command) pairs."""
+    """KEYS and ARGV of :data:`FENCED_COMMANDS` for (command stream key, encoded command) pairs:
+    a node's (``wire.node_commands_key``) or a Slurm job's (``wire.job_commands_key``)."""
     keys: list[str] = [wire.LEADER_KEY]
     args: list[str | bytes | int] = [epoch, maxlen, wire.COMMAND_FIELD]
-    for node, payload in commands:
-        keys.append(wire.node_commands_key(node))
+    for key, payload in commands:
+        keys.append(key)
         args.append(payload)
     return keys, args
 

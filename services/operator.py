@@ -153,7 +153,8 @@ class OperatorActions:
 
     async def request_checkpoint(self, job_id: str, *, actor: str, reason: str) -> tuple[str, list[str]]:
         """An emergency checkpoint of every rank of a RUNNING job (services/checkpoints.py): a
-        ``checkpoint_requested`` event, then a checkpoint command to every assigned node. Returns
+        ``checkpoint_requested`` event, then a checkpoint command to every assigned node (a Slurm
+        job: one on the job's command stream, which every rank's supervisor reads). Returns
         (request id, nodes). Raises KeyError for an unknown job, CheckpointRefused when it is not
         RUNNING (nothing written or sent then)."""
         request = uuid.uuid4().hex[:16]
@@ -164,13 +165,6 @@ class OperatorActions:
                 raise KeyError(job_id)
             if (why := checkpoints.refusal(job_id, job.state)) is not None:
                 raise checkpoints.CheckpointRefused(why)
-            if is_slurm(job.spec):
-                # scancel --signal reaches every process of a step, DataLoader workers too, whom
-                # SIGUSR2's default action kills; the agents signal the rank processes alone
-                raise checkpoints.CheckpointRefused(
-                    f"job {job_id!r} runs in Slurm (backend 'slurm'): an emergency checkpoint through Slurm is "
-                    "not supported yet (scancel --signal=USR2 would also reach processes that do not catch it)"
-                )
             nodes = list(job.assigned_nodes)
             text = checkpoints.requested_reason(actor=actor, reason=reason, nodes=nodes)
             db.record_event(
@@ -180,7 +174,9 @@ class OperatorActions:
             return nodes, dict(job.spec), job.master_addr, job.master_port
 
         nodes, spec, addr, port = await self.writer.run("job checkpoint", write)
-        await self.jobs.send(Send("checkpoint", job_id, nodes, spec, addr, port, request=request))
+        # a Slurm job's ranks' supervisors read the job's own stream (agent/slurm_rank.py), not the nodes' agents
+        slurm = is_slurm(spec)
+        await self.jobs.send(Send("checkpoint", job_id, nodes, spec, addr, port, request=request, job_stream=slurm))
         return request, nodes
 
     async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:

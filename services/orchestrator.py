@@ -137,6 +137,7 @@ class Orchestrator:
             SlurmJobs(
                 settings, self.slurm.client, shared=self.shared, writer=self.writer, clock=self.clock,
                 errors=self.slurm.errors, slurm_nodes=lambda: set(self.slurm.theirs) if self.slurm else set(),
+                send=self.jobs.send,
             )
             if self.slurm is not None
             else None

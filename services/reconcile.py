@@ -29,7 +29,7 @@ from services.clock import RedisClock
 from services.leader import FENCED_COMMANDS, LeaderLease, commands_args
 from services.models import JobRow
 from services.shared import Shared, Writer
-from services.slurm_jobs import is_slurm
+from services.slurm_jobs import fold_rank_status, is_slurm
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -47,6 +47,8 @@ class Send:
     only: tuple[str, ...] = ()
     rejoin: bool = False
     request: str = ""  # a checkpoint's request id
+    job_stream: bool = False  # one command on the job's stream (a Slurm job's, wire.job_commands_key), not the nodes'
+    node_rank: int | None = None  # the node's place in the job where it is not its place in ``nodes`` (Slurm's order)
 
 
 def hostport(addr: str, port: int) -> str:
@@ -119,18 +121,20 @@ class JobReconciler:
 
     async def send(self, send: Send) -> None:
         """One command to the job's nodes (``send.only``: to those alone; ``send.rejoin``: ranks
-        that join the running job, services/jobs.py)."""
+        that join the running job, services/jobs.py), or with ``send.job_stream`` one to the job's
+        own stream (a Slurm job: its ranks' supervisors read it, ``agent/slurm_rank.py``)."""
         kind, job_id, nodes, spec = send.kind, send.job, send.nodes, send.spec
-        commands = []
+        commands: list[tuple[str, bytes]] = []
+        targets: list[str] = []  # the nodes commanded (a Slurm job's: the node its command is for)
         for rank, node in enumerate(nodes):
-            if send.only and node not in send.only:
+            if (send.only and node not in send.only) or (send.job_stream and commands):
                 continue
             cmd = wire.JobCommand(
                 v=wire.PROTOCOL_VERSION,
                 kind=cast(Literal["launch", "stop", "checkpoint"], kind),
                 job=job_id,
                 request=send.request,
-                node_rank=rank,
+                node_rank=rank if send.node_rank is None else send.node_rank,
                 nodes=len(nodes),
                 gpus_per_node=spec["gpus_per_node"],
                 master_addr=send.addr,
@@ -138,13 +142,17 @@ class JobReconciler:
                 argv=list(spec["entrypoint"]),
                 env={**spec.get("env", {}), **ds_env(spec), **({"PULSE_REJOIN": "1"} if send.rejoin else {})},
                 grace_s=self.settings.job_stop_grace_s,
+                node=node if send.job_stream else "",
             )
-            commands.append((node, wire.encode(cmd)))
+            key = wire.job_commands_key(job_id) if send.job_stream else wire.node_commands_key(node)
+            commands.append((key, wire.encode(cmd)))
+            targets.append(node)
         keys, args = commands_args(self.leader.fence(), commands, maxlen=10_000)
         await self.leader.fenced_eval(FENCED_COMMANDS, keys, args, what="job command")
         log.info(
-            "event=job_command job=%s kind=%s nodes=%s rejoin=%s", job_id, kind, [c[0] for c in commands], send.rejoin
-        )
+            "event=job_command job=%s kind=%s nodes=%s rejoin=%s job_stream=%s",
+            job_id, kind, targets, send.rejoin, send.job_stream,
+        )  # fmt: skip
 
     def _reconcile_db(self, statuses: list[wire.JobStatus], now: float) -> list[Send]:
         from services.jobs import decide
@@ -155,7 +163,7 @@ class JobReconciler:
         with self.writer.tx("jobs") as s:
             for st in statuses:
                 try:
-                    db.set_job_node_status(s, job_id=st.job, node=st.node, status=msgspec.to_builtins(st), at=now)
+                    self._store_status(s, st, now)
                 except KeyError:
                     log.warning("event=job_status_unknown_job job=%s node=%s", st.job, st.node)
             for job in db.list_jobs(s, states=ACTIVE_JOB_STATES):
@@ -192,6 +200,21 @@ class JobReconciler:
                 sends.extend(self._relaunch(s, job, d.relaunch, now))
             self.shared.job_states = db.job_states(s, changed_after=now - self.settings.job_stale_after_s)
         return sends
+
+    @staticmethod
+    def _store_status(s: Session, st: wire.JobStatus, now: float) -> None:
+        """A node's status as it came; one rank's (a Slurm job's supervisor, ``st.rank``) folded
+        into its node's (services/slurm_jobs.py), without moving the job's ``updated_at``: the Slurm
+        job loop times its start and its stop's grace from it."""
+        status = msgspec.to_builtins(st)
+        if st.rank is None:
+            db.set_job_node_status(s, job_id=st.job, node=st.node, status=status, at=now)
+            return
+        row = db.get_job(s, job_id=st.job)
+        if row is None:
+            raise KeyError(st.job)
+        folded = fold_rank_status(row.node_status.get(st.node), status)
+        db.set_job_node_status(s, job_id=st.job, node=st.node, status=folded, at=now, touch=False)
 
     def _count_rejoins(self, s: Session, job_id: str) -> None:
         """Counted from the events, so a restarted orchestrator keeps the cap."""

@@ -22,17 +22,17 @@ import os
 import shlex
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from clusterpulse.settings import Settings
-from clusterpulse.states import ACTIVE_JOB_STATES, NodeState
+from clusterpulse.states import ACTIVE_JOB_STATES, EventKind, JobState, NodeState
 from services import db
 from services.clock import RedisClock
-from services.reconcile import ds_env
+from services.reconcile import Send, ds_env
 from services.shared import Shared, Writer
 from services.slurm import SlurmClient, SlurmError
 from services.slurm_jobs import (
@@ -44,7 +44,11 @@ from services.slurm_jobs import (
     find,
     is_slurm,
     parse_jobs,
+    parse_sacct,
+    rank_exits,
     rank_steps,
+    relaunch,
+    sacct_argv,
     sbatch_argv,
 )
 
@@ -68,6 +72,7 @@ class Job:
     slurm_job_id: str | None
     created_at: float
     updated_at: float
+    node_status: dict[str, Any]
 
 
 class SlurmJobs:
@@ -83,6 +88,7 @@ class SlurmJobs:
         clock: RedisClock,
         errors: Counter[str],
         slurm_nodes: Callable[[], set[str]],
+        send: Callable[[Send], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
@@ -95,9 +101,15 @@ class SlurmJobs:
         self.slurm_nodes = slurm_nodes  # the nodes Slurm knows, as the node sync last read them
         self.sbatch = shlex.split(settings.slurm_sbatch)
         self.scancel = shlex.split(settings.slurm_scancel)
+        self.sacct = shlex.split(settings.slurm_sacct)
+        self.sacct_failed: set[str] = set()  # Slurm jobs sacct could not tell about (logged once)
         self.submit_errors: dict[str, str] = {}  # job -> the last sbatch failure
         self.signalled: dict[tuple[str, str], float] = {}  # (job, term|kill) -> when
         self.last_submit: dict[str, float] = {}  # job -> when sbatch was last run for it
+        self.ended: dict[str, float] = {}  # job -> when Slurm was first seen to show it over, or not list it
+        self.send = send  # a job command through the leader's fencing (services/reconcile.py); None: no rejoin
+        self.rejoins: dict[str, dict[str, int]] = {}  # job -> node -> relaunches sent (from the events at first)
+        self.relaunched: dict[tuple[str, str], float] = {}  # (job, node) -> when a relaunch was last sent
 
     async def loop(self, stop: asyncio.Event, leading: Callable[[], bool]) -> None:
         while not stop.is_set():
@@ -126,6 +138,7 @@ class SlurmJobs:
                     j.slurm_job_id,
                     j.created_at,
                     j.updated_at,
+                    dict(j.node_status),
                 )
                 for j in db.list_jobs(s, states=ACTIVE_JOB_STATES, limit=100_000)
                 if is_slurm(j.spec)
@@ -144,6 +157,9 @@ class SlurmJobs:
         self.submit_errors = {k: v for k, v in self.submit_errors.items() if k in active}
         self.signalled = {k: v for k, v in self.signalled.items() if k[0] in active}
         self.last_submit = {k: v for k, v in self.last_submit.items() if k in active}
+        self.ended = {k: v for k, v in self.ended.items() if k in active}
+        self.rejoins = {k: v for k, v in self.rejoins.items() if k in active}
+        self.relaunched = {k: v for k, v in self.relaunched.items() if k[0] in active}
         if not jobs:
             return
         listed = await self.list_slurm_jobs()
@@ -151,13 +167,19 @@ class SlurmJobs:
         for job in jobs:
             now = self.clock.now()
             slurm = find(listed, job_id=job.id, slurm_job_id=job.slurm_job_id)
+            if slurm is None and job.slurm_job_id and job.state != JobState.STOPPING:
+                slurm = await self._accounted(job.slurm_job_id)
             world = len(job.nodes) * max(1, int(job.spec.get("gpus_per_node", 1)))
+            if (slurm is None and job.slurm_job_id) or (slurm is not None and slurm.over):
+                self.ended.setdefault(job.id, now)
             d = decide(
                 state=job.state, job_id=job.id, slurm=slurm, slurm_job_id=job.slurm_job_id,
                 since=job.updated_at, created=job.created_at, now=now, joined=self.shared.joined(job.id), world=world,
                 grace_s=self.settings.job_stop_grace_s, start_timeout=self.settings.job_start_timeout_s,
                 submit_error=self.submit_errors.get(job.id, ""),
                 unusable=[n for n in job.nodes if n not in usable] if slurm is None else (),
+                exits=rank_exits(job.node_status), excluded_ranks=self._excluded(job.id),
+                ended_for=now - self.ended.get(job.id, now), exit_wait_s=self.settings.slurm_exit_wait_s,
             )  # fmt: skip
             sid, reason = d.slurm_job_id, d.reason
             if d.action == "submit" and now - self.last_submit.get(job.id, -1e18) < self.settings.job_resend_s:
@@ -176,6 +198,8 @@ class SlurmJobs:
             if d.state != job.state or sid is not None or (reason and reason != job.reason):
                 store = functools.partial(self._store, job=job, state=d.state, reason=reason, sid=sid)
                 await self.writer.run("slurm jobs", store)
+            if job.state == d.state == JobState.RUNNING and slurm is not None and not slurm.over:
+                await self._relaunch(job, now)
 
     def _store(self, s: Session, *, job: Job, state: str, reason: str, sid: str | None) -> None:
         row = db.get_job(s, job_id=job.id)
@@ -190,6 +214,61 @@ class SlurmJobs:
             log.info("event=job_transition job=%s to=%s reason=%r backend=slurm", job.id, state, reason)
         elif reason and reason != row.reason:
             db.set_job_slurm(s, job_id=job.id, reason=reason)
+
+    async def _relaunch(self, job: Job, now: float) -> None:
+        """Excluded nodes whose ranks exited and that are HEALTHY again: a ``launch`` on the job's
+        stream, which the job's relauncher in the allocation runs as a new srun step
+        (``agent/slurm_rejoin.py``); a ``rank_rejoin`` event each, at most every ``PULSE_JOB_RESEND_S``."""
+        if self.send is None:
+            return
+        if job.id not in self.rejoins:
+            self.rejoins[job.id] = await self.writer.run(
+                "slurm rejoins", functools.partial(_count_rejoins, job_id=job.id)
+            )
+        count = self.rejoins[job.id]
+        nodes = relaunch(
+            node_status=job.node_status, excluded=self._excluded(job.id), healthy=self._usable(), rejoins=count,
+            max_rejoins=self.settings.job_max_rejoins, per_node=max(1, int(job.spec.get("gpus_per_node", 1))),
+        )  # fmt: skip
+        for node, node_rank in nodes:
+            if now - self.relaunched.get((job.id, node), -1e18) < self.settings.job_resend_s:
+                continue
+            self.relaunched[(job.id, node)] = now
+            count[node] = count.get(node, 0) + 1
+            reason = (
+                f"the ranks on {node} exited and it is HEALTHY: started anew as a new step of Slurm job "
+                f"{job.slurm_job_id} to rejoin job {job.id} (relaunch {count[node]} of at most "
+                f"{self.settings.job_max_rejoins})"
+            )
+            record = functools.partial(_record_rejoin, job_id=job.id, node=node, reason=reason, at=now)
+            await self.writer.run("slurm rejoin", record)
+            log.info("event=rank_rejoin job=%s node=%s relaunch=%d backend=slurm", job.id, node, count[node])
+            await self.send(
+                Send("launch", job.id, job.nodes, job.spec, "", job.master_port, only=(node,), rejoin=True,
+                     job_stream=True, node_rank=node_rank)
+            )  # fmt: skip
+
+    async def _accounted(self, slurm_job_id: str) -> SlurmJob | None:
+        """A job ``scontrol`` forgot (past ``MinJobAge``) as Slurm's accounting recorded its end
+        (``sacct``), when it has one: None without accounting (no slurmdbd), or when sacct holds
+        no record or fails, and the ranks' exits decide (services/slurm_jobs.py)."""
+        if not self.sacct:
+            return None
+        try:
+            text = await self.client.run("sacct", sacct_argv(self.sacct, slurm_job_id))
+            found = parse_sacct(text, slurm_job_id)
+        except (SlurmError, ValueError) as exc:
+            if slurm_job_id not in self.sacct_failed:
+                self.sacct_failed.add(slurm_job_id)  # said once per job: without accounting it always fails
+                log.warning("event=sacct_unavailable slurm_job_id=%s error=%r", slurm_job_id, str(exc))
+            return None
+        return found if found is not None and found.over else None
+
+    def _excluded(self, job_id: str) -> set[int]:
+        """The job's ranks its plan excluded or its survivors reported unreachable (services/plans.py)."""
+        plans = self.shared.plans
+        plan = plans.plans.get(job_id)
+        return set(plan.excluded if plan is not None else ()) | plans.unreachable.get(job_id, set())
 
     def _usable(self) -> set[str]:
         cluster = self.shared.cluster
@@ -267,3 +346,15 @@ class SlurmJobs:
         except SlurmError as exc:
             self._failed(exc)
             raise
+
+
+def _count_rejoins(s: Session, *, job_id: str) -> dict[str, int]:
+    """Relaunches sent per node, from the events: a restarted orchestrator keeps the cap."""
+    count: dict[str, int] = {}
+    for ev in db.list_events(s, job=job_id, kinds=[EventKind.RANK_REJOIN], limit=100_000):
+        count[ev.node or ""] = count.get(ev.node or "", 0) + 1
+    return count
+
+
+def _record_rejoin(s: Session, *, job_id: str, node: str, reason: str, at: float) -> None:
+    db.record_event(s, kind=EventKind.RANK_REJOIN, reason=reason, at=at, node=node, job=job_id)

@@ -13,11 +13,14 @@ refusal means nothing is submitted), then handed to Slurm by the leader's Slurm 
   ``MASTER_ADDR`` is that node's address as ClusterPulse knows it, else the address Slurm
   launched the ranks from), starts the job's rendezvous
   store there when torch is installed (``agent/jobstore.py``, as the first node's agent does), and
-  runs every rank with ``srun`` through ``python -u -m trainer.run``, with the environment the
-  agents' launcher gives a rank (``agent/launcher.py``, ``Launcher.rank_env``): ``RANK``,
+  runs every rank with ``srun --kill-on-bad-exit=0`` through its supervisor
+  (``agent/slurm_rank.py``) and ``python -u -m trainer.run``, with the environment the agents'
+  launcher gives a rank (``agent/launcher.py``, ``Launcher.rank_env``): ``RANK``,
   ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``/``LOCAL_SIZE``, ``CROSS_RANK``,
   ``CROSS_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``PULSE_JOB_ID``, ``PULSE_NODE``, plus the
-  job's ``env``, ``PULSE_DEEPSPEED_CONFIG`` and the ``PULSE_REDIS_URL`` its ranks report to.
+  job's ``env``, ``PULSE_DEEPSPEED_CONFIG`` and the ``PULSE_REDIS_URL`` its ranks report to. The
+  supervisors report each rank's start and exit (:func:`fold_rank_status` folds them into the
+  node's status); beside the step, ``agent/slurm_rejoin.py`` starts ranks relaunched to rejoin.
 - :func:`decide`: the job's state follows Slurm's (``scontrol show job``):
 
   ======================================  ===================================================
@@ -33,9 +36,21 @@ refusal means nothing is submitted), then handed to Slurm by the leader's Slurm 
   COMPLETING                              unchanged (the ranks are being cleaned up)
   COMPLETED                               SUCCEEDED
   CANCELLED (by someone in Slurm)         STOPPED
-  FAILED, TIMEOUT, NODE_FAIL, OOM, ...    FAILED, with Slurm's state, exit code and reason
-  (forgotten: not listed any more)        FAILED (STOPPED when a stop was asked)
+  FAILED, TIMEOUT, NODE_FAIL, OOM, ...    SUCCEEDED when the job was RUNNING and every rank
+                                          the plan still counts reported its last exit 0
+                                          (an excluded rank's death, a rejoined rank's first
+                                          run: Slurm knows the step's highest code only);
+                                          unchanged while such a rank's exit is awaited,
+                                          up to ``exit_wait_s``; else FAILED, with Slurm's
+                                          state, exit code and reason and the failed ranks
+  (forgotten: not listed, no ``sacct``)   the same rule on the ranks' exits alone; never
+                                          left RUNNING (STOPPED when a stop was asked)
   ======================================  ===================================================
+
+  The loop reads a job ``scontrol`` forgot with ``sacct`` (:func:`parse_sacct`) where Slurm keeps
+  accounting, and decides on that as if listed. :func:`relaunch`: the nodes of a RUNNING job whose
+  ranks are all excluded and exited and that are HEALTHY again, to start anew as a new step of the
+  allocation (the agents' rejoin rule, ``services/jobs.py``).
 
   A stop (STOPPING) is ``term`` (``scancel --signal=TERM``: every rank of every step, not the
   batch shell, so srun sees its ranks leave) until ``grace_s`` after the stop was asked, then
@@ -52,6 +67,7 @@ import re
 import shlex
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from clusterpulse.states import TERMINAL_JOB_STATES, JobState
 
@@ -126,6 +142,31 @@ def parse_jobs(text: str) -> dict[str, SlurmJob]:
     return out
 
 
+SACCT_FORMAT = "JobID,JobName,State,ExitCode,NodeList,Reason"
+
+
+def sacct_argv(sacct: Sequence[str], slurm_job_id: str) -> list[str]:
+    """``sacct`` of one job, the fields :func:`parse_sacct` reads, one ``|``-separated line a record."""
+    return [*sacct, "--jobs", slurm_job_id, "--noheader", "--parsable2", "--allocations", f"--format={SACCT_FORMAT}"]
+
+
+def parse_sacct(text: str, slurm_job_id: str) -> SlurmJob | None:
+    """The job's own record (not its steps') from :func:`sacct_argv`'s output, None when sacct
+    holds no record of it. ``CANCELLED by 0`` is CANCELLED. Raises ValueError for a line that is
+    not the format asked for."""
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|")
+        if len(fields) != len(SACCT_FORMAT.split(",")):
+            raise ValueError(f"sacct line with {len(fields)} fields, expected {SACCT_FORMAT}: {line[:200]!r}")
+        jid, name, state, exit_code, nodes, reason = fields
+        if jid == slurm_job_id:
+            reason = "" if reason in ("None", "(null)") else reason
+            return SlurmJob(jid, name, state.split(" ")[0] or "UNKNOWN", reason, exit_code, nodes)
+    return None
+
+
 def rank_steps(text: str) -> list[str]:
     """The job's steps that run ranks, from ``scontrol show step --oneliner <job>``: every step
     but the batch shell's and the extern one (``12.0``, ``12.1`` ...)."""
@@ -190,40 +231,79 @@ def sbatch_argv(sbatch: Sequence[str], sub: Submission) -> list[str]:
     return argv
 
 
-# One rank: the variables of agent/launcher.py's rank_env, from srun's own, then the rank itself.
-_RANK_SHELL = (
-    'export MASTER_ADDR="${MASTER_ADDR:-$SLURM_LAUNCH_NODE_IPADDR}" '
-    'RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS" '
-    'CROSS_RANK="$SLURM_NODEID" CROSS_SIZE="$SLURM_NNODES" PULSE_NODE="$SLURMD_NODENAME"; exec "$@"'
-)
-
-
 def batch_script(sub: Submission) -> str:
-    """The batch script (module docstring). Its exit status is srun's: the highest of the ranks'."""
+    """The batch script (module docstring). Its exit status is srun's: the highest of the ranks'.
+    Each srun task is a rank's supervisor (``agent/slurm_rank.py``), which sets the rank's
+    environment from srun's, reports its exit and delivers checkpoint requests to it alone; beside
+    the step, ``agent/slurm_rejoin.py`` starts the new steps of ranks relaunched to rejoin, and the
+    script waits for them after the first step ends."""
     q = shlex.quote
     per = max(1, sub.gpus_per_node)
     cases = "".join(f"  {q(n)}) export MASTER_ADDR={q(a)} ;;\n" for n, a in sub.addrs.items() if a)
     store = [q(sub.python), "-m", "agent.jobstore", '--port="$MASTER_PORT"', f"--job={q(sub.job_id)}"]
-    rank = [q(sub.python), "-u", "-m", "trainer.run", *(q(a) for a in sub.entrypoint)]
+    rank = [q(sub.python), "-m", "agent.slurm_rank", "--", q(sub.python), "-u", "-m", "trainer.run"]
+    rank += [q(a) for a in sub.entrypoint]
+    rejoin = [q(sub.python), "-m", "agent.slurm_rejoin", f"--per={per}", "--", *rank]
     return (
         "#!/bin/bash\n"
         f"# ClusterPulse job {sub.job_id} ({sub.name}), submitted by the orchestrator: services/slurm_jobs.py\n"
         'case "$SLURMD_NODENAME" in\n'
         f"{cases}esac\n"
         f"export MASTER_PORT={sub.master_port} PULSE_JOB_ID={q(sub.job_id)}\n"
-        f"export LOCAL_WORLD_SIZE={per} LOCAL_SIZE={per}\n"
+        f"export LOCAL_WORLD_SIZE={per} LOCAL_SIZE={per} WORLD_SIZE={per * len(sub.nodes)} CROSS_SIZE={len(sub.nodes)}\n"
         "store=\n"
         f"if {q(sub.python)} -c 'import importlib.util as u, sys; sys.exit(u.find_spec(\"torch\") is None)'; then\n"
         f"  {' '.join(store)} --linger={sub.store_linger_s:g} &\n"
         "  store=$!\n"
         "  export TORCHELASTIC_USE_AGENT_STORE=True\n"
         "fi\n"
-        f"srun --export=ALL --kill-on-bad-exit=0 --nodes={len(sub.nodes)} --ntasks-per-node={per} "
-        f"/bin/sh -c {q(_RANK_SHELL)} rank {' '.join(rank)}\n"
+        f"{' '.join(rejoin)} &\n"
+        "rejoin=$!\n"
+        f"srun --export=ALL --kill-on-bad-exit=0 --nodes={len(sub.nodes)} --ntasks-per-node={per} {' '.join(rank)}\n"
         "rc=$?\n"
+        'kill -TERM "$rejoin" 2>/dev/null; wait "$rejoin"\n'
         'if [ -n "$store" ]; then kill "$store" 2>/dev/null; wait "$store" 2>/dev/null; fi\n'
         "exit $rc\n"
     )
+
+
+def fold_rank_status(previous: Mapping[str, Any] | None, status: Mapping[str, Any]) -> dict[str, Any]:
+    """One rank's ``JobStatus`` (``agent/slurm_rank.py``: ``started``, ``exited``) folded into its
+    node's: ``ranks`` maps each rank (a string: it is stored as JSON) to its exit code, None while
+    it runs; the node is ``exited`` once every rank it reported has, with the first non-zero code
+    (else 0), and ``started`` while one runs."""
+    ranks = dict((previous or {}).get("ranks") or {})
+    ranks[str(status["rank"])] = status.get("exit_code") if status["state"] == "exited" else None
+    done = all(c is not None for c in ranks.values())
+    first = next((c for c in ranks.values() if c), 0) if done else None
+    return {**status, "state": "exited" if done else "started", "exit_code": first, "ranks": ranks}
+
+
+def relaunch(
+    *,
+    node_status: Mapping[str, Mapping[str, Any]],
+    excluded: Collection[int],
+    healthy: Collection[str],
+    rejoins: Mapping[str, int],
+    max_rejoins: int,
+    per_node: int,
+) -> list[tuple[str, int]]:
+    """The nodes of a RUNNING Slurm job whose ranks to start again to rejoin, each with its place
+    in the job (``node_rank``, Slurm's order), by the agents' rule (``services/jobs.py``): every
+    rank on it excluded (``excluded``) and exited, as its supervisor said (with any code), the node
+    HEALTHY (``healthy``), and fewer than ``max_rejoins`` relaunches of it so far (``rejoins``)."""
+    out = []
+    for node, st in sorted(node_status.items()):
+        ranks = {int(r): c for r, c in (st.get("ranks") or {}).items()}
+        gone = len(ranks) >= per_node and all(c is not None for c in ranks.values())
+        if gone and set(ranks) <= set(excluded) and node in healthy and rejoins.get(node, 0) < max_rejoins:
+            out.append((node, int(st.get("node_rank") or 0)))
+    return out
+
+
+def rank_exits(node_status: Mapping[str, Mapping[str, Any]]) -> dict[int, int | None]:
+    """rank -> its last exit code (None: it runs), from the nodes' folded statuses."""
+    return {int(r): c for st in node_status.values() for r, c in (st.get("ranks") or {}).items()}
 
 
 def decide(
@@ -241,12 +321,21 @@ def decide(
     start_timeout: float,
     submit_error: str = "",
     unusable: Sequence[str] = (),
+    exits: Mapping[int, int | None] | None = None,
+    excluded_ranks: Collection[int] = (),
+    ended_for: float = 0.0,
+    exit_wait_s: float = 0.0,
 ) -> SlurmJobDecision:
     """What a Slurm job's state should be and what to do (module docstring). ``slurm``: the job
     as Slurm lists it (found by :func:`find`), None when Slurm does not list it; ``slurm_job_id``:
     Slurm's id as stored; ``since``: when the job entered ``state``; ``submit_error``: the last
     ``sbatch`` failure, "" when none; ``unusable``: the job's placed nodes that are no longer
-    HEALTHY and schedulable (a job not yet submitted then FAILS rather than being sent there)."""
+    HEALTHY and schedulable (a job not yet submitted then FAILS rather than being sent there);
+    ``exits``: rank -> its exit code as its supervisor reported it (None: running;
+    :func:`rank_exits`); ``excluded_ranks``: the ranks the job's plan excluded or its survivors
+    reported unreachable; ``ended_for``: how long Slurm has shown the job over (or not listed it),
+    the ranks' exits awaited up to ``exit_wait_s`` of it."""
+    ranks = _Ranks(exits or {}, frozenset(excluded_ranks), world, ended_for < exit_wait_s)
     if state in TERMINAL_JOB_STATES:
         return SlurmJobDecision(state, "")
     found = slurm.id if slurm is not None and slurm.id != slurm_job_id else None
@@ -255,9 +344,7 @@ def decide(
         return _stopping(slurm, sid, found, since=since, now=now, grace_s=grace_s)
     if slurm is None:
         if slurm_job_id:
-            return SlurmJobDecision(
-                JobState.FAILED, f"Slurm job {slurm_job_id} is no longer listed by Slurm (its end was not seen)"
-            )
+            return _vanished(state, slurm_job_id, ranks)
         if unusable:
             return SlurmJobDecision(
                 JobState.FAILED,
@@ -284,7 +371,7 @@ def decide(
                 slurm_job_id=found,
             )
         return _running(state, slurm, found, joined=joined, world=world)
-    return _ended(slurm, found)
+    return _ended(state, slurm, found, ranks)
 
 
 def _stopping(
@@ -321,7 +408,49 @@ def _running(
     )
 
 
-def _ended(slurm: SlurmJob, found: str | None) -> SlurmJobDecision:
+@dataclass(frozen=True)
+class _Ranks:
+    """What the ranks' supervisors said of their exits, and whether to wait for more."""
+
+    exits: Mapping[int, int | None]
+    excluded: frozenset[int]
+    world: int
+    waiting: bool  # Slurm's end is recent: a rank's exit may still be on its way
+
+    @property
+    def live(self) -> list[int]:
+        return [r for r in range(self.world) if r not in self.excluded]
+
+    def said(self, ranks: Iterable[int]) -> str:
+        return ", ".join(f"rank {r} {'running' if self.exits.get(r) is None else self.exits[r]}" for r in ranks)
+
+    def verdict(self, state: str, said: str, found: str | None) -> SlurmJobDecision | None:
+        """SUCCEEDED when the job was RUNNING and every rank it still counts (not excluded) exited
+        0; unchanged while one of them has not reported and ``waiting``; else None (FAILED)."""
+        live = self.live
+        missing = [r for r in live if self.exits.get(r) is None]
+        failed = [r for r in live if self.exits.get(r) not in (None, 0)]
+        if state != JobState.RUNNING or not live or failed:
+            return None
+        if missing:
+            return SlurmJobDecision(state, "", slurm_job_id=found) if self.waiting else None
+        out = sorted(r for r in self.excluded if r < self.world)
+        why = (
+            f"ranks excluded by the plan: {self.said(out)}; the {len(live)} others" if out else f"all {len(live)} ranks"
+        )
+        return SlurmJobDecision(JobState.SUCCEEDED, f"{said}: {why} exited 0", slurm_job_id=found)
+
+
+def _vanished(state: str, slurm_job_id: str, ranks: _Ranks) -> SlurmJobDecision:
+    """Slurm no longer lists the job (past ``MinJobAge``, its end unseen): the ranks' exits decide."""
+    said = f"Slurm job {slurm_job_id} is no longer listed by Slurm (its end was not seen)"
+    if (d := ranks.verdict(state, said, None)) is not None:
+        return d
+    failed = [r for r in range(ranks.world) if ranks.exits.get(r)]
+    return SlurmJobDecision(JobState.FAILED, said + (f"; {ranks.said(failed)}" if failed else ""))
+
+
+def _ended(state: str, slurm: SlurmJob, found: str | None, ranks: _Ranks) -> SlurmJobDecision:
     said = f"Slurm job {slurm.id} {slurm.state} (exit {slurm.exit_code}" + (
         f", reason {slurm.reason})" if slurm.reason else ")"
     )
@@ -329,4 +458,7 @@ def _ended(slurm: SlurmJob, found: str | None) -> SlurmJobDecision:
         return SlurmJobDecision(JobState.SUCCEEDED, said, slurm_job_id=found)
     if slurm.state == "CANCELLED":
         return SlurmJobDecision(JobState.STOPPED, f"{said}: cancelled in Slurm", slurm_job_id=found)
-    return SlurmJobDecision(JobState.FAILED, said, slurm_job_id=found)
+    if (d := ranks.verdict(state, said, found)) is not None:
+        return d  # an excluded rank's exit does not fail the job, nor a rejoined rank's first run (module docstring)
+    failed = [r for r in range(ranks.world) if ranks.exits.get(r)]
+    return SlurmJobDecision(JobState.FAILED, said + (f"; {ranks.said(failed)}" if failed else ""), slurm_job_id=found)

@@ -7,6 +7,13 @@ and socket of its own (so it neither needs nor touches a system munged), a gener
 ``slurm.conf``, state, spool, pid and log files; ports are chosen at run time. Every daemon is a
 child process in the foreground and is stopped at the end, also when the test failed.
 
+``gpus=G`` gives every node a GPU GRES of G (``GresTypes=gpu``, ``Gres=gpu:G``): a ``gres.conf``
+names a character device per GPU (``/dev/null``, ``/dev/zero``, ...) as its ``File``, because
+slurmd 22.05 reports 0 GPUs for a ``Count`` without files and the node goes INVAL ("gres/gpu
+count reported lower than configured"); with ``TaskPlugin=task/none`` nothing constrains devices,
+and Slurm sets ``CUDA_VISIBLE_DEVICES`` (0, 1, ...) as on a GPU node, which torch on a machine
+without a GPU driver ignores.
+
 ``with SlurmCluster(tmp, nodes=["sn1", "sn2"]) as slurm:`` waits until ``sinfo`` shows every
 node idle; ``slurm.env`` is the environment client commands need (``SLURM_CONF``);
 ``slurm.scontrol(...)``, ``slurm.states()``, ``slurm.stop_controller()`` /
@@ -43,10 +50,11 @@ def available() -> str | None:
 
 
 class SlurmCluster:
-    def __init__(self, tmp: Path, *, nodes: Sequence[str], cpus: int = 1) -> None:
+    def __init__(self, tmp: Path, *, nodes: Sequence[str], cpus: int = 1, gpus: int = 0) -> None:
         self.tmp = tmp
         self.nodes = list(nodes)
         self.cpus = cpus
+        self.gpus = gpus  # a GPU GRES of this count per node (module docstring)
         self.host = socket.gethostname()
         self.conf = tmp / "slurm.conf"
         self.socket = tmp / "munge" / "munge.socket"
@@ -117,10 +125,16 @@ class SlurmCluster:
             "SlurmctldTimeout=30",
             "MessageTimeout=5",
         ]
+        gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        if self.gpus:
+            lines.append("GresTypes=gpu")
+            files = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random"][: self.gpus]
+            gres_lines = "".join(f"NodeName={n} Name=gpu File={f}\n" for n in self.nodes for f in files)
+            (self.tmp / "gres.conf").write_text("AutoDetect=off\n" + gres_lines)  # beside slurm.conf
         for node in self.nodes:
             lines.append(
                 f"NodeName={node} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={self.node_ports[node]} "
-                f"CPUs={self.cpus} State=UNKNOWN"
+                f"CPUs={self.cpus}{gres} State=UNKNOWN"
             )
         lines.append(f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")

@@ -29,6 +29,7 @@ def test_node_rules_grant_its_own_keys_and_its_shard_only() -> None:
     assert not any(o in xadd for o in others)
     assert "%W~pulse:{jobs}:status" in xadd and "%W~pulse:{trainer}:reports" in xadd
     assert "(+xread %R~pulse:{node:gpu-a.r1_7}:commands)" in rules
+    assert "(+xread +xrevrange %R~pulse:{job:*}:commands)" in rules  # a Slurm job's ranks' supervisors
     assert "(+get %R~pulse:{job:*}:plan)" in rules
     assert "&pulse:plans" in rules
     assert not any(r in rules for r in ("allkeys", "~*", "+@all", "allchannels"))
@@ -62,7 +63,7 @@ def test_orchestrator_rules_cover_what_it_reads_and_writes() -> None:
     for stream in ("~pulse:{hb:*}:stream", "~pulse:{trainer}:reports", "~pulse:{jobs}:status"):
         assert stream in group
     assert "(+get %R~pulse:{node:*}:latest)" in rules
-    assert "(+xadd %W~pulse:{node:*}:commands)" in rules
+    assert "(+xadd %W~pulse:{node:*}:commands %W~pulse:{job:*}:commands)" in rules  # a Slurm job's too
     assert acl.orchestrator_acl(password="pw", user="other")[0] == "other"
     with pytest.raises(ValueError, match="password"):
         acl.orchestrator_acl(password="")

@@ -91,7 +91,9 @@ def test_fencing_script_arguments() -> None:
     keys, args = plans_args(7, [("j1", b"p1"), ("j2", b"p2")])
     assert keys == [wire.LEADER_KEY, wire.job_plan_key("j1"), wire.job_plan_key("j2")]
     assert args == [7, wire.PLAN_CHANNEL, b"p1", "j1", b"p2", "j2"]
-    keys, args = commands_args(7, [("n1", b"c1"), ("n2", b"c2")], maxlen=100)
+    keys, args = commands_args(
+        7, [(wire.node_commands_key("n1"), b"c1"), (wire.node_commands_key("n2"), b"c2")], maxlen=100
+    )
     assert keys == [wire.LEADER_KEY, wire.node_commands_key("n1"), wire.node_commands_key("n2")]
     assert args == [7, 100, wire.COMMAND_FIELD, b"c1", b"c2"]
 

@@ -15,9 +15,14 @@ from services.slurm_jobs import (
     decide,
     excluded,
     find,
+    fold_rank_status,
     parse_job_line,
     parse_jobs,
+    parse_sacct,
+    rank_exits,
     rank_steps,
+    relaunch,
+    sacct_argv,
     sbatch_argv,
 )
 
@@ -80,14 +85,17 @@ def test_batch_script_gives_each_rank_the_launchers_environment() -> None:
     script = batch_script(SUB)
     assert "  n1) export MASTER_ADDR=10.0.0.1 ;;" in script and "n2)" not in script  # n2: no address known
     assert "export MASTER_PORT=29601 PULSE_JOB_ID=ab12" in script
-    assert "export LOCAL_WORLD_SIZE=4 LOCAL_SIZE=4" in script
-    for var in ('RANK="$SLURM_PROCID"', 'LOCAL_RANK="$SLURM_LOCALID"', 'WORLD_SIZE="$SLURM_NTASKS"',
-                'CROSS_RANK="$SLURM_NODEID"', 'CROSS_SIZE="$SLURM_NNODES"', 'PULSE_NODE="$SLURMD_NODENAME"',
-                'MASTER_ADDR="${MASTER_ADDR:-$SLURM_LAUNCH_NODE_IPADDR}"'):  # fmt: skip
-        assert var in script, var
+    assert "export LOCAL_WORLD_SIZE=4 LOCAL_SIZE=4 WORLD_SIZE=8 CROSS_SIZE=2" in script
+    # one task's death does not end the step; each task is its rank's supervisor (agent/slurm_rank.py)
     assert "srun --export=ALL --kill-on-bad-exit=0 --nodes=2 --ntasks-per-node=4 " in script
-    assert "/venv/bin/python -u -m trainer.run -m trainer.example --steps 10 --note 'it'\"'\"'s'" in script
+    assert (
+        "/venv/bin/python -m agent.slurm_rank -- "
+        "/venv/bin/python -u -m trainer.run -m trainer.example --steps 10 --note 'it'\"'\"'s'"
+    ) in script
     assert "/venv/bin/python -m agent.jobstore" in script and "TORCHELASTIC_USE_AGENT_STORE=True" in script
+    # the relauncher of ranks that rejoin starts before the step, is told to finish after it, and waited for
+    relauncher = "/venv/bin/python -m agent.slurm_rejoin --per=4 -- /venv/bin/python -m agent.slurm_rank -- "
+    assert script.index(relauncher) < script.index("srun --export") < script.index('kill -TERM "$rejoin"')
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
 
@@ -137,8 +145,85 @@ def test_state_follows_slurm() -> None:
     assert _d("RUNNING", S("NODE_FAIL"))[0] == "FAILED"
     assert _d("RUNNING", S("CANCELLED"))[:2] == ("STOPPED", "Slurm job 41 CANCELLED (exit 0:0): cancelled in Slurm")
     st, why, _, _ = _d("RUNNING", None, slurm_job_id="41")
-    assert st == "FAILED" and "no longer listed" in why
+    assert st == "FAILED" and "no longer listed" in why  # no rank reported an exit, nothing to wait for
     assert _d("SUCCEEDED", S("RUNNING")) == ("SUCCEEDED", "", None, None)  # terminal stays
+
+
+def test_an_excluded_ranks_exit_does_not_fail_a_job_whose_other_ranks_exited_0() -> None:
+    failed = S("FAILED", "NonZeroExitCode", "137:0")
+    kw: dict[str, object] = dict(world=3, exits={0: 0, 1: 137, 2: 0}, excluded_ranks={1})
+    st, why, _, _ = _d("RUNNING", failed, **kw)
+    assert st == "SUCCEEDED", why
+    assert why == (
+        "Slurm job 41 FAILED (exit 137:0, reason NonZeroExitCode): ranks excluded by the plan: rank 1 137; "
+        "the 2 others exited 0"
+    )
+    # a rank the plan still counts failed: FAILED, naming it
+    st, why, _, _ = _d("RUNNING", failed, world=3, exits={0: 0, 1: 137, 2: 1}, excluded_ranks={1})
+    assert (st, why) == ("FAILED", "Slurm job 41 FAILED (exit 137:0, reason NonZeroExitCode); rank 1 137, rank 2 1")
+    # nobody excluded: the failed rank counts
+    assert _d("RUNNING", failed, world=3, exits={0: 0, 1: 137, 2: 0})[0] == "FAILED"
+    # not RUNNING yet (the ranks never all joined): exclusions do not count, as with the agents
+    assert _d("STARTING", failed, **kw)[0] == "FAILED"
+    # a counted rank's exit not reported yet: wait up to exit_wait_s after Slurm's end, then FAILED
+    late = dict(world=3, exits={0: 0, 1: 137}, excluded_ranks={1}, exit_wait_s=10.0)
+    assert _d("RUNNING", failed, **late, ended_for=2.0)[:3] == ("RUNNING", "", None)
+    assert _d("RUNNING", failed, **late, ended_for=10.0)[0] == "FAILED"
+    # every rank excluded: nothing finished the job
+    assert _d("RUNNING", failed, world=2, exits={0: 9, 1: 9}, excluded_ranks={0, 1})[0] == "FAILED"
+
+
+def test_a_job_slurm_forgot_is_decided_by_its_ranks_exits() -> None:
+    gone: dict[str, object] = dict(slurm_job_id="41", world=2, exit_wait_s=10.0)
+    st, why, _, _ = _d("RUNNING", None, **gone, exits={0: 0, 1: 0}, ended_for=0.0)
+    assert (st, why) == (
+        "SUCCEEDED",
+        "Slurm job 41 is no longer listed by Slurm (its end was not seen): all 2 ranks exited 0",
+    )
+    assert _d("RUNNING", None, **gone, exits={0: 0, 1: None}, ended_for=1.0)[:2] == ("RUNNING", "")  # waits
+    st, why, _, _ = _d("RUNNING", None, **gone, exits={0: 0, 1: None}, ended_for=10.0)
+    assert (st, why) == (
+        "FAILED",
+        "Slurm job 41 is no longer listed by Slurm (its end was not seen)",
+    )  # never RUNNING for ever
+    st, why, _, _ = _d("RUNNING", None, **gone, exits={0: 0, 1: 3}, ended_for=0.0)
+    assert (st, why) == ("FAILED", "Slurm job 41 is no longer listed by Slurm (its end was not seen); rank 1 3")
+    assert _d("RUNNING", None, **gone, exits={0: 0, 1: 143}, excluded_ranks={1})[0] == "SUCCEEDED"
+
+
+def test_rank_statuses_fold_into_their_nodes() -> None:
+    a = fold_rank_status(None, {"state": "started", "rank": 2, "node": "n1"})
+    assert (a["state"], a["exit_code"], a["ranks"]) == ("started", None, {"2": None})
+    b = fold_rank_status(a, {"state": "started", "rank": 3, "node": "n1"})
+    c = fold_rank_status(b, {"state": "exited", "rank": 3, "exit_code": 137, "node": "n1"})
+    assert (c["state"], c["ranks"]) == ("started", {"2": None, "3": 137})  # rank 2 still runs
+    d = fold_rank_status(c, {"state": "exited", "rank": 2, "exit_code": 0, "node": "n1"})
+    assert (d["state"], d["exit_code"]) == ("exited", 137)  # the first failure, as the agents report a node
+    again = fold_rank_status(d, {"state": "started", "rank": 3, "node": "n1"})  # relaunched to rejoin
+    assert (again["state"], again["ranks"]) == ("started", {"2": 0, "3": None})
+    assert rank_exits({"n1": d, "n2": {"state": "exited", "exit_code": 0}}) == {2: 0, 3: 137}  # an agent's: no ranks
+
+
+def test_an_excluded_node_whose_ranks_exited_is_relaunched_while_healthy_under_the_cap() -> None:
+    exited = {"state": "exited", "node_rank": 2, "ranks": {"4": 137, "5": 0}}
+    status = {"n1": {"state": "started", "node_rank": 0, "ranks": {"0": None, "1": None}}, "n3": exited}
+    kw: dict[str, object] = dict(node_status=status, excluded={4, 5}, healthy={"n1", "n3"}, rejoins={}, max_rejoins=2,
+                                 per_node=2)  # fmt: skip
+    assert relaunch(**kw) == [("n3", 2)]  # its place in the job: Slurm's node order, as its ranks reported it
+    assert relaunch(**{**kw, "excluded": {4}}) == []  # rank 5 still counts
+    assert relaunch(**{**kw, "healthy": {"n1"}}) == []  # not HEALTHY (or drained in Slurm)
+    assert relaunch(**{**kw, "rejoins": {"n3": 2}}) == []  # the cap
+    running = {**status, "n3": {**exited, "ranks": {"4": 137, "5": None}}}
+    assert relaunch(**{**kw, "node_status": running}) == []  # rank 5 still runs
+    half = {**status, "n3": {**exited, "ranks": {"4": 137}}}
+    assert relaunch(**{**kw, "node_status": half}) == []  # rank 5 never reported: not known to be gone
+
+
+def test_a_rejoined_ranks_last_run_decides() -> None:
+    # rank 1 was killed (137), relaunched, rejoined (no longer excluded) and exited 0: Slurm's batch
+    # exit is the first step's 137, the job SUCCEEDED
+    st, why, _, _ = _d("RUNNING", S("FAILED", "NonZeroExitCode", "137:0"), world=3, exits={0: 0, 1: 0, 2: 0})
+    assert (st, why) == ("SUCCEEDED", "Slurm job 41 FAILED (exit 137:0, reason NonZeroExitCode): all 3 ranks exited 0")
 
 
 def test_stop_is_term_then_kill_after_the_grace_then_stopped() -> None:
@@ -171,3 +256,22 @@ def test_the_slurm_job_backend_as_default_needs_slurm_on() -> None:
     assert load_settings(job_backend="slurm", slurm=True).job_backend == "slurm"
     with pytest.raises(ValidationError, match="slurm_gres"):
         load_settings(slurm_gres="gpu:4")  # the count is the job's gpus_per_node
+
+
+# sacct --jobs 12 --noheader --parsable2 --allocations --format=JobID,JobName,State,ExitCode,NodeList,Reason
+# in sacct's documented --parsable2 layout (the test Slurm has no slurmdbd, so nothing recorded there)
+SACCT = "12|pulse-ab12|FAILED|137:0|sj[1,3]|None\n"
+
+
+def test_sacct_reads_the_jobs_own_record() -> None:
+    argv = sacct_argv(["sacct"], "12")
+    assert argv[:6] == ["sacct", "--jobs", "12", "--noheader", "--parsable2", "--allocations"]
+    assert argv[6] == "--format=JobID,JobName,State,ExitCode,NodeList,Reason"
+    assert parse_sacct(SACCT, "12") == SlurmJob("12", "pulse-ab12", "FAILED", "", "137:0", "sj[1,3]")
+    cancelled = parse_sacct("12|pulse-ab12|CANCELLED by 0|0:15|sj1|None\n", "12")
+    assert cancelled is not None and cancelled.state == "CANCELLED" and cancelled.over
+    assert parse_sacct("", "12") is None and parse_sacct(SACCT, "13") is None  # no record of it
+    with pytest.raises(ValueError, match="expected JobID,JobName"):
+        parse_sacct("12 FAILED", "12")
+    # what sacct found is decided as if scontrol still listed it
+    assert _d("RUNNING", parse_sacct(SACCT, "12"), slurm_job_id="12")[0] == "FAILED"

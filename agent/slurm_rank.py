@@ -1,0 +1,185 @@
+"""One rank of a job that runs in Slurm: ``python -m agent.slurm_rank [--report-timeout S] -- PYTHON -u -m
+trainer.run ENTRYPOINT...``, what the Slurm job backend's batch script runs as each ``srun`` task
+(``services/slurm_jobs.py``). It is to a rank what the agent's wrapper shell is under the agents'
+launcher (``agent/launcher.py``): the rank's parent, which outlives it.
+
+- **Environment.** The rank gets what ``Launcher.rank_env`` gives an agent's rank, from srun's
+  variables (:func:`rank_env`): ``CROSS_RANK`` (``PULSE_SLURM_CROSS_RANK`` when set: a rank
+  relaunched alone on its node to rejoin keeps its node's place in the job; else ``SLURM_NODEID``),
+  ``LOCAL_RANK`` (``SLURM_LOCALID``), ``RANK`` (``CROSS_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK``,
+  srun's block distribution), ``PULSE_NODE`` (``SLURMD_NODENAME``), ``MASTER_ADDR`` (else
+  ``SLURM_LAUNCH_NODE_IPADDR``); the batch script sets ``WORLD_SIZE``, ``CROSS_SIZE``,
+  ``LOCAL_WORLD_SIZE`` and ``MASTER_PORT``.
+- **Its exit.** ``started``, then ``exited`` with the rank's code (128 + N after signal N, as a
+  shell says) go to ``wire.JOB_STATUS_STREAM`` as a ``JobStatus`` of this one rank (``rank``
+  set), and the code becomes this process's own. Slurm knows only the step's highest exit code;
+  these tell the orchestrator which rank ended how, so an excluded rank's death does not fail a
+  job whose other ranks finished (``services/slurm_jobs.py``), and when an excluded rank is gone
+  and may be relaunched to rejoin.
+- **Checkpoint.** It reads the job's command stream (``wire.job_commands_key``); a ``checkpoint``
+  is SIGUSR2 to the rank process alone, once per request id, and only when the rank catches it
+  (``agent/ranks.py``: the default action would kill it). ``scancel --signal=USR2`` would reach
+  every process of the step, DataLoader workers included, which SIGUSR2 kills.
+- **SIGTERM, SIGINT** (a stop: ``scancel --signal=TERM`` reaches every process of the step, the
+  rank included) do not end it: it waits for the rank and reports its exit. SIGKILL ends both.
+
+Without ``PULSE_REDIS_URL`` and ``PULSE_JOB_ID`` it only sets the environment and runs the rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis
+
+from agent.ranks import catches, read_process
+from clusterpulse import wire
+from clusterpulse.retry import Backoff
+
+log = logging.getLogger("pulse.agent.slurm_rank")
+
+
+def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The torch.distributed variables of this srun task's rank (module docstring)."""
+    per = int(environ.get("LOCAL_WORLD_SIZE") or 1)
+    local = int(environ.get("SLURM_LOCALID") or 0)
+    cross = int(environ.get("PULSE_SLURM_CROSS_RANK") or environ.get("SLURM_NODEID") or 0)
+    return {
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or environ.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1",
+        "RANK": str(cross * per + local),
+        "LOCAL_RANK": str(local),
+        "CROSS_RANK": str(cross),
+        "WORLD_SIZE": environ.get("WORLD_SIZE") or environ.get("SLURM_NTASKS") or "1",
+        "CROSS_SIZE": environ.get("CROSS_SIZE") or environ.get("SLURM_NNODES") or "1",
+        "PULSE_NODE": environ.get("SLURMD_NODENAME") or environ.get("PULSE_NODE") or "",
+    }
+
+
+def exit_code(returncode: int) -> int:
+    """A Popen return code as a shell reports it: 128 + N for a rank killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Supervisor:
+    """The rank's parent (module docstring)."""
+
+    def __init__(self, client: redis.Redis, *, job: str, env: Mapping[str, str], report_timeout_s: float) -> None:
+        self.redis = client
+        self.job = job
+        self.node = env["PULSE_NODE"]
+        self.rank = int(env["RANK"])
+        self.cross_rank = int(env["CROSS_RANK"])
+        self.report_timeout_s = report_timeout_s
+        self.stop = threading.Event()
+        self.signalled: set[str] = set()  # checkpoint request ids
+
+    def report(self, state: str, **kw: Any) -> None:
+        """One status of this rank, retried with backoff for at most ``report_timeout_s``."""
+        st = wire.JobStatus(
+            v=wire.PROTOCOL_VERSION, job=self.job, node=self.node, node_rank=self.cross_rank,
+            rank=self.rank, state=state, **kw,  # type: ignore[arg-type]
+        )  # fmt: skip
+        backoff, deadline = Backoff(), time.monotonic() + self.report_timeout_s
+        while True:
+            try:
+                self.redis.xadd(wire.JOB_STATUS_STREAM, {wire.JOB_STATUS_FIELD: wire.encode(st)}, maxlen=100_000)
+                return
+            except redis.RedisError as exc:
+                if time.monotonic() >= deadline:
+                    log.error(
+                        "event=rank_status_lost job=%s rank=%d state=%s error=%r", self.job, self.rank, state, str(exc)
+                    )
+                    return
+                time.sleep(backoff.next_delay())
+
+    def newest(self) -> str:
+        """The job's command stream's last entry id ("0-0": empty; "": Redis did not answer)."""
+        try:
+            newest: Any = self.redis.xrevrange(wire.job_commands_key(self.job), count=1)
+        except redis.RedisError:
+            return ""
+        return newest[0][0].decode() if newest else "0-0"
+
+    def listen(self, rank_pid: int, last: str) -> None:
+        """The job's command stream after ``last`` (taken before ``started`` was reported, so a
+        command sent after that report reaches this rank): checkpoint requests."""
+        key, backoff = wire.job_commands_key(self.job), Backoff()
+        while not self.stop.is_set():
+            try:
+                last = last or self.newest() or ""
+                if not last:
+                    raise redis.ConnectionError("no answer to XREVRANGE")
+                resp: Any = self.redis.xread({key: last}, count=100, block=500)
+            except redis.RedisError as exc:
+                log.warning("event=job_commands_unavailable job=%s error=%r", self.job, str(exc))
+                self.stop.wait(backoff.next_delay())
+                continue
+            backoff.reset()
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    last = entry_id.decode()
+                    self.handle(fields.get(wire.COMMAND_FIELD) or b"", rank_pid)
+
+    def handle(self, payload: bytes, rank_pid: int) -> None:
+        try:
+            cmd = wire.decode_job_command(payload)
+        except wire.WireError as exc:
+            log.warning("event=command_rejected job=%s reason=%s", self.job, exc.reason)
+            return
+        if cmd.kind != "checkpoint" or cmd.job != self.job or cmd.request in self.signalled:
+            return
+        self.signalled.add(cmd.request)
+        info = read_process(rank_pid)
+        if info is None or not catches(info, signal.SIGUSR2):
+            log.warning(
+                "event=checkpoint_not_signalled job=%s rank=%d pid=%d reason=%r", self.job, self.rank, rank_pid,
+                "the rank does not catch SIGUSR2 (its default action would kill it) or is gone",
+            )  # fmt: skip
+            return
+        os.kill(rank_pid, signal.SIGUSR2)
+        log.info(
+            "event=checkpoint_signalled job=%s rank=%d request=%s pid=%d", self.job, self.rank, cmd.request, rank_pid
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m agent.slurm_rank", description=__doc__.split("\n\n")[0])
+    p.add_argument("--report-timeout", type=float, default=10.0, help="seconds a status is retried while Redis fails")
+    p.add_argument("rank", nargs=argparse.REMAINDER, help="-- then the rank's command line")
+    a = p.parse_args(argv)
+    line = a.rank[1:] if a.rank[:1] == ["--"] else a.rank
+    if not line:
+        p.error("expected -- and the rank's command line")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    env = {**os.environ, **rank_env(os.environ)}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)  # the rank got it too: wait for its exit (module docstring)
+    signal.signal(signal.SIGUSR2, lambda *_: None)  # not SIG_IGN, which the rank would inherit through exec
+    proc = subprocess.Popen(line, env=env, stdin=subprocess.DEVNULL)
+    url, job = env.get("PULSE_REDIS_URL"), env.get("PULSE_JOB_ID")
+    if not url or not job:
+        return exit_code(proc.wait())
+    sup = Supervisor(
+        redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5),
+        job=job, env=env, report_timeout_s=a.report_timeout,
+    )  # fmt: skip
+    last = sup.newest()
+    sup.report("started", pids=[proc.pid])
+    threading.Thread(target=sup.listen, args=(proc.pid, last), name="job-commands", daemon=True).start()
+    code = exit_code(proc.wait())
+    sup.stop.set()
+    sup.report("exited", exit_code=code, pids=[proc.pid], detail=f"rank {sup.rank} on {sup.node} exited with {code}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

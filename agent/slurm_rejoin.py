@@ -1,0 +1,114 @@
+"""A Slurm job's relauncher, inside its allocation: ``python -m agent.slurm_rejoin --per G -- RANK
+COMMAND...``, which the batch script (``services/slurm_jobs.py``) starts beside its ranks' step.
+
+It reads the job's command stream (``wire.job_commands_key``) from its beginning. A ``launch``
+(the leader's Slurm job loop sends one for a node whose ranks the plan excluded, that exited and
+that is HEALTHY again: ``services/slurm_jobs.py``, :func:`relaunch`) starts that node's ranks
+again as a **new step of the same allocation**: ``srun --overlap --nodes=1 --ntasks-per-node=G
+--nodelist=NODE``, the same rank command line (the supervisor, ``agent/slurm_rank.py``, then
+``trainer.run``) and environment as the first step, plus ``PULSE_SLURM_CROSS_RANK`` (the node's
+place in the job, so the ranks keep their numbers) and the command's ``env`` (``PULSE_REJOIN=1``:
+the ranks take the live ranks' state at a step boundary, ``trainer/follow.py``). ``--overlap``:
+the first step keeps the node's CPUs until all of it ends. One step per node at a time: a launch
+for a node whose relaunched step still runs is ignored (a resend).
+
+SIGTERM (the batch script, once its first step ended) stops the reading; it waits for the steps
+it started (their ranks leave once the job is done) and exits 0. Without ``PULSE_REDIS_URL`` and
+``PULSE_JOB_ID`` it exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from clusterpulse import wire
+from clusterpulse.retry import Backoff
+
+log = logging.getLogger("pulse.agent.slurm_rejoin")
+
+
+def srun_argv(srun: Sequence[str], *, node: str, per: int, rank: Sequence[str]) -> list[str]:
+    """The ``srun`` of one node's ranks relaunched to rejoin (module docstring)."""
+    return [*srun, "--overlap", "--nodes=1", f"--ntasks={per}", f"--ntasks-per-node={per}", f"--nodelist={node}",
+            "--kill-on-bad-exit=0", "--export=ALL", *rank]  # fmt: skip
+
+
+class Relauncher:
+    def __init__(self, client: redis.Redis, *, job: str, per: int, rank: Sequence[str], srun: Sequence[str]) -> None:
+        self.redis = client
+        self.job = job
+        self.per = per
+        self.rank = list(rank)
+        self.srun = list(srun)
+        self.steps: dict[str, subprocess.Popen[bytes]] = {}  # node -> its relaunched step's srun
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        key, last, backoff = wire.job_commands_key(self.job), "0-0", Backoff()
+        while not self.stop.is_set():
+            try:
+                resp: Any = self.redis.xread({key: last}, count=100, block=500)
+            except redis.RedisError as exc:
+                log.warning("event=job_commands_unavailable job=%s error=%r", self.job, str(exc))
+                self.stop.wait(backoff.next_delay())
+                continue
+            backoff.reset()
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    last = entry_id.decode()
+                    self.handle(fields.get(wire.COMMAND_FIELD) or b"")
+        for step in self.steps.values():
+            step.wait()
+
+    def handle(self, payload: bytes) -> None:
+        try:
+            cmd = wire.decode_job_command(payload)
+        except wire.WireError as exc:
+            log.warning("event=command_rejected job=%s reason=%s", self.job, exc.reason)
+            return
+        if cmd.kind != "launch" or cmd.job != self.job or not cmd.node:
+            return
+        running = self.steps.get(cmd.node)
+        if running is not None and running.poll() is None:
+            log.info("event=relaunch_skipped job=%s node=%s reason=still_running", self.job, cmd.node)
+            return
+        argv = srun_argv(self.srun, node=cmd.node, per=self.per, rank=self.rank)
+        env = {**os.environ, **cmd.env, "PULSE_SLURM_CROSS_RANK": str(cmd.node_rank)}
+        self.steps[cmd.node] = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        log.info("event=rank_relaunched job=%s node=%s node_rank=%d argv=%r", self.job, cmd.node, cmd.node_rank,
+                 shlex.join(argv))  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m agent.slurm_rejoin", description=__doc__.split("\n\n")[0])
+    p.add_argument("--per", type=int, required=True, help="ranks per node (the job's --ntasks-per-node)")
+    p.add_argument("--srun", default="srun", help="the srun command (a path or a command line)")
+    p.add_argument("rank", nargs=argparse.REMAINDER, help="-- then each rank's command line")
+    a = p.parse_args(argv)
+    rank = a.rank[1:] if a.rank[:1] == ["--"] else a.rank
+    if not rank:
+        p.error("expected -- and the ranks' command line")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    url, job = os.environ.get("PULSE_REDIS_URL"), os.environ.get("PULSE_JOB_ID")
+    if not url or not job:
+        return 0
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    r = Relauncher(client, job=job, per=a.per, rank=rank, srun=shlex.split(a.srun))
+    signal.signal(signal.SIGTERM, lambda *_: r.stop.set())
+    r.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

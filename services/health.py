@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field, replace
+from itertools import chain
+from operator import attrgetter
 
 from clusterpulse.settings import Settings
 from clusterpulse.states import NodeState
@@ -132,8 +134,19 @@ class Transition:
     at: float
 
 
+_THROTTLE = attrgetter("throttle")
+
+
 def _throttled(hb: Heartbeat) -> list[str]:
     return [f"GPU {g.index} {r}" for g in hb.gpus for r in g.throttle if r in SUSTAINED_THROTTLE and not g.lost]
+
+
+def _throttling(hb: Heartbeat) -> bool:
+    """Whether :func:`_throttled` is not empty, without building its text (every heartbeat asks;
+    the usual answer, no sustained reason on any GPU, in one pass in C)."""
+    if SUSTAINED_THROTTLE.isdisjoint(chain.from_iterable(map(_THROTTLE, hb.gpus))):
+        return False
+    return any(not g.lost and not SUSTAINED_THROTTLE.isdisjoint(g.throttle) for g in hb.gpus)
 
 
 def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy) -> Signals:
@@ -149,17 +162,18 @@ def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy) -> Signals:
             warnings.append(f"GPU {g.index} read error: {g.error}")
         if g.ecc_volatile_uncorrected:
             faults.append(f"GPU {g.index} uncorrectable ECC errors: {g.ecc_volatile_uncorrected}")
-        fatal = sorted(x for x in g.xids_recent if x in FATAL_XIDS)
-        if fatal:
-            faults.append(f"GPU {g.index} fatal XID {','.join(map(str, fatal))}")
-        other = sorted(x for x in g.xids_recent if x not in FATAL_XIDS)
-        if other:
-            warnings.append(f"GPU {g.index} XID {','.join(map(str, other))}")
+        if g.xids_recent:
+            fatal = sorted(x for x in g.xids_recent if x in FATAL_XIDS)
+            if fatal:
+                faults.append(f"GPU {g.index} fatal XID {','.join(map(str, fatal))}")
+            other = sorted(x for x in g.xids_recent if x not in FATAL_XIDS)
+            if other:
+                warnings.append(f"GPU {g.index} XID {','.join(map(str, other))}")
         if g.pcie_link_width is not None and g.pcie_link_width_max and g.pcie_link_width < g.pcie_link_width_max:
             faults.append(f"GPU {g.index} PCIe link x{g.pcie_link_width} of x{g.pcie_link_width_max}")
         if g.temperature_celsius is not None and g.temperature_celsius >= policy.temperature_warn:
             warnings.append(f"GPU {g.index} at {g.temperature_celsius:.0f} C")
-    throttled = _throttled(hb)
+    throttled = _throttled(hb) if _throttling(hb) else []
     if throttled:
         if throttle_for >= policy.throttle_sustain:
             faults.append(f"throttling for {throttle_for:.0f}s: {', '.join(throttled)}")
@@ -213,7 +227,7 @@ def observe(node: NodeHealth, hb: Heartbeat, *, received_at: float, policy: Poli
     gap = math.inf if node.last_seen is None else received_at - node.last_seen
     if gap < 0:  # an older entry redelivered after a restart: nothing new to learn from it
         return node
-    throttling = bool(_throttled(hb))
+    throttling = _throttling(hb)
     throttle_since = (node.throttle_since if node.throttle_since is not None else received_at) if throttling else None
     throttle_for = received_at - throttle_since if throttle_since is not None else 0.0
     signals = assess(hb, throttle_for=throttle_for, policy=policy)

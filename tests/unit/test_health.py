@@ -329,3 +329,14 @@ def test_property_transitions_are_consistent(script: list[tuple[wire.Heartbeat |
         from services.health import SEVERITY
 
         assert SEVERITY[node.state] >= SEVERITY[want]  # never better than the evidence
+
+
+def test_a_lost_gpus_throttle_reason_is_no_throttling_and_a_live_ones_is() -> None:
+    lost_only = hb(gpus=[gpu(0, lost=True, throttle=("thermal",)), gpu(1, throttle=("sw_power_cap",))])
+    n = observe(NodeHealth(name="n1"), lost_only, received_at=0.0, policy=P)
+    assert n.throttle_since is None and not any("throttling" in x for x in (*n.signals.faults, *n.signals.warnings))
+    live = hb(gpus=[gpu(0, lost=True, throttle=("thermal",)), gpu(1, throttle=("sw_power_cap", "power_brake"))])
+    n = observe(n, live, received_at=1.0, policy=P)
+    assert n.throttle_since == 1.0 and "throttling: GPU 1 power_brake" in n.signals.warnings
+    n = observe(n, live, received_at=7.0, policy=P)  # sustained past throttle_sustain: a fault
+    assert any(f.startswith("throttling for 6s: GPU 1 power_brake") for f in n.signals.faults)

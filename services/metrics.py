@@ -44,7 +44,7 @@ class GpuGauge:
     help: str
     attr: str
     fmt: str = "%s"  # "%d" writes a bool as 1/0
-    scale: int = 1
+    scale: int = 1  # value() in the unit of the name; the text does it with ``fmt``
     steady: bool = False  # rarely changes: a node's text is reused while its values are equal
 
     def value(self, g: wire.GpuSample) -> float | int | None:
@@ -61,16 +61,19 @@ GPU_GAUGES: tuple[GpuGauge, ...] = (
     GpuGauge("pulse_gpu_memory_total_bytes", "GPU memory in total.", "memory_total_bytes", steady=True),
     GpuGauge("pulse_gpu_pcie_link_width", "Current PCIe link width (lanes).", "pcie_link_width", steady=True),
     GpuGauge("pulse_gpu_pcie_link_width_max", "Maximum PCIe link width (lanes).", "pcie_link_width_max", steady=True),
-    GpuGauge("pulse_gpu_sm_clock_hertz", "SM clock.", "sm_clock_mhz", scale=1_000_000),
+    # MHz written with the exponent ("1980.0e6"): the same number as Hz, no multiplication per GPU
+    GpuGauge("pulse_gpu_sm_clock_hertz", "SM clock.", "sm_clock_mhz", fmt="%se6", scale=1_000_000),
     GpuGauge("pulse_gpu_lost", "1 when the GPU is lost (fallen off the bus).", "lost", fmt="%d", steady=True),
 )
 _GPU_VALUES = attrgetter(
     "index", "lost", *(g.attr for g in GPU_GAUGES), "ecc_volatile_corrected", "ecc_volatile_uncorrected"
 )
 _THROTTLE = attrgetter("throttle")
+# the columns (of _GPU_VALUES after index and lost) that rarely change: the steady gauges, then ECC
+_STEADY = (*(i for i, g in enumerate(GPU_GAUGES) if g.steady), len(GPU_GAUGES), len(GPU_GAUGES) + 1)
 
 
-_Kept = tuple[tuple[str, ...], tuple[Any, ...], str]  # a node's family: label suffixes, basis, text
+_Kept = tuple[Any, tuple[Any, ...], Any]  # a node's family (or steady GPU block): shape, basis, text(s)
 
 
 class _GpuShape:
@@ -79,12 +82,23 @@ class _GpuShape:
 
     def __init__(self, indices: tuple[int, ...], lost: tuple[bool, ...]) -> None:
         self.gpu = tuple(f'gpu="{i}"' for i in indices)
+        self.gauges = tuple(template(g.metric, self.gpu, g.fmt) for g in GPU_GAUGES)
         self.ecc = tuple(f'{g},type="{t}"' for g in self.gpu for t in ("corrected", "uncorrected"))
         self.live = tuple(pos for pos, gone in enumerate(lost) if not gone)  # a lost GPU has no throttle
         self.throttle = tuple(f'{self.gpu[pos]},reason="{r}"' for pos in self.live for r in THROTTLE_REASONS)
 
     def active(self, throttles: tuple[tuple[str, ...], ...]) -> tuple[bool, ...]:
         return tuple(r in throttles[pos] for pos in self.live for r in THROTTLE_REASONS)
+
+
+def template(metric: str, suffixes: tuple[str, ...], fmt: str) -> str:
+    """One node's lines of ``metric``, one per label suffix, the node's name and each value left
+    to a ``%`` (the name, then the value, line after line)."""
+    return "\n".join(f'{metric}{{node="%s",{s.replace("%", "%%")}}} {fmt}' for s in suffixes)
+
+
+def _one_hot(basis: tuple[Any, ...]) -> list[bool]:
+    return [s is basis[0] for s in STATES]
 
 
 def _pairs(columns: tuple[tuple[Any, ...], tuple[Any, ...]]) -> tuple[Any, ...]:
@@ -197,8 +211,7 @@ class Renderer:
         if t is None:
             if len(self._templates) > 100_000:  # label shapes come and go: keep the cache bounded
                 self._templates.clear()
-            t = "\n".join(f'{metric}{{node="%s",{s.replace("%", "%%")}}} {fmt}' for s in suffixes)
-            self._templates[key] = t
+            t = self._templates[key] = template(metric, suffixes, fmt)
         return t
 
     def _emit(
@@ -246,8 +259,7 @@ class Renderer:
         state = fams.family("pulse_node_state", "1 for the node's current health state, 0 for the others.")
         suffixes = tuple(f'state="{s.value}"' for s in STATES)
         for name, v in views:
-            st = v.health.state
-            self._emit(state, "pulse_node_state", name, suffixes, [s is st for s in STATES], fmt="%d")
+            self._emit_steady(state, "pulse_node_state", name, suffixes, (v.health.state,), fmt="%d", values=_one_hot)
         if whole:
             counts = fams.family("pulse_nodes", "Nodes per health state.")
             counts += [f'pulse_nodes{{state="{state}"}} {n}' for state, n in cluster.counts().items()]
@@ -277,36 +289,56 @@ class Renderer:
             "pulse_gpu_xid_errors_total", "XID events seen by the agent since it started, by XID.", "counter"
         )
         throttle = fams.family("pulse_gpu_throttle_active", "1 while the clock-event (throttle) reason is active.")
+        steady = [out for g, out in gauges if g.steady] + [ecc, throttle]
         for node, hb in nodes:
             gpus = hb.gpus
             if not gpus:
                 continue
             indices, lost, *cols = zip(*map(_GPU_VALUES, gpus), strict=True)
             shape = self._shape(indices, lost)
-            for (gauge, out), raw in zip(gauges, cols, strict=False):
-                col = raw if gauge.scale == 1 else tuple(None if v is None else v * gauge.scale for v in raw)
+            filled: list[Any] = [node] * (2 * len(gpus))  # the name, then a value, line after line
+            for (gauge, out), tmpl, col in zip(gauges, shape.gauges, cols, strict=False):
                 if gauge.steady:
-                    self._emit_steady(out, gauge.metric, node, shape.gpu, col, fmt=gauge.fmt)
-                else:
+                    continue
+                if None in col:
                     self._emit(out, gauge.metric, node, shape.gpu, col, fmt=gauge.fmt)
-            self._emit_steady(
-                ecc, "pulse_gpu_ecc_errors_total", node, shape.ecc, (cols[-2], cols[-1]), fmt="%s", values=_pairs
-            )
+                else:  # the usual case, inline: one format in C
+                    filled[1::2] = col
+                    out.append(tmpl % tuple(filled))
+            # the steady families of the node in one comparison: their text as last time if equal
+            basis = (*(cols[i] for i in _STEADY), tuple(map(_THROTTLE, gpus)))
+            key = ("gpu", node)
+            last = self._steady.get(key)
+            if last is not None and last[0] is shape and last[1] == basis:
+                texts = last[2]
+            else:
+                texts = self._steady_gpu_texts(node, shape, cols, basis[-1])
+            self._kept[key] = (shape, basis, texts)
+            for out, text in zip(steady, texts, strict=True):
+                if text:
+                    out.append(text)
             for g in gpus:
                 if g.xid_counts:
                     xid += [
                         f'pulse_gpu_xid_errors_total{{node="{node}",gpu="{g.index}",xid="{escape(x)}"}} {n}'
                         for x, n in sorted(g.xid_counts.items())
                     ]
-            self._emit_steady(
-                throttle,
-                "pulse_gpu_throttle_active",
-                node,
-                shape.throttle,
-                tuple(map(_THROTTLE, gpus)),
-                fmt="%d",
-                values=shape.active,
-            )
+
+    def _steady_gpu_texts(
+        self, node: str, shape: _GpuShape, cols: list[tuple[Any, ...]], throttles: tuple[tuple[str, ...], ...]
+    ) -> list[str]:
+        """The node's text of each steady GPU family, then ECC, then throttle reasons ("" when none)."""
+        chunk: list[str] = []
+        texts = []
+        for gauge, col in zip(GPU_GAUGES, cols, strict=False):
+            if gauge.steady:
+                self._emit(chunk, gauge.metric, node, shape.gpu, col, fmt=gauge.fmt)
+                texts.append(chunk.pop() if chunk else "")
+        self._emit(chunk, "pulse_gpu_ecc_errors_total", node, shape.ecc, _pairs((cols[-2], cols[-1])), fmt="%s")
+        texts.append(chunk.pop() if chunk else "")
+        self._emit(chunk, "pulse_gpu_throttle_active", node, shape.throttle, shape.active(throttles), fmt="%d")
+        texts.append(chunk.pop() if chunk else "")
+        return texts
 
     def _shape(self, indices: tuple[int, ...], lost: tuple[bool, ...]) -> _GpuShape:
         key = (indices, lost)
@@ -324,8 +356,13 @@ class Renderer:
             if hb.psus:
                 sfx = self._labels("psu", tuple(p.name for p in hb.psus))
                 cols = list(zip(*map(_PSU_VALUES, hb.psus), strict=True))
+                filled: list[Any] = [node] * (2 * len(hb.psus))
                 for (metric, fmt, out), col in zip(outs, cols, strict=True):
-                    self._emit(out, metric, node, sfx, col, fmt=fmt)
+                    if None in col:
+                        self._emit(out, metric, node, sfx, col, fmt=fmt)
+                    else:  # the usual case, inline
+                        filled[1::2] = col
+                        out.append(self._template(metric, sfx, fmt) % tuple(filled))
             if hb.fans:
                 sfx = self._labels("fan", tuple(f.name for f in hb.fans))
                 self._emit(fans, "pulse_fan_speed_rpm", node, sfx, [f.rpm for f in hb.fans], fmt="%s")

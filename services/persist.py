@@ -24,6 +24,7 @@ from services.ingest import Ingest
 from services.leader import NotLeader
 from services.outbox import Outbox
 from services.shared import Shared, Writer
+from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -87,7 +88,7 @@ class Persister:
         try:
             if updates:
                 async with self.writer.lock:
-                    await asyncio.to_thread(self._write_telemetry, updates)
+                    await in_thread(self._write_telemetry, updates)
             self.writer.ok = True
         except Exception as exc:
             cluster = self.shared.cluster

@@ -9,6 +9,7 @@ and health states, telemetry, jobs, plans and job commands in Redis, and steps d
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -232,6 +233,58 @@ def test_pause_ends_a_loop_whose_redis_call_swallowed_the_cancel(
     asyncio.run(main())
 
 
+def test_pause_and_stop_return_only_once_the_database_calls_of_their_loops_did(
+    redis_url: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop cancelled inside a database call (a thread, which nothing can interrupt) ends only
+    when the call did: after ``pause()`` the paused replica renews nothing more, and after
+    ``stop()`` its release is the last word. With plain ``asyncio.to_thread`` the renewal in
+    flight landed after ``pause()`` returned (the test below expired the lease, then a's thread
+    renewed it) and could land after ``stop()``'s release."""
+    in_renewal = threading.Event()
+    landed: list[tuple[str, bool]] = []
+    real = db.renew_lease
+
+    def slow_renew(s: Session, *, holder: str, epoch: int, lease_s: float) -> bool:
+        in_renewal.set()
+        time.sleep(0.5)  # a loaded machine: the renewal's thread is still in the database
+        ok = real(s, holder=holder, epoch=epoch, lease_s=lease_s)
+        landed.append((phase, ok))
+        return ok
+
+    phase = "running"
+
+    async def main() -> None:
+        nonlocal phase
+        client = aioredis.from_url(redis_url)
+        engine = db.make_engine(database_url, idle_in_transaction_timeout_s=2)
+        a = Orchestrator(_settings(redis_url, database_url, "orch-a"), redis_client=client, engine=engine)
+        await a.start()
+        try:
+            assert _leads(a)
+            monkeypatch.setattr(db, "renew_lease", slow_renew)
+            assert await asyncio.to_thread(in_renewal.wait, 10), "a's lease loop renews"
+            await a.pause()  # cancelled mid-renewal
+            phase = "paused"
+            await asyncio.sleep(1.0)  # a renewal left running would land now
+            assert all(p == "running" for p, _ in landed), landed
+            await a.start()
+            in_renewal.clear()  # start's own tick renewed before it returned: wait for the loop's
+            assert await asyncio.to_thread(in_renewal.wait, 10), "a's lease loop renews again"
+            await a.stop()  # cancelled mid-renewal, then releases
+            phase = "stopped"
+            await asyncio.sleep(1.0)
+            assert all(p != "stopped" for p, _ in landed), landed
+            lease = await asyncio.to_thread(_read_lease, engine)
+            assert lease.expires_at <= lease.db_now, "the release stands: no renewal came after it"
+        finally:
+            await a.stop()
+            await client.aclose()
+            engine.dispose()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
 def test_the_follower_takes_over_when_the_leader_stops_and_releases(redis_url: str, database_url: str) -> None:
     async def main() -> None:
         client = aioredis.from_url(redis_url)
@@ -269,6 +322,11 @@ def msgspec_heartbeat(node: str) -> wire.Heartbeat:
 def _expire_lease(engine: Any) -> None:
     with db.session_factory(engine).begin() as s:
         s.execute(text("UPDATE leader_lease SET expires_at = 0"))
+
+
+def _read_lease(engine: Any) -> db.LeaseState:
+    with db.session_factory(engine).begin() as s:
+        return db.read_lease(s)
 
 
 def _max_event_id(engine: Any) -> int:

@@ -188,8 +188,9 @@ def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, 
             engine.dispose()
 
     redis.Redis.from_url(redis_url).flushdb()
-    # It hung once in CI (pytest-timeout after 300 s, the stack of an idle event loop, not
-    # reproduced since): a hang now fails within a minute, with the await it hung in.
+    # It hung once in CI (pytest-timeout after 300 s, the stack of an idle event loop): a.pause()
+    # waited forever on an ingest loop whose cancel redis-py had swallowed (the test above). A
+    # hang of another kind still fails within a minute, with the await it hung in.
     asyncio.run(asyncio.wait_for(main(), timeout=60))
 
 

@@ -80,7 +80,6 @@ group (harmless, visible in ``XINFO CONSUMERS``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -96,6 +95,7 @@ from clusterpulse import proc, wire
 from clusterpulse.retry import PermanentError, is_transient
 from clusterpulse.settings import Settings
 from services import db
+from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator.leader")
 
@@ -285,7 +285,7 @@ class LeaderLease:
         and after; errors propagate (the leader's own deadline still ends its leadership)."""
         started = self.monotonic()
         try:
-            outcome = await asyncio.to_thread(self._tick_db, self.epoch)
+            outcome = await in_thread(self._tick_db, self.epoch)
         except Exception as exc:
             if is_transient(exc) and await self._redis_vouches(exc):
                 return
@@ -396,7 +396,7 @@ class LeaderLease:
             with self.sessions.begin() as s:
                 return db.release_lease(s, holder=self.me, epoch=epoch)
 
-        if await asyncio.to_thread(write):
+        if await in_thread(write):
             log.info("event=leader_released replica=%s epoch=%d", self.me, epoch)
 
 

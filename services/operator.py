@@ -5,7 +5,6 @@ or a stale leader is refused, ``NotLeader``), then applied in memory or sent to 
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
@@ -19,6 +18,7 @@ from services.reconcile import JobReconciler, Send
 from services.shared import Shared, Writer
 from services.slurm import SlurmSync
 from services.slurm_jobs import is_slurm
+from services.threads import in_thread
 
 
 class PlacementRefused(Exception):
@@ -121,7 +121,7 @@ class OperatorActions:
                 return job_id, True, row
 
         async with self.writer.lock:
-            return await asyncio.to_thread(write)
+            return await in_thread(write)
 
     async def stop_job(self, job_id: str, *, actor: str) -> bool:
         """Ask a job to stop: STOPPING and a stop command to every assigned node. Idempotent;
@@ -192,7 +192,7 @@ class OperatorActions:
                     s, name=name, schedulable=schedulable, reason=reason, at=self.clock.now(), actor=actor
                 )
 
-        changed = await asyncio.to_thread(write)
+        changed = await in_thread(write)
         cluster = self.shared.cluster
         if cluster is not None and name in cluster.nodes:
             cluster.set_schedulable(name, schedulable)

@@ -214,26 +214,33 @@ class Orchestrator:
             self._tasks.append(asyncio.create_task(supervised(self.settings, stop, name, loop), name=name))
 
     async def pause(self) -> None:
-        """Cancel every loop and wait for them, without the clean shutdown's flush or releasing
-        the lease: what a paused or killed process leaves behind (tests)."""
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        """End every loop and wait for them, without the clean shutdown's flush or releasing
+        the lease: what a paused or killed process leaves behind (tests). A later :meth:`start`
+        runs them again."""
+        await self._end_loops()
+        self._stop = asyncio.Event()
 
     async def stop(self) -> None:
-        self._stop.set()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._tasks.clear()
+        await self._end_loops()
         if self.leading:
             with contextlib.suppress(Exception):
                 await self.persister.flush(final=True)
         with contextlib.suppress(Exception):
             await self.leader.release()
+
+    async def _end_loops(self) -> None:
+        """Set the stop event every loop checks at each turn, then cancel them and wait. The
+        cancel alone is not enough: redis-py (8.2) swallows a cancellation that lands while a
+        command is in flight now and then (a task cancelled in ``XREADGROUP BLOCK``: the call
+        returns normally, about 1 cancel in 17 here), and a loop that only got the cancel ran on
+        forever, so that ``pause()`` never returned (the stale-leader test's hang in CI: an idle
+        event loop, the ingest loop reading on). With the event set, such a loop ends at its next
+        turn."""
+        self._stop.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
 
     async def _until_ok(self, what: str, fn: Callable[[], Any]) -> None:
         await until_ok(self.settings, what, fn)

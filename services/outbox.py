@@ -23,6 +23,7 @@ from services.health import Transition
 from services.leader import NotLeader
 from services.plans import PlanChange, PlanRefused
 from services.shared import Shared, Writer
+from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -83,7 +84,7 @@ class Outbox:
         if not batch:
             return
         try:
-            await asyncio.to_thread(self._write_events, batch)
+            await in_thread(self._write_events, batch)
         except NotLeader:
             self.pending.clear()  # not ours to write any more: the leader recomputes its own
             return

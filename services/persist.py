@@ -31,6 +31,7 @@ from services.ingest import Ingest
 from services.leader import NotLeader
 from services.outbox import Outbox
 from services.shared import Shared, Writer
+from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -90,7 +91,7 @@ class Persister:
         try:
             if seen or identities:
                 async with self.writer.lock:
-                    await asyncio.to_thread(self._write_summary, seen, identities)
+                    await in_thread(self._write_summary, seen, identities)
             self.writer.ok = True
         except Exception as exc:
             cluster = self.shared.cluster

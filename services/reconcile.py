@@ -30,6 +30,7 @@ from services.leader import FENCED_COMMANDS, LeaderLease, commands_args
 from services.models import JobRow
 from services.shared import Shared, Writer
 from services.slurm_jobs import fold_rank_status, is_slurm
+from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -112,7 +113,7 @@ class JobReconciler:
             async with self.writer.lock:
                 # read under the lock: a job created while this waited is older than its first move
                 now = self.clock.now()
-                sends = await asyncio.to_thread(self._reconcile_db, statuses, now)
+                sends = await in_thread(self._reconcile_db, statuses, now)
         except Exception:
             shared.job_statuses[:0] = statuses  # not stored: try again next tick
             raise

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, EventKind
 from services import db
+from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator.retention")
 
@@ -71,7 +72,7 @@ class Retention:
         for table, prune in PRUNERS.items():
             deleted[table] = 0
             while True:
-                n = await asyncio.to_thread(self._batch, prune, before)
+                n = await in_thread(self._batch, prune, before)
                 deleted[table] += n
                 if n < self.batch:
                     break

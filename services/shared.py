@@ -36,6 +36,7 @@ from services.leader import LeaderLease, NotLeader
 from services.planner import PlannerPolicy
 from services.plans import PlanKeeper
 from services.progress import Progress
+from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -104,7 +105,7 @@ class Writer:
                 return fn(s)
 
         async with self.lock:
-            return await asyncio.to_thread(go)
+            return await in_thread(go)
 
 
 class CrashPoints:

@@ -9,6 +9,8 @@ and health states, telemetry, jobs, plans and job commands in Redis, and steps d
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from clusterpulse import wire
 from clusterpulse.settings import Settings, load_settings
 from services import db
 from services.cluster import ClusterEvent
+from services.ingest import Ingest
 from services.leader import FENCED_PLANS, StaleEpoch, plans_args
 from services.models import EventRow, JobRow, NodeRow
 from services.orchestrator import Orchestrator
@@ -128,8 +131,7 @@ def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, 
             await a.pause()  # a is paused: it renews no more, its loops stand still
             _pretend_leading(a, old)
             mark = _max_event_id(engine)
-            with db.session_factory(engine).begin() as s:  # the lease runs out meanwhile
-                s.execute(text("UPDATE leader_lease SET expires_at = 0"))
+            await asyncio.to_thread(_expire_lease, engine)  # the lease runs out meanwhile
             await _until(lambda: _leads(b), "b leads")
             new = b.leader.epoch
             assert new == old + 1
@@ -186,8 +188,101 @@ def test_a_stale_leader_gets_every_write_refused_and_steps_down(redis_url: str, 
             engine.dispose()
 
     redis.Redis.from_url(redis_url).flushdb()
-    # It hung once in CI (pytest-timeout after 300 s, the stack of an idle event loop, not
-    # reproduced since): a hang now fails within a minute, with the await it hung in.
+    # It hung once in CI (pytest-timeout after 300 s, the stack of an idle event loop): a.pause()
+    # waited forever on an ingest loop whose cancel redis-py had swallowed (the test above). A
+    # hang of another kind still fails within a minute, with the await it hung in.
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
+def test_pause_ends_a_loop_whose_redis_call_swallowed_the_cancel(
+    redis_url: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stale-leader test's one hang in CI (an idle event loop until pytest-timeout): redis-py
+    8.2 now and then swallows a cancellation that lands while ``XREADGROUP BLOCK`` is in flight
+    (the call returns normally; about 1 cancel in 17 on this machine), so the ingest loop that
+    ``pause()`` had only cancelled read on forever and ``pause()`` never returned. Here every
+    read swallows it: ``pause()`` must end the loops all the same."""
+    swallowed: list[float] = []
+
+    async def read(self: Ingest, streams: dict[str, str], *, block_ms: int | None) -> list[Any]:
+        try:
+            await asyncio.sleep((block_ms or 0) / 1000)
+        except asyncio.CancelledError:
+            swallowed.append(time.monotonic())  # as redis-py did: returns as if nothing happened
+        return []
+
+    monkeypatch.setattr(Ingest, "read", read)
+
+    async def main() -> None:
+        client = aioredis.from_url(redis_url)
+        engine = db.make_engine(database_url, idle_in_transaction_timeout_s=2)
+        a = Orchestrator(_settings(redis_url, database_url, "orch-a"), redis_client=client, engine=engine)
+        await a.start()
+        try:
+            assert _leads(a)
+            await asyncio.sleep(0.3)  # the ingest loop is in a read
+            await asyncio.wait_for(a.pause(), timeout=10)
+            assert swallowed, "the ingest loop was cancelled inside a read"
+            await a.start()  # and it starts again after a pause
+            await _until(lambda: _leads(a), "a leads again")
+        finally:
+            await a.stop()
+            await client.aclose()
+            engine.dispose()
+
+    redis.Redis.from_url(redis_url).flushdb()
+    asyncio.run(main())
+
+
+def test_pause_and_stop_return_only_once_the_database_calls_of_their_loops_did(
+    redis_url: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop cancelled inside a database call (a thread, which nothing can interrupt) ends only
+    when the call did: after ``pause()`` the paused replica renews nothing more, and after
+    ``stop()`` its release is the last word. With plain ``asyncio.to_thread`` the renewal in
+    flight landed after ``pause()`` returned (the test below expired the lease, then a's thread
+    renewed it) and could land after ``stop()``'s release."""
+    in_renewal = threading.Event()
+    landed: list[tuple[str, bool]] = []
+    real = db.renew_lease
+
+    def slow_renew(s: Session, *, holder: str, epoch: int, lease_s: float) -> bool:
+        in_renewal.set()
+        time.sleep(0.5)  # a loaded machine: the renewal's thread is still in the database
+        ok = real(s, holder=holder, epoch=epoch, lease_s=lease_s)
+        landed.append((phase, ok))
+        return ok
+
+    phase = "running"
+
+    async def main() -> None:
+        nonlocal phase
+        client = aioredis.from_url(redis_url)
+        engine = db.make_engine(database_url, idle_in_transaction_timeout_s=2)
+        a = Orchestrator(_settings(redis_url, database_url, "orch-a"), redis_client=client, engine=engine)
+        await a.start()
+        try:
+            assert _leads(a)
+            monkeypatch.setattr(db, "renew_lease", slow_renew)
+            assert await asyncio.to_thread(in_renewal.wait, 10), "a's lease loop renews"
+            await a.pause()  # cancelled mid-renewal
+            phase = "paused"
+            await asyncio.sleep(1.0)  # a renewal left running would land now
+            assert all(p == "running" for p, _ in landed), landed
+            await a.start()
+            in_renewal.clear()  # start's own tick renewed before it returned: wait for the loop's
+            assert await asyncio.to_thread(in_renewal.wait, 10), "a's lease loop renews again"
+            await a.stop()  # cancelled mid-renewal, then releases
+            phase = "stopped"
+            await asyncio.sleep(1.0)
+            assert all(p != "stopped" for p, _ in landed), landed
+            lease = await asyncio.to_thread(_read_lease, engine)
+            assert lease.expires_at <= lease.db_now, "the release stands: no renewal came after it"
+        finally:
+            await a.stop()
+            await client.aclose()
+            engine.dispose()
+
     asyncio.run(asyncio.wait_for(main(), timeout=60))
 
 
@@ -223,6 +318,16 @@ def msgspec_heartbeat(node: str) -> wire.Heartbeat:
         v=wire.PROTOCOL_VERSION, node=node, boot_id="b", seq=1, sent_at=0.0, interval_s=1.0,
         gpus=sim.sample(), gpu_source="simulated",
     )  # fmt: skip
+
+
+def _expire_lease(engine: Any) -> None:
+    with db.session_factory(engine).begin() as s:
+        s.execute(text("UPDATE leader_lease SET expires_at = 0"))
+
+
+def _read_lease(engine: Any) -> db.LeaseState:
+    with db.session_factory(engine).begin() as s:
+        return db.read_lease(s)
 
 
 def _max_event_id(engine: Any) -> int:

@@ -17,7 +17,9 @@ Ingest (one JSON object):
   ``gauge_baseline_scrape_seconds``: the same series as prometheus_client Gauge children rendered
   by ``generate_latest``; ``scrape_speedup`` is their ratio.
 - ``orchestrator_rss_bytes``: resident memory of the process holding the orchestrator (and the
-  benchmark driver) at the end.
+  benchmark driver with every encoded heartbeat of the run) at the end;
+  ``orchestrator_rss_growth_bytes``: what it grew by from just before the orchestrator started
+  (the orchestrator's own share, renders included).
 
 Uses Redis database 15 of ``PULSE_REDIS_URL``'s server (flushed) unless ``PULSE_BENCH_REDIS_URL``
 is set, and a SQLite file in a temporary folder.
@@ -236,6 +238,9 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
         heartbeat_stream_maxlen=maxlen,
     )
     db.upgrade(settings.database_url)
+    import psutil
+
+    rss_before = psutil.Process().memory_info().rss  # the driver and its encoded heartbeats
     engine = db.make_engine(settings.database_url)
     client = aioredis.from_url(url)
     orch = Orchestrator(settings, redis_client=client, engine=engine, consumer="bench")
@@ -255,8 +260,6 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
 
     scrape_s, body_bytes = _scrape(orch.cluster, now=orch.clock.now)
     baseline_s = _gauge_baseline(orch.cluster)
-
-    import psutil
 
     rss = psutil.Process().memory_info().rss
     await orch.stop()
@@ -278,6 +281,7 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
         "gauge_baseline_scrape_seconds": round(baseline_s, 4),
         "scrape_speedup": round(baseline_s / scrape_s, 2),
         "orchestrator_rss_bytes": rss,
+        "orchestrator_rss_growth_bytes": rss - rss_before,
     }
 
 

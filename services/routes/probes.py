@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from services import db
 from services.deps import HealthReader, MetricsReader, OrchestratorDep
 from services.leader import leader_lines
 from services.metrics import CONTENT_TYPE, Renderer, job_state_lines, plan_lines
-from services.routes.common import bad_query
 from services.slurm import metric_lines as slurm_lines
 
 router = APIRouter()
@@ -43,7 +42,11 @@ async def readyz(orch: OrchestratorDep, _: HealthReader) -> JSONResponse:
 MAX_SHARDS = 256
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={404: {"description": "`shard` is not below `shards`: no such part of a split scrape"}},
+)
 async def metrics(
     request: Request,
     orch: OrchestratorDep,
@@ -60,8 +63,10 @@ async def metrics(
     ] = 1,
 ) -> Response:
     assert orch.cluster is not None
-    if shard >= shards:
-        raise bad_query("shard", str(shard), f"0 to {shards - 1} (shards={shards})")
+    if shard >= shards:  # not expressible in the schema: no such part, as a URL with no resource
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND, detail=f"shard={shard}: no such part of shards={shards} (0 to {shards - 1})"
+        )
     renderer: Renderer = request.app.state.renderer
     text = renderer.render(
         orch.cluster,

@@ -244,13 +244,18 @@ def test_a_slurm_job_on_an_orchestrator_without_slurm_is_a_409_naming_the_backen
     http.post(f"/v1/jobs/{ok.json()['id']}/stop")
 
 
-@pytest.mark.parametrize(
-    ("query", "field"), [("shard=4&shards=4", "shard"), ("shards=0", "shards"), ("shard=-1", "shard")]
-)
+@pytest.mark.parametrize(("query", "field"), [("shards=0", "shards"), ("shard=-1", "shard"), ("shards=257", "shards")])
 def test_a_split_scrape_out_of_range_is_a_422_naming_the_parameter(http: httpx.Client, query: str, field: str) -> None:
     r = http.get(f"/metrics?{query}")
     assert r.status_code == 422, r.text
     assert any(e["loc"] == ["query", field] for e in r.json()["detail"]), r.text
+
+
+def test_a_part_beyond_the_split_is_a_404_naming_it(http: httpx.Client) -> None:
+    """Valid each on its own, so not a 422: no such part (a scrape target set up wrong is down)."""
+    r = http.get("/metrics?shard=4&shards=4")
+    assert r.status_code == 404, r.text
+    assert "shard=4" in r.json()["detail"] and "shards=4" in r.json()["detail"]
 
 
 def test_the_parts_of_a_split_scrape_are_the_whole(http: httpx.Client) -> None:

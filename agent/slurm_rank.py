@@ -41,6 +41,7 @@ from typing import Any
 
 import redis
 
+from agent import job_commands
 from agent.ranks import catches, read_process
 from clusterpulse import wire
 from clusterpulse.retry import Backoff
@@ -112,22 +113,13 @@ class Supervisor:
     def listen(self, rank_pid: int, last: str) -> None:
         """The job's command stream after ``last`` (taken before ``started`` was reported, so a
         command sent after that report reaches this rank): checkpoint requests."""
-        key, backoff = wire.job_commands_key(self.job), Backoff()
-        while not self.stop.is_set():
-            try:
-                last = last or self.newest() or ""
-                if not last:
-                    raise redis.ConnectionError("no answer to XREVRANGE")
-                resp: Any = self.redis.xread({key: last}, count=100, block=500)
-            except redis.RedisError as exc:
-                log.warning("event=job_commands_unavailable job=%s error=%r", self.job, str(exc))
-                self.stop.wait(backoff.next_delay())
-                continue
-            backoff.reset()
-            for _, entries in resp or []:
-                for entry_id, fields in entries:
-                    last = entry_id.decode()
-                    self.handle(fields.get(wire.COMMAND_FIELD) or b"", rank_pid)
+        job_commands.follow(
+            self.redis,
+            self.job,
+            start=lambda: last or self.newest() or "",
+            stop=self.stop,
+            handle=lambda payload: self.handle(payload, rank_pid),
+        )
 
     def handle(self, payload: bytes, rank_pid: int) -> None:
         try:

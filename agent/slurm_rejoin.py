@@ -28,12 +28,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import redis
 
+from agent import job_commands
 from clusterpulse import wire
-from clusterpulse.retry import Backoff
 
 log = logging.getLogger("pulse.agent.slurm_rejoin")
 
@@ -55,19 +54,7 @@ class Relauncher:
         self.stop = threading.Event()
 
     def run(self) -> None:
-        key, last, backoff = wire.job_commands_key(self.job), "0-0", Backoff()
-        while not self.stop.is_set():
-            try:
-                resp: Any = self.redis.xread({key: last}, count=100, block=500)
-            except redis.RedisError as exc:
-                log.warning("event=job_commands_unavailable job=%s error=%r", self.job, str(exc))
-                self.stop.wait(backoff.next_delay())
-                continue
-            backoff.reset()
-            for _, entries in resp or []:
-                for entry_id, fields in entries:
-                    last = entry_id.decode()
-                    self.handle(fields.get(wire.COMMAND_FIELD) or b"")
+        job_commands.follow(self.redis, self.job, start=lambda: "0-0", stop=self.stop, handle=self.handle)
         for step in self.steps.values():
             step.wait()
 

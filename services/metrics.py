@@ -20,6 +20,7 @@ Every name here is fixed by SPEC.md; units are in the names.
 
 from __future__ import annotations
 
+import gc
 import math
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -182,7 +183,27 @@ class Renderer:
         shards: int = 1,
     ) -> str:
         """The exposition text; with ``shards`` > 1, only the nodes of ``shard`` (and the
-        cluster-wide series in shard 0)."""
+        cluster-wide series in shard 0). The cycle collector is off meanwhile: a render makes a
+        few hundred thousand short-lived tuples and no cycle, and the collections it set off walked
+        the orchestrator's own objects too (16,384 nodes: 1.35 -> 1.12 s in ``pulse bench ingest``)."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._render(cluster, now=now, progress=progress, extra=extra, shard=shard, shards=shards)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _render(
+        self,
+        cluster: Cluster,
+        *,
+        now: float,
+        progress: Progress | None,
+        extra: Iterable[str],
+        shard: int,
+        shards: int,
+    ) -> str:
         views = [
             (escape(n), v) for n, v in sorted(cluster.nodes.items()) if shards == 1 or shard_of(n, shards) == shard
         ]

@@ -58,7 +58,7 @@ def test_degraded_node_gets_a_new_generation_published_and_stored(redis_url: str
         await _until(lambda: orch.plans.plans["job1"].generation == 2)
         second = orch.plans.plans["job1"]
         assert second.proxies == {"2": 3} and second.participants == [0, 1, 3]  # same nvlink_domain d1
-        assert _plan_in_redis(redis_url, "job1") == second
+        await _until(lambda: _plan_in_redis(redis_url, "job1") == second)  # after the fenced publish
         messages = []
         for _ in range(20):
             m = await sub.get_message(ignore_subscribe_messages=True, timeout=0.2)

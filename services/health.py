@@ -149,9 +149,10 @@ def _throttling(hb: Heartbeat) -> bool:
     return any(not g.lost and not SUSTAINED_THROTTLE.isdisjoint(g.throttle) for g in hb.gpus)
 
 
-def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy) -> Signals:
+def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy, throttling: bool | None = None) -> Signals:
     """Hard faults and warnings in one heartbeat. ``throttle_for`` is how long (seconds) the node
-    has been throttling without a break, as tracked by :func:`observe`."""
+    has been throttling without a break, as tracked by :func:`observe`, which passes ``throttling``
+    too (whether any GPU has a sustained reason: asked once per heartbeat, not twice)."""
     faults: list[str] = []
     warnings: list[str] = []
     for g in hb.gpus:
@@ -173,7 +174,9 @@ def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy) -> Signals:
             faults.append(f"GPU {g.index} PCIe link x{g.pcie_link_width} of x{g.pcie_link_width_max}")
         if g.temperature_celsius is not None and g.temperature_celsius >= policy.temperature_warn:
             warnings.append(f"GPU {g.index} at {g.temperature_celsius:.0f} C")
-    throttled = _throttled(hb) if _throttling(hb) else []
+    if throttling is None:
+        throttling = _throttling(hb)
+    throttled = _throttled(hb) if throttling else []
     if throttled:
         if throttle_for >= policy.throttle_sustain:
             faults.append(f"throttling for {throttle_for:.0f}s: {', '.join(throttled)}")
@@ -230,7 +233,7 @@ def observe(node: NodeHealth, hb: Heartbeat, *, received_at: float, policy: Poli
     throttling = _throttling(hb)
     throttle_since = (node.throttle_since if node.throttle_since is not None else received_at) if throttling else None
     throttle_for = received_at - throttle_since if throttle_since is not None else 0.0
-    signals = assess(hb, throttle_for=throttle_for, policy=policy)
+    signals = assess(hb, throttle_for=throttle_for, policy=policy, throttling=throttling)
     level = SEVERITY[signals.level]
     contiguous = gap <= policy.suspect_after
     streak = tuple((node.streak[i] + 1 if contiguous else 1) if level <= i else 0 for i in range(3))

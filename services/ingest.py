@@ -28,7 +28,7 @@ from services.clock import entry_time
 from services.cluster import ClusterEvent
 from services.outbox import Outbox, Registered
 from services.sender import SenderCheck
-from services.shared import Shared, until_ok
+from services.shared import Shared, read_latest, until_ok
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -261,10 +261,7 @@ class Ingest:
         if nodes:
 
             async def read_own() -> None:
-                pipe = self.redis.pipeline(transaction=False)
-                for node in nodes:
-                    pipe.get(wire.node_latest_key(node))
-                own.update(zip(nodes, await pipe.execute(), strict=True))
+                own.update(await read_latest(self.redis, nodes))
 
             await until_ok(self.settings, "sender check", read_own)
         cluster = self.shared.cluster

@@ -64,7 +64,16 @@ from services.plans import PlanKeeper
 from services.progress import Progress
 from services.reconcile import JobReconciler
 from services.retention import Retention
-from services.shared import CrashPoints, Shared, Writer, new_plans, new_progress, supervised, until_ok
+from services.shared import (
+    CrashPoints,
+    Shared,
+    Writer,
+    new_plans,
+    new_progress,
+    read_latest,
+    supervised,
+    until_ok,
+)
 from services.slurm import SlurmClient, SlurmSync
 from services.slurm_backend import SlurmJobs
 
@@ -375,15 +384,10 @@ class Orchestrator:
         not answer leaves the stored identities standing in until the next heartbeats."""
         out: dict[str, wire.Heartbeat] = {}
         try:
-            for i in range(0, len(names), 1000):
-                chunk = names[i : i + 1000]
-                pipe = self.redis.pipeline(transaction=False)
-                for name in chunk:
-                    pipe.get(wire.node_latest_key(name))
-                for name, raw in zip(chunk, await pipe.execute(), strict=True):
-                    if raw:
-                        with contextlib.suppress(wire.WireError):
-                            out[name] = wire.decode_heartbeat(raw)
+            for name, raw in (await read_latest(self.redis, names)).items():
+                if raw:
+                    with contextlib.suppress(wire.WireError):
+                        out[name] = wire.decode_heartbeat(raw)
         except Exception as exc:
             log.warning("event=latest_heartbeats_unread nodes=%d error=%r", len(names), str(exc))
         return out

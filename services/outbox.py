@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import groupby
+
+from sqlalchemy.orm import Session
 
 from clusterpulse import wire
 from clusterpulse.retry import is_transient
@@ -108,46 +112,46 @@ class Outbox:
                 db.ensure_nodes(
                     s, nodes=[(n, at, views[n].labels if n in views else {}) for n, at in new_nodes.items()]
                 )
-            plain: list[ClusterEvent] = []  # a run of plain events: one statement for all of them
-            for item in batch:
-                if type(item) is ClusterEvent:
-                    plain.append(item)
-                    continue
-                if plain:
-                    db.record_events(s, events=[(e.kind, e.node, e.reason, e.at) for e in plain])
-                    plain = []
-                if isinstance(item, Transition):
-                    db.record_transition(
-                        s,
-                        node=item.node,
-                        old=item.old.value,
-                        new=item.new.value,
-                        reason=item.reason,
-                        at=item.at,
-                    )
-                elif isinstance(item, Registered):
-                    r = item.reg
-                    db.upsert_ranks(
-                        s,
-                        rows=[
-                            {"job": r.job, "rank": r.rank, "node": r.node, "local_rank": r.local_rank,
-                             "world_size": r.world_size, "registered_at": item.at}
-                        ],
+            for plain, run in groupby(batch, key=lambda i: type(i) is ClusterEvent):
+                if plain:  # a run of plain events: one statement for all of them
+                    events = [(e.kind, e.node, e.reason, e.at) for e in run if isinstance(e, ClusterEvent)]
+                    db.record_events(s, events=events)
+                else:
+                    self._write_items(s, run)
+
+    def _write_items(self, s: Session, items: Iterable[Outboxed]) -> None:
+        """Transitions, rank registrations, plans and written checkpoints, one by one, in order."""
+        for item in items:
+            if isinstance(item, Transition):
+                db.record_transition(
+                    s,
+                    node=item.node,
+                    old=item.old.value,
+                    new=item.new.value,
+                    reason=item.reason,
+                    at=item.at,
+                )
+            elif isinstance(item, Registered):
+                r = item.reg
+                db.upsert_ranks(
+                    s,
+                    rows=[
+                        {"job": r.job, "rank": r.rank, "node": r.node, "local_rank": r.local_rank,
+                         "world_size": r.world_size, "registered_at": item.at}
+                    ],
+                )  # fmt: skip
+            elif isinstance(item, StoredPlan):
+                c = item.change
+                if isinstance(c, PlanChange):
+                    p = c.plan
+                    db.record_plan(
+                        s, job=p.job, generation=p.generation, participants=p.participants,
+                        proxies=p.proxies, excluded=p.excluded, reason=p.reason, at=item.at,
                     )  # fmt: skip
-                elif isinstance(item, StoredPlan):
-                    c = item.change
-                    if isinstance(c, PlanChange):
-                        p = c.plan
-                        db.record_plan(
-                            s, job=p.job, generation=p.generation, participants=p.participants,
-                            proxies=p.proxies, excluded=p.excluded, reason=p.reason, at=item.at,
-                        )  # fmt: skip
-                    else:
-                        db.record_event(s, kind=EventKind.PLAN_REFUSED, reason=c.reason, at=item.at, job=c.job)
-                elif isinstance(item, checkpoints.Written):
-                    db.record_event_once(
-                        s, kind=checkpoints.WRITTEN, job=item.job, key=checkpoints.written_key(item.step),
-                        reason=item.reason, at=item.at, node=item.node,
-                    )  # fmt: skip
-            if plain:
-                db.record_events(s, events=[(e.kind, e.node, e.reason, e.at) for e in plain])
+                else:
+                    db.record_event(s, kind=EventKind.PLAN_REFUSED, reason=c.reason, at=item.at, job=c.job)
+            elif isinstance(item, checkpoints.Written):
+                db.record_event_once(
+                    s, kind=checkpoints.WRITTEN, job=item.job, key=checkpoints.written_key(item.step),
+                    reason=item.reason, at=item.at, node=item.node,
+                )  # fmt: skip

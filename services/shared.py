@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import redis.asyncio as aioredis
 import redis.exceptions
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -124,6 +125,19 @@ class CrashPoints:
         if self._hits[name] >= int(nth or 1):
             log.warning("event=crash_point point=%s hit=%d", name, self._hits[name])
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def read_latest(client: aioredis.Redis, names: list[str], *, batch: int = 1000) -> dict[str, bytes | None]:
+    """Each node's latest key (``pulse:{node:N}:latest``: its newest heartbeat, as its agent wrote
+    it), pipelined ``batch`` keys at a time; None where the key is gone."""
+    out: dict[str, bytes | None] = {}
+    for i in range(0, len(names), batch):
+        chunk = names[i : i + batch]
+        pipe = client.pipeline(transaction=False)
+        for name in chunk:
+            pipe.get(wire.node_latest_key(name))
+        out.update(zip(chunk, await pipe.execute(), strict=True))
+    return out
 
 
 async def until_ok(settings: Settings, what: str, fn: Callable[[], Any]) -> None:

@@ -9,16 +9,17 @@ and health states, telemetry, jobs, plans and job commands in Redis, and steps d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 import redis.asyncio as aioredis
-from sqlalchemy import select, text
+from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
 from clusterpulse import wire
@@ -214,24 +215,31 @@ def test_pause_ends_a_loop_whose_redis_call_swallowed_the_cancel(
     monkeypatch.setattr(Ingest, "read", read)
 
     async def main() -> None:
-        client = aioredis.from_url(redis_url)
-        engine = db.make_engine(database_url, idle_in_transaction_timeout_s=2)
-        a = Orchestrator(_settings(redis_url, database_url, "orch-a"), redis_client=client, engine=engine)
-        await a.start()
-        try:
+        async with _one_replica(redis_url, database_url) as (a, _):
             assert _leads(a)
             await asyncio.sleep(0.3)  # the ingest loop is in a read
             await asyncio.wait_for(a.pause(), timeout=10)
             assert swallowed, "the ingest loop was cancelled inside a read"
             await a.start()  # and it starts again after a pause
             await _until(lambda: _leads(a), "a leads again")
-        finally:
-            await a.stop()
-            await client.aclose()
-            engine.dispose()
 
     redis.Redis.from_url(redis_url).flushdb()
     asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def _one_replica(redis_url: str, database_url: str) -> AsyncIterator[tuple[Orchestrator, Engine]]:
+    """Replica orch-a started (and so leading), stopped and its connections closed at the end."""
+    client = aioredis.from_url(redis_url)
+    engine = db.make_engine(database_url, idle_in_transaction_timeout_s=2)
+    a = Orchestrator(_settings(redis_url, database_url, "orch-a"), redis_client=client, engine=engine)
+    await a.start()
+    try:
+        yield a, engine
+    finally:
+        await a.stop()
+        await client.aclose()
+        engine.dispose()
 
 
 def test_pause_and_stop_return_only_once_the_database_calls_of_their_loops_did(
@@ -257,11 +265,7 @@ def test_pause_and_stop_return_only_once_the_database_calls_of_their_loops_did(
 
     async def main() -> None:
         nonlocal phase
-        client = aioredis.from_url(redis_url)
-        engine = db.make_engine(database_url, idle_in_transaction_timeout_s=2)
-        a = Orchestrator(_settings(redis_url, database_url, "orch-a"), redis_client=client, engine=engine)
-        await a.start()
-        try:
+        async with _one_replica(redis_url, database_url) as (a, engine):
             assert _leads(a)
             monkeypatch.setattr(db, "renew_lease", slow_renew)
             assert await asyncio.to_thread(in_renewal.wait, 10), "a's lease loop renews"
@@ -278,10 +282,6 @@ def test_pause_and_stop_return_only_once_the_database_calls_of_their_loops_did(
             assert all(p != "stopped" for p, _ in landed), landed
             lease = await asyncio.to_thread(_read_lease, engine)
             assert lease.expires_at <= lease.db_now, "the release stands: no renewal came after it"
-        finally:
-            await a.stop()
-            await client.aclose()
-            engine.dispose()
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))
 

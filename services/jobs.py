@@ -29,7 +29,10 @@ HEALTHY again gets its share of the job launched anew with ``PULSE_REJOIN=1`` (`
 its ranks join the live ones at a step boundary and take their state (``trainer/follow.py``,
 ``PlanFollower.join``), no restart of the job. Their registration ends the exclusion
 (``services/plans.py``), so the node counts again. At most ``max_rejoins`` relaunches per node
-and job (``rejoins``), so a node whose ranks die at every start is not relaunched for ever.
+and job (``rejoins``), so a node whose ranks die at every start is not relaunched for ever. A
+job whose DeepSpeed config partitions the optimizer (ZeRO 1-2, :func:`rejoinable`) is not
+relaunched at all: its live ranks re-homed the excluded ranks' partitions and train on without
+them, and a relaunched rank could not be taken back (``trainer/deepspeed_reroute.py``).
 
 :func:`decide` looks at the current state, the latest status per node, the ranks that joined and
 the time, and says what the job's state should be and which commands to send; the orchestrator persists the state
@@ -42,6 +45,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState
 
@@ -66,6 +70,15 @@ def _names(items: Sequence[object], most: int = 8) -> str:
     return shown + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
+def rejoinable(deepspeed_config: Mapping[str, Any] | None) -> bool:
+    """Whether a relaunched rank of a job with this DeepSpeed config can be taken back: not when
+    ZeRO 1-2 partitions the optimizer over the live ranks. A job without a config in its spec
+    (the script's own) is tried; the rank refuses at start if it cannot."""
+    zero = (deepspeed_config or {}).get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    return stage in (0, "0", None)
+
+
 def decide(
     *,
     state: str,
@@ -81,6 +94,7 @@ def decide(
     healthy: Collection[str] = (),
     rejoins: Mapping[str, int] | None = None,
     max_rejoins: int = 0,
+    rejoin: bool = True,
 ) -> JobDecision:
     """What to do with a job in ``state`` since ``since``, given ``status[node]`` (the latest
     JobStatus of each node as a dict) and ``joined``, the ranks that registered or reported a step
@@ -106,6 +120,7 @@ def decide(
             and n in healthy
             and states.get(n) in ("exited", "lost")
             and (rejoins or {}).get(n, 0) < max_rejoins
+            and rejoin
         )
         nodes = [n for n in nodes if n not in excluded]
     for n in nodes:

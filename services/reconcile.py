@@ -156,7 +156,7 @@ class JobReconciler:
         )  # fmt: skip
 
     def _reconcile_db(self, statuses: list[wire.JobStatus], now: float) -> list[Send]:
-        from services.jobs import decide
+        from services.jobs import decide, rejoinable
 
         sends: list[Send] = []
         excluded, joined = self._excluded_nodes, self._joined  # snapshots taken on the event loop
@@ -186,6 +186,7 @@ class JobReconciler:
                     healthy=healthy,
                     rejoins=self._rejoins.get(job.id, {}),
                     max_rejoins=self.settings.job_max_rejoins,
+                    rejoin=rejoinable(job.spec.get("deepspeed_config")),
                 )
                 if d.state != job.state:
                     db.set_job_state(s, job_id=job.id, state=d.state, reason=d.reason, at=now)

@@ -485,6 +485,24 @@ class PlanGroups:
             return None
         return self._groups[self.route.participants]
 
+    def live_group(self) -> tuple[tuple[int, ...], dist.ProcessGroup | None]:
+        """Every rank the plan in force does not exclude (participants and degraded ranks alike,
+        ascending) and their group, made with ``collective_timeout_s``: for what all of them must
+        run together (ZeRO 1-2's own collectives, :mod:`trainer.zero_repartition`). Every live
+        rank calls it at the same boundary the first time under a plan. With no plan, or without
+        ``collective_timeout_s``: the world and None (the world group)."""
+        members = self.live_members
+        if self.route is None or self.collective_timeout_s is None:
+            return members, None
+        return members, self._group(members, timeout_s=self.collective_timeout_s, salt=self.salt)
+
+    @property
+    def live_members(self) -> tuple[int, ...]:
+        """Every rank the plan in force does not exclude, ascending (no group made)."""
+        if self.route is None:
+            return tuple(range(self.world_size))
+        return tuple(sorted({*self.route.participants, *(d for d, _ in self.route.proxies)}))
+
     def switch(self, plan: Plan | None, *, salt: str | None = None) -> None:
         """Put ``plan`` in force (``None``: the plain world all-reduce). Call between steps only.
 

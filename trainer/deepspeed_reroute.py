@@ -51,13 +51,14 @@ Stages 1 and 2 (``DeepSpeedZeroOptimizer``: optimizer state, and in 2 the gradie
 
     What is *not* rerouted: the other collectives ZeRO runs over its data-parallel group every
     step, the gradient-norm all-reduce and the all-gather of the updated parameter partitions.
-    They include the degraded rank because it owns a partition of the optimizer state that
-    exists nowhere else. So under stages 1-2 a degraded rank stays on the critical path of those
-    (small, once per step) collectives, a hung one stalls them until the process-group timeout,
-    and an excluded rank's partition is lost: exclusion under ZeRO 1-2 means a restart from the
-    last checkpoint. Making 1-2 fully isolated needs the degraded rank's partition and optimizer
-    state mirrored on its carrier (the carrier has the full averaged gradient, so it could update
-    both partitions and serve the degraded one in the all-gather); not built.
+    They include the degraded rank because it owns a partition of the optimizer state. So under
+    stages 1-2 a degraded rank stays on the critical path of those (small, once per step)
+    collectives; once the survivors recovered, or a plan changed who is live, they run on the
+    live ranks' group with the collective timeout, so a hung one costs at most that. An excluded
+    rank's partition is re-homed on the live ranks (:mod:`trainer.zero_repartition`). Making 1-2
+    fully isolated from a degraded rank needs its partition and optimizer state mirrored on its
+    carrier (the carrier has the full averaged gradient, so it could update both partitions and
+    serve the degraded one in the all-gather); not built.
 
 Stage 3 (parameters partitioned too)
     Refused with :class:`RerouteConfigError`. Every layer's forward and backward all-gathers its
@@ -120,7 +121,8 @@ def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False, 
 
     ``rejoining``: a restarted rank joining a running job (``trainer.follow``, ``join``) runs
     DeepSpeed in a world of one, so only ZeRO stage 0 (a whole optimizer on every rank) fits it:
-    stages 1 and 2 partition the optimizer state over the world the job started with.
+    at stages 1 and 2 the live ranks would have to re-partition their optimizer state to take
+    it back (they do when a rank leaves, :mod:`trainer.zero_repartition`; not when one comes back).
 
     ``rider``: values that ride along with each optimizer step's reduction (:class:`Rider`).
     """
@@ -131,8 +133,9 @@ def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False, 
         stage = int(engine.zero_optimization_stage())
         if stage != 0:
             raise RerouteConfigError(
-                f"zero_optimization.stage={stage}: a restarted rank cannot rejoin, its optimizer partition "
-                "lives in the world the job started with; use stage 0, or restart the job"
+                f"zero_optimization.stage={stage}: a restarted rank cannot rejoin, the live ranks' optimizer "
+                "partitions would have to be re-homed to take it back (not built; the live ranks train on "
+                "without it); use stage 0 for rejoin, or restart the job"
             )
     elif world != reroute.world_size:
         raise RerouteConfigError(f"reroute.world_size={reroute.world_size} but the process group has {world} ranks")
@@ -218,6 +221,36 @@ def _allreduce_as(reroute: ReroutedAllReduce, tensors: list[torch.Tensor], dtype
     for t, w in zip(tensors, sent, strict=True):
         if w is not t:
             t.copy_(w)
+
+
+def reattach(engine: Any, reroute: ReroutedAllReduce) -> None:
+    """Route the gradient reduction of a ZeRO 1-2 optimizer DeepSpeed built anew
+    (:func:`trainer.zero_repartition.repartition`) through ``reroute``, as :func:`attach` did for the first."""
+    _attach_partitioned(engine, reroute, int(engine.zero_optimization_stage()))
+
+
+def guard(engine: Any, *, failed: Callable[[], bool], fail: Callable[[RuntimeError], None]) -> None:
+    """Wrap the reduction :func:`attach` routed: a ``RuntimeError`` in it goes to ``fail`` (which
+    records it, or raises) instead of into the script (``loss.backward()`` runs it inside
+    autograd); once ``failed()``, the rest of the window reduces nothing and returns its input."""
+    owner, name = (
+        (engine.optimizer, "gradient_reduction_w_predivide")
+        if "gradient_reduction_w_predivide" in vars(engine.optimizer)
+        else (engine, "buffered_allreduce_fallback")
+    )
+    reduce: Callable[..., Any] = getattr(owner, name)
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        passthrough = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if failed():
+            return passthrough
+        try:
+            return reduce(*args, **kwargs)
+        except RuntimeError as exc:
+            fail(exc)
+            return passthrough
+
+    setattr(owner, name, guarded)
 
 
 def _attach_partitioned(engine: Any, reroute: ReroutedAllReduce, stage: int) -> None:

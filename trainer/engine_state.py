@@ -5,8 +5,9 @@ parameters, its optimizer's state tensors, the step count, the scheduler's posit
 parameter group's step and learning rate, shared through the plan's groups
 (:meth:`ReroutedAllReduce.share_`), so no rank waits on a lost one. A restarted rank first gives
 its optimizer the state tensors the live ranks' have (:func:`materialize_optimizer_state`).
-Under ZeRO 1-2 a rank's optimizer partition exists nowhere else: :func:`check_partitions` says
-so rather than letting the next all-gather fail.
+Under ZeRO 1-2 the partitions are re-homed instead (:mod:`trainer.zero_repartition`); where
+that cannot serve (bf16 stage 1's ``BF16_Optimizer``, round-robin gradients), :func:`check_partitions`
+says so rather than letting the next all-gather fail.
 """
 
 from __future__ import annotations
@@ -23,35 +24,37 @@ def _optimizer(engine: Any) -> Any:
     return getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed may wrap the torch optimizer
 
 
-def take_state(engine: Any, reroute: ReroutedAllReduce, *, src: int) -> None:
-    """Every live rank takes ``src``'s parameters, optimizer state, step count and learning rate."""
+def take_state(engine: Any, reroute: ReroutedAllReduce, *, src: int, tensors: bool = True) -> None:
+    """Every live rank takes ``src``'s parameters, optimizer state, step count and learning rate;
+    with ``tensors=False`` the counts and learning rates only (ZeRO 1-2: the partitions were
+    re-homed by :func:`trainer.zero_repartition.repartition`, and the parameters with them)."""
     opt = _optimizer(engine)
-    tensors = [p.data for p in engine.module.parameters()]
-    for group in opt.param_groups:
+    shared: list[torch.Tensor] = [p.data for p in engine.module.parameters()] if tensors else []
+    for group in opt.param_groups if tensors else []:
         for p in group["params"]:
             state = opt.state.get(p, {})
-            tensors.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
+            shared.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
     sched = engine.lr_scheduler
     header = torch.tensor(
         [
             float(engine.global_steps),
             float(getattr(sched, "last_epoch", -1)),
-            float(len(tensors)),
+            float(len(shared)),
             *[float(g.get("step", 0) or 0) for g in opt.param_groups],
             *[float(g["lr"]) for g in opt.param_groups],
         ],
         dtype=torch.float64,
     )
     reroute.share_(header, src=src)
-    if int(header[2].item()) != len(tensors):
+    if int(header[2].item()) != len(shared):
         raise RuntimeError(
-            f"rank {reroute.rank}: {len(tensors)} state tensors here, {int(header[2].item())} on rank {src} "
+            f"rank {reroute.rank}: {len(shared)} state tensors here, {int(header[2].item())} on rank {src} "
             "(an optimizer that has not stepped yet has no state)"
         )
-    if tensors:
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+    if shared:
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in shared])
         reroute.share_(flat, src=src)
-        for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
+        for t, piece in zip(shared, torch.split(flat, [t.numel() for t in shared]), strict=True):
             t.copy_(piece.view_as(t))
     engine.global_steps = int(header[0].item())
     if sched is not None and hasattr(sched, "last_epoch"):
@@ -79,15 +82,15 @@ def materialize_optimizer_state(engine: Any) -> None:
         p.grad = None
 
 
-def check_partitions(engine: Any, reroute: ReroutedAllReduce | None) -> None:
-    """Under ZeRO 1-2 each rank owns a partition of the optimizer state that exists nowhere
-    else, and DeepSpeed all-gathers the updated partitions on the world group every step: a
-    plan that leaves a rank out cannot go on. Fail now, saying so, rather than on the next
-    all-gather (at once for a dead rank, after the world's timeout for a hung one)."""
+def check_partitions(engine: Any, reroute: ReroutedAllReduce | None, *, why: str) -> None:
+    """A ZeRO 1-2 optimizer that cannot be re-partitioned (``why``) keeps a partition of the
+    optimizer state on every rank, and DeepSpeed all-gathers the updated partitions on the world
+    group every step: a plan that leaves a rank out cannot go on. Fail now, saying so, rather
+    than on the next all-gather (at once for a dead rank, after the world's timeout for a hung one)."""
     stage = int(engine.zero_optimization_stage())
     left = reroute.left if reroute is not None else frozenset()
     if stage in (1, 2) and left:
         raise RecoveryError(
             f"zero_optimization.stage={stage}: ranks {sorted(left)} are out of the job and their optimizer "
-            "partitions with them; restart the job from its last checkpoint (survival needs stage 0)"
+            f"partitions cannot be re-homed ({why}); restart the job from its last checkpoint"
         )

@@ -32,18 +32,24 @@ Survival of a dead or hung participant (``PULSE_COLLECTIVE_TIMEOUT_S`` > 0)
     zeroed), the survivors agree on a plan without the failed rank
     (:meth:`~trainer.follow.PlanFollower.recover`), every live rank takes the state of the same
     rank (parameters, optimizer state, step count, learning rate: a survivor may have completed
-    the failed update when another did not) and training goes on. No restart. After
-    ``PULSE_MAX_RECOVERIES`` recoveries without a completed step in between, the error is raised.
+    the failed update when another did not) and training goes on. No restart. Under ZeRO 1-2 the
+    survivors re-home the optimizer partitions over themselves instead
+    (:mod:`trainer.zero_repartition`: the lost rank's master weights from the model every rank
+    holds, its optimizer state from the copy its neighbour keeps, ``PULSE_ZERO_MIRROR_STEPS``)
+    and take the source's step count and learning rates. After ``PULSE_MAX_RECOVERIES``
+    recoveries without a completed step in between, the error is raised.
 Exclusion
     A rank the plan in force excludes (its node was LOST; or it hung and woke up after the others
     went on) leaves the process with exit code 0 at that boundary: the others finish without it
-    and it must not enter their collectives.
+    and it must not enter their collectives. Under ZeRO 1-2 they re-home its partition at that
+    boundary, as after a recovery.
 Rejoin (``PULSE_REJOIN=1``, set by the orchestrator when it relaunches an excluded node's share)
     :func:`trainer.run` gives the rank a world of one before DeepSpeed starts; :func:`attach`
     waits until the live ranks take it back at a boundary, then it holds their state, including
     ``engine.global_steps``. A script whose loop counts optimizer steps from
     ``engine.global_steps`` continues from the live ranks' step (the README shows that diff);
-    one that counts from 0 runs on until the live ranks finish, then leaves with 0.
+    one that counts from 0 runs on until the live ranks finish, then leaves with 0. Stage 0 only:
+    at stages 1-2 the relaunched rank is refused at start, and the live ranks train on without it.
 Emergency checkpoint
     SIGUSR2 (the agents deliver it for ``POST /v1/jobs/{id}/checkpoint``) asks for one; every live
     rank agrees at the next boundary (the request rides with the step's gradient reduction, or,
@@ -58,9 +64,9 @@ The end
 What the library cannot reach: collectives the script runs itself on the world group
 (``dist.all_reduce`` of a metric, ``dist.barrier``, DeepSpeed's own checkpoint barrier) wait for a
 lost rank as stock torch.distributed does. :meth:`Resilience.average_` averages a tensor over the
-live ranks instead. Under ZeRO 1-2 each rank owns a partition of the optimizer state that exists
-nowhere else and DeepSpeed all-gathers the updated partitions on the world group every step: a
-degraded rank is rerouted exactly, but a dead one stops the job (restart from a checkpoint).
+live ranks instead. Under ZeRO 1-2 a dead rank's optimizer partition is re-homed (above), except
+with bf16 stage 1 (``BF16_Optimizer``), round-robin gradients or optimizer offload, where it stops
+the job with the reason (restart from a checkpoint).
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ import torch
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
 from clusterpulse import wire
-from trainer import deepspeed_reroute
+from trainer import deepspeed_reroute, zero_repartition
 from trainer.checkpoint import EmergencyCheckpoint
 from trainer.collective import ReroutedAllReduce
 from trainer.engine_state import check_partitions, materialize_optimizer_state, take_state
@@ -145,6 +151,7 @@ class Resilience:
         self.recoveries = 0
         self.checkpoint = EmergencyCheckpoint(engine, directory=s.checkpoint_dir, job=s.job_id, rank=self.rank)
         self.checkpoints = self.checkpoint.written  # the directories written, in order
+        self.partitions: zero_repartition.Rehoming | None = None  # ZeRO 1-2, with survival
         self._declared_tokens: int | None = s.tokens_per_step
         self._declared_flops: float | None = s.model_flops_per_token
         self._tokens = 0  # counted this window from integer inputs
@@ -233,6 +240,8 @@ class Resilience:
             log.warning("event=reroute_off job=%s rank=%d reason=%r note=reporting_only", s.job_id, self.rank, str(exc))
             return
         self._guard_reduction()
+        if s.survives and zero_repartition.Rehoming.serves(engine):
+            self.partitions = zero_repartition.Rehoming(engine, rank=self.rank, mirror_steps=s.zero_mirror_steps)
         self.rider = rider
         self.reroute = reroute
         self.follower = PlanFollower(
@@ -251,32 +260,18 @@ class Resilience:
         return [1.0 if self.checkpoint.requested else 0.0, 1.0 if newer else 0.0]
 
     def _guard_reduction(self) -> None:
-        """A failed rerouted reduction is recorded, never raised into the script (``loss.backward()``
-        runs it inside autograd); the rest of the window reduces nothing."""
-        engine = self.engine
-        owner, name = (
-            (engine.optimizer, "gradient_reduction_w_predivide")
-            if "gradient_reduction_w_predivide" in vars(engine.optimizer)
-            else (engine, "buffered_allreduce_fallback")
-        )
-        reduce: Callable[..., Any] = getattr(owner, name)
+        """A failed rerouted reduction is recorded, never raised into the script; the rest of the
+        window reduces nothing (:func:`trainer.deepspeed_reroute.guard`)."""
 
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            passthrough = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if self._failure is not None:
-                return passthrough
-            try:
-                return reduce(*args, **kwargs)
-            except RuntimeError as exc:
-                if not self.settings.survives:
-                    raise
-                self._failure = exc
-                log.warning(
-                    "event=collective_failed job=%s rank=%d error=%r", self.settings.job_id, self.rank, str(exc)[:300]
-                )
-                return passthrough
+        def fail(exc: RuntimeError) -> None:
+            if not self.settings.survives:
+                raise exc
+            self._failure = exc
+            log.warning(
+                "event=collective_failed job=%s rank=%d error=%r", self.settings.job_id, self.rank, str(exc)[:300]
+            )
 
-        setattr(owner, name, guarded)
+        deepspeed_reroute.guard(self.engine, failed=lambda: self._failure is not None, fail=fail)
 
     def declare(self, *, tokens_per_step: int | None = None, flops_per_token: float | None = None) -> None:
         """What MFU needs that the library cannot see (``None`` keeps the setting or the count)."""
@@ -354,12 +349,16 @@ class Resilience:
         ride = self.rider.take() if self.rider is not None else None  # [checkpoint asked, newer plan]
         if follower is not None and reroute is not None:
             follower.boundary(newer=None if ride is None else ride[1] > 0)
-            if follower.joined:  # restarted ranks came back: every live rank takes the same state
-                take_state(engine, reroute, src=follower.source)
-                ride = None  # they did not ride: the checkpoint flag is agreed with them (_rejoin)
-            unreachable = sorted(follower.newly_missing())
             if reroute.role == "excluded":
                 self._leave("excluded")
+            if follower.joined:  # restarted ranks came back: every live rank takes the same state
+                self._take_state()
+                ride = None  # they did not ride: the checkpoint flag is agreed with them (_rejoin)
+            elif self.partitions is not None and self.partitions.stale(reroute):
+                self._take_state()  # a plan left a rank out: its optimizer partition is re-homed
+            unreachable = sorted(follower.newly_missing())
+            if self.partitions is not None:
+                self.partitions.boundary()
         self._failures_in_row = 0
         asked = None if ride is None else ride[0] > 0
         written = self.checkpoint.boundary(self.reroute, leader=self.leader, asked=asked)
@@ -442,8 +441,7 @@ class Resilience:
                 follower.recover(error, report=report_missing, survey_s=survey_s, timeout_s=s.recovery_timeout_s)
                 if reroute.role == "excluded":
                     self._leave("excluded")
-                check_partitions(self.engine, reroute)
-                take_state(self.engine, reroute, src=follower.source)
+                self._take_state()
                 break
             except RecoveryError:
                 raise
@@ -454,6 +452,19 @@ class Resilience:
         self.recoveries += 1
         self._timer.lap()
 
+    def _take_state(self) -> None:
+        """After the live ranks changed: the source's whole state, or under ZeRO 1-2 the partitions
+        re-homed (:mod:`trainer.zero_repartition`) and the source's step count and learning rates."""
+        engine, reroute, follower = self.engine, self.reroute, self.follower
+        assert reroute is not None and follower is not None
+        if self.partitions is None:
+            check_partitions(engine, reroute, why=zero_repartition.unsupported(engine) or "survival is off")
+        else:
+            self.partitions.rehome(reroute, source=follower.source, job=self.settings.job_id)
+            deepspeed_reroute.reattach(engine, reroute)
+            self._guard_reduction()
+        take_state(engine, reroute, src=follower.source, tensors=self.partitions is None)
+
     def _rejoin(self) -> None:
         follower = self.follower
         assert follower is not None and self.reroute is not None
@@ -463,7 +474,7 @@ class Resilience:
             log.warning("event=rejoin_abandoned job=%s rank=%d reason=%r", self.settings.job_id, self.rank, str(exc))
             self._leave("job_finished")
         materialize_optimizer_state(self.engine)
-        take_state(self.engine, self.reroute, src=follower.source)
+        self._take_state()
         log.warning("event=rejoined job=%s rank=%d step=%d", self.settings.job_id, self.rank, self.engine.global_steps)
         self.checkpoint.boundary(self.reroute, leader=self.leader)  # the rest of the live ranks' boundary
 

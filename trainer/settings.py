@@ -33,6 +33,11 @@ What each one does (the README's integration section has the same table):
     Every live rank leaves with exit code 0 at the boundary of this optimizer step, together (the
     step count is agreed); the script's own code after its loop does not run. For benchmarks and
     smoke runs of a script whose length is its own (``pulse bench goodput --entrypoint``).
+``PULSE_ZERO_MIRROR_STEPS`` (10)
+    ZeRO 1-2: every this many optimizer steps each live rank copies its partition of the
+    optimizer state to the next live rank, so that when it is lost the live ranks re-home the
+    partition with state at most this many steps old instead of zeros (0: no copy). The master
+    weights need no copy: every rank holds the model.
 ``PULSE_REROUTE`` (true)
     Follow the orchestrator's gradient-aggregation plans (false: reporting only).
 ``PULSE_REJOIN`` (false)
@@ -73,6 +78,7 @@ class TrainerSettings(BaseSettings):
     plan_poll_s: float = Field(1.0, gt=0)
     max_recoveries: int = Field(3, ge=0)
     max_steps: int | None = Field(None, ge=1)
+    zero_mirror_steps: int = Field(10, ge=0)
     reroute: bool = True
     rejoin: bool = False
     peak_flops: float | None = Field(None, gt=0)

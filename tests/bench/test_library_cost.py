@@ -43,7 +43,7 @@ from tests.stack import Stack, reports
 from tests.support import REDIS_URL, REPO, free_port, pulse_env, wait_all, wait_for
 
 SCRIPT = REPO / "tests" / "fixtures" / "scripts" / "user_train.py"
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 64,
     "gradient_accumulation_steps": 2,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
@@ -52,8 +52,25 @@ CONFIG = {
 }
 
 
+def config(stage: int) -> dict[str, Any]:
+    """The job's DeepSpeed config at ZeRO ``stage``. At stages 1-2 both runs get the reduction the
+    library needs (``reduce_scatter`` off, contiguous gradients), so the ratio is the library's own
+    cost (reporting, agreement, the optimizer-state copy every ``PULSE_ZERO_MIRROR_STEPS``), not
+    that of DeepSpeed's other reduction."""
+    zero = {"stage": stage} | ({"reduce_scatter": False, "contiguous_gradients": True} if stage else {})
+    return CONFIG | {"zero_optimization": zero}
+
+
 def _world(
-    tmp: Path, *, name: str, ranks: int, steps: int, width: int, library: bool, extra: dict[str, str] | None = None
+    tmp: Path,
+    *,
+    name: str,
+    ranks: int,
+    steps: int,
+    width: int,
+    library: bool,
+    stage: int = 0,
+    extra: dict[str, str] | None = None,
 ) -> list[float]:
     """One world's run; rank 0's step-end times."""
     out = tmp / name
@@ -61,7 +78,7 @@ def _world(
     port = free_port()
     procs = []
     cfg = out / "ds.json"
-    cfg.write_text(json.dumps(CONFIG))
+    cfg.write_text(json.dumps(config(stage)))
     for rank in range(ranks):
         env = pulse_env(
             RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -87,10 +104,13 @@ def _median_step(times: list[float], warmup: int) -> float:
     return statistics.median(gaps)
 
 
-def overhead(tmp: Path, *, ranks: int, steps: int, warmup: int, rounds: int, min_step_ms: float) -> dict[str, Any]:
+def overhead(
+    tmp: Path, *, ranks: int, steps: int, warmup: int, rounds: int, min_step_ms: float, stage: int = 0
+) -> dict[str, Any]:
     width = 256
     while True:  # calibrate: the stock step must last min_step_ms
-        step = _median_step(_world(tmp, name=f"cal-{width}", ranks=ranks, steps=8, width=width, library=False), 2)
+        cal = _world(tmp, name=f"cal-{width}", ranks=ranks, steps=8, width=width, library=False, stage=stage)
+        step = _median_step(cal, 2)
         if step * 1000 >= min_step_ms or width >= 8192:
             break
         width *= 2
@@ -103,13 +123,14 @@ def overhead(tmp: Path, *, ranks: int, steps: int, warmup: int, rounds: int, min
             if library:  # the orchestrator's first plan: everyone participates
                 plan = wire.Plan(job=name, generation=1, participants=list(range(ranks)), proxies={}, excluded=[])
                 r.set(wire.job_plan_key(name), wire.encode(plan))
-            times = _world(tmp, name=name, ranks=ranks, steps=steps, width=width, library=library)
+            times = _world(tmp, name=name, ranks=ranks, steps=steps, width=width, library=library, stage=stage)
             r.delete(wire.job_plan_key(name))
             figures[library] = _median_step(times, warmup)
         pairs.append((figures[False], figures[True]))
     ratios = [lib / stock for stock, lib in pairs]
     return {
         "ranks": ranks,
+        "stage": stage,
         "width": width,
         "stock_step_ms": [round(s * 1000, 2) for s, _ in pairs],
         "library_step_ms": [round(lib * 1000, 2) for _, lib in pairs],
@@ -118,7 +139,7 @@ def overhead(tmp: Path, *, ranks: int, steps: int, warmup: int, rounds: int, min
     }
 
 
-def dead_rank(tmp: Path, *, ranks: int, width: int, collective_timeout_s: float) -> dict[str, Any]:
+def dead_rank(tmp: Path, *, ranks: int, width: int, collective_timeout_s: float, stage: int = 0) -> dict[str, Any]:
     (tmp / "stack").mkdir()
     s = Stack(tmp / "stack", PULSE_JOB_START_TIMEOUT_S="300", PULSE_JOB_MAX_REJOINS="0")
     out = tmp / "dead"
@@ -135,7 +156,7 @@ def dead_rank(tmp: Path, *, ranks: int, width: int, collective_timeout_s: float)
             "gpus_per_node": 1,
             "entrypoint": [str(SCRIPT), "--backward", "engine", "--max-steps", "60", "--width", str(width),
                            "--out", str(out)],
-            "deepspeed_config": CONFIG,
+            "deepspeed_config": config(stage),
             "env": {"PULSE_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s), "PULSE_PLAN_POLL_S": "0.2",
                     "OMP_NUM_THREADS": "1"},
         }  # fmt: skip
@@ -180,13 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="ABBA pairs")
     p.add_argument("--min-step-ms", type=float, default=50.0)
     p.add_argument("--collective-timeout", type=float, default=5.0)
+    p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pulse-libcost-") as d:
         tmp = Path(d)
         result = overhead(
-            tmp, ranks=a.ranks, steps=a.steps, warmup=a.warmup, rounds=a.rounds, min_step_ms=a.min_step_ms
+            tmp, ranks=a.ranks, steps=a.steps, warmup=a.warmup, rounds=a.rounds, min_step_ms=a.min_step_ms,
+            stage=a.stage,
+        )  # fmt: skip
+        result |= dead_rank(
+            tmp, ranks=3, width=result["width"], collective_timeout_s=a.collective_timeout, stage=a.stage
         )
-        result |= dead_rank(tmp, ranks=3, width=result["width"], collective_timeout_s=a.collective_timeout)
     print(json.dumps(result))
     return 0
 

@@ -9,10 +9,12 @@ processes (simulated telemetry, the real launcher, which runs it under ``python 
 - ZeRO 1 with ``loss.backward()`` and ZeRO 2 with ``engine.backward(loss)``: its step, loss and
   step time reach /metrics; SIGKILL one node's agent, and a plan in which a neighbour carries that
   node's rank is in force on every rank from the same step; training goes on; the job SUCCEEDS.
-- ZeRO 0 with ``engine.backward(loss)``: SIGKILL one rank; the survivors skip the failed step, go
-  on without a restart (each registered once); an emergency checkpoint asked for over REST is then
-  written by every survivor at the same step, and the job SUCCEEDS (the killed rank is relaunched
-  and rejoins, or the job ends first).
+- ZeRO 0 and 2 with ``engine.backward(loss)``, ZeRO 1 with ``loss.backward()``: SIGKILL one rank;
+  the survivors skip the failed step, go on without a restart (each registered once; under ZeRO
+  1-2 they re-home the optimizer partitions, the killed rank's state from its neighbour's copy);
+  an emergency checkpoint asked for over REST is then written by every survivor at the same step,
+  and the job SUCCEEDS (at stage 0 the killed rank is relaunched and rejoins, or the job ends
+  first; at stages 1-2 it is not relaunched).
 """
 
 from __future__ import annotations
@@ -144,12 +146,16 @@ def test_a_users_script_is_rerouted_around_a_silent_node(
         s.close()
 
 
-def test_a_users_script_survives_a_killed_rank_without_a_restart(redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("stage", "backward"), [(0, "engine"), (1, "torch"), (2, "engine")])
+def test_a_users_script_survives_a_killed_rank_without_a_restart(
+    redis_url: str, tmp_path: Path, stage: int, backward: str
+) -> None:
     s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="180")
     try:
         job, out = _start(
-            s, tmp_path, stage=0, backward="engine", max_steps=90, env={"PULSE_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
-        )
+            s, tmp_path, stage=stage, backward=backward, max_steps=90,
+            env={"PULSE_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "PULSE_ZERO_MIRROR_STEPS": "2"},
+        )  # fmt: skip
         _metrics_seen(s, job)
         wait_for(lambda: latest_step(REDIS_URL, job).get(1, 0) >= 5, timeout=120, what="rank 1 past step 5")
         psutil.Process(_rank_pid(job, 1)).kill()
@@ -181,6 +187,11 @@ def test_a_users_script_survives_a_killed_rank_without_a_restart(redis_url: str,
         s.wait_state(job, "SUCCEEDED", timeout=180)
         regs = [g.rank for g in registrations(redis_url) if g.job == job]
         assert sorted(r for r in regs if r != 1) == [0, 2, 3], regs  # no survivor restarted
+        if stage:  # the optimizer's partitions were re-homed on the survivors, rank 1's state from its copy
+            logs = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
+            moved = [line for line in logs.splitlines() if "event=zero_repartitioned" in line]
+            assert len(moved) == 3 and all("old=[0, 1, 2, 3] new=[0, 2, 3] state_lost=[]" in m for m in moved), moved
+            assert [e for e in s.events(job=job) if e["kind"] == "rank_rejoin"] == []  # not relaunched
         done = _outcome(out, [0, 2, 3])
         assert {d["steps"] for d in done.values()} == {90}, done
         assert len({d["digest"] for d in done.values()}) == 1, done

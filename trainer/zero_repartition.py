@@ -1,0 +1,440 @@
+"""ZeRO 1-2 over a changing set of live ranks: the optimizer partitions re-homed, nothing restarted.
+
+DeepSpeed's ZeRO 1-2 optimizer (``DeepSpeedZeroOptimizer``) keeps, per parameter group, one flat
+buffer of the model's parameters, which every rank holds whole, cut into one partition per rank of
+its data-parallel group. Each rank keeps the fp32 master weights and the optimizer state (Adam's
+moments) of its own partition only, and after each step it all-gathers the updated partitions into
+every rank's parameters. A rank that leaves takes its partition of the optimizer state with it,
+and the next all-gather waits for it.
+
+:func:`repartition` builds the optimizer anew over the live ranks. It runs at the step boundary
+where the set of live ranks changed: a recovery, a plan that excludes a rank, or a relaunched rank
+taken back. Every live rank calls it together, on the live ranks' group
+(:meth:`trainer.collective.PlanGroups.live_group`):
+
+1. Every old partition is broadcast over that group, one state at a time, from where it still is.
+   - A live owner sends its own.
+   - A gone owner's master weights come from the model's parameters, which every rank holds as of
+     the last completed step. This is exact in fp32; under bf16/fp16 it is rounded to the
+     parameter dtype.
+   - A gone owner's optimizer state comes from the copy its mirror holder keeps (:class:`Mirror`),
+     at most ``PULSE_ZERO_MIRROR_STEPS`` steps old. Where no copy exists, it is zero, and the
+     result says which partitions lost it.
+2. DeepSpeed builds its optimizer over the live group, through the engine's own
+   ``_configure_zero_optimizer`` around the same torch optimizer. The param groups, their
+   hyperparameters and the learning-rate scheduler (which holds the torch optimizer) stay as they
+   are. Every rank fills its new partition from the assembled state and writes the whole assembled
+   master into its parameters, so every live rank steps from the same model.
+
+Layouts are computed (:func:`group_layout`), not read, so a relaunched rank whose engine started in
+a world of one knows the old layout; each computed layout is checked against the one DeepSpeed
+builds. A rank's identity of a parameter is its index in its group, so ``round_robin_gradients``
+(which reorders parameters by the group's size) is refused.
+
+Cost: at the boundary of a change, the whole optimizer state crosses the live group once (one
+broadcast per old partition and state), and every rank briefly holds one state of the whole group
+in memory. The mirror sends each rank's partition state to one neighbour every
+``PULSE_ZERO_MIRROR_STEPS`` steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.collective import PlanGroups
+
+log = logging.getLogger(__name__)
+
+MASTER = "master"
+"""The fp32 master weights' name among the states a partition carries."""
+
+_START_ALIGNMENT = 2  # DeepSpeedZeroOptimizer.nccl_start_alignment_factor
+
+
+class RepartitionError(RuntimeError):
+    """The optimizer cannot be rebuilt over the live ranks (the message names why)."""
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where each parameter of one group lies in DeepSpeed's flat buffer, cut into ``parts`` partitions."""
+
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    total: int
+    parts: int
+
+    @property
+    def partition(self) -> int:
+        return self.total // self.parts
+
+    def pieces(self, part: int) -> list[tuple[int, int, int]]:
+        """``(parameter index, offset in the parameter, length)`` of what partition ``part`` holds, in order."""
+        lo, hi = part * self.partition, (part + 1) * self.partition
+        out = []
+        for j, (start, numel) in enumerate(zip(self.offsets, self.numels, strict=True)):
+            a, b = max(lo, start), min(hi, start + numel)
+            if a < b:
+                out.append((j, a - start, b - a))
+        return out
+
+
+def group_layout(numels: list[int], *, parts: int, param_alignment: int) -> GroupLayout:
+    """DeepSpeed's flat layout of one parameter group over ``parts`` ranks: each parameter padded
+    to ``param_alignment`` elements (the last one not), the whole to ``2 x parts``."""
+    offsets, current = [], 0
+    for j, numel in enumerate(numels):
+        offsets.append(current)
+        current += numel
+        if j != len(numels) - 1:
+            current += (-current) % param_alignment
+    alignment = _START_ALIGNMENT * parts
+    total = -(-current // alignment) * alignment
+    return GroupLayout(offsets=tuple(offsets), numels=tuple(numels), total=total, parts=parts)
+
+
+def unsupported(engine: Any) -> str | None:
+    """Why this engine's optimizer cannot be re-partitioned (None: it can)."""
+    opt = engine.optimizer
+    if not hasattr(opt, "single_partition_of_fp32_groups") or not hasattr(opt, "bit16_groups_flat"):
+        return f"{type(opt).__name__} is not DeepSpeed's ZeRO 1-2 optimizer (bf16 stage 1 uses BF16_Optimizer)"
+    if getattr(opt, "round_robin_gradients", False):
+        return "zero_optimization.round_robin_gradients=true reorders parameters by the group's size; set it to false"
+    if getattr(opt, "cpu_offload", False):
+        return "zero_optimization.offload_optimizer: re-partitioning is not verified with optimizer offload"
+    if getattr(opt, "has_moe_layers", False):
+        return "mixture-of-experts layers partition over expert groups"
+    return None
+
+
+def members_of(engine: Any) -> tuple[int, ...]:
+    """The global ranks the optimizer's partitions belong to, in partition order."""
+    group = engine.optimizer.dp_process_group
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+
+
+def layouts(opt: Any, parts: int) -> list[GroupLayout]:
+    """The layout of each of ``opt``'s parameter groups over ``parts`` ranks."""
+    out = []
+    for params in opt.bit16_groups:
+        size = torch.tensor([], dtype=params[0].dtype).element_size()
+        alignment = 16 // _gcd(16, size) if opt.parameter_alignment else 1
+        out.append(group_layout([p.numel() for p in params], parts=parts, param_alignment=alignment))
+    return out
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _partitioned(opt: Any, i: int) -> dict[str, torch.Tensor]:
+    """The optimizer state of this rank's partition of group ``i`` that is as long as the partition."""
+    part = opt.single_partition_of_fp32_groups[i]
+    state = opt.optimizer.state.get(part, {})
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == part.numel() > 1}
+
+
+@dataclass
+class Mirror:
+    """This rank's copy of its predecessor's partition state (the live group in partition order is a
+    ring), refreshed every ``every`` optimizer steps by :meth:`boundary`; 0 turns it off."""
+
+    every: int
+    copy: torch.Tensor | None = None
+    of_rank: int | None = None
+    members: tuple[int, ...] = ()
+    step: int = -1
+
+    def boundary(self, engine: Any, *, step: int, rank: int) -> None:
+        """At an optimizer step boundary, on every live rank: send this rank's partition state to
+        its successor and keep its predecessor's. Raises ``RuntimeError`` when a neighbour fails."""
+        if self.every <= 0 or step % self.every:
+            return
+        opt = engine.optimizer
+        members = members_of(engine)
+        if len(members) < 2:
+            return
+        states = [_partitioned(opt, i) for i in range(len(opt.bit16_groups))]
+        if not any(states):
+            return  # the optimizer has not stepped yet: no state to keep
+        mine = torch.cat([s[k].detach().reshape(-1).float() for s in states for k in sorted(s)])
+        q = members.index(rank)
+        group = opt.dp_process_group
+        buf = torch.empty_like(mine)
+        recv = dist.irecv(buf, src=members[q - 1], group=group)
+        send = dist.isend(mine, dst=members[(q + 1) % len(members)], group=group)
+        for work in (recv, send):
+            if work is not None:
+                work.wait()
+        self.copy, self.of_rank, self.members, self.step = buf, members[q - 1], members, step
+
+
+class Rehoming:
+    """One engine's ZeRO 1-2 partitions kept where the live ranks are: the neighbour's copy at
+    the boundaries (:class:`Mirror`) and the re-homing when the live ranks change (:func:`repartition`)."""
+
+    def __init__(self, engine: Any, *, rank: int, mirror_steps: int) -> None:
+        self.engine, self.rank = engine, rank
+        self.mirror = Mirror(every=mirror_steps)
+        self.done: list[Repartitioned] = []
+
+    @staticmethod
+    def serves(engine: Any) -> bool:
+        """The engine partitions its optimizer (ZeRO 1-2) in a way :func:`repartition` can rebuild."""
+        return int(engine.zero_optimization_stage()) in (1, 2) and unsupported(engine) is None
+
+    def stale(self, groups: PlanGroups) -> bool:
+        """The plan in force counts on other ranks than the optimizer's partitions are over."""
+        return groups.live_members != members_of(self.engine)
+
+    def boundary(self) -> None:
+        self.mirror.boundary(self.engine, step=int(self.engine.global_steps), rank=self.rank)
+
+    def rehome(self, groups: PlanGroups, *, source: int, job: str) -> Repartitioned:
+        """Every live rank together, after the plan in force changed who is live."""
+        members, group = groups.live_group()
+        assert group is not None  # survival: every plan's group is made with the collective timeout
+        done = repartition(self.engine, group=group, members=members, rank=self.rank, source=source, mirror=self.mirror)
+        self.done.append(done)
+        log.warning(
+            "event=zero_repartitioned job=%s rank=%d step=%d old=%s new=%s state_lost=%s mirror_step=%s",
+            job, self.rank, self.engine.global_steps, list(done.old), list(done.new),
+            list(done.state_lost), done.mirror_step,
+        )  # fmt: skip
+        return done
+
+
+@dataclass(frozen=True)
+class Repartitioned:
+    """What :func:`repartition` did: the old and new members, and the old members whose optimizer
+    state was not found anywhere (zeros now)."""
+
+    old: tuple[int, ...]
+    new: tuple[int, ...]
+    state_lost: tuple[int, ...]
+    mirror_step: int | None
+
+
+def repartition(
+    engine: Any, *, group: dist.ProcessGroup, members: tuple[int, ...], rank: int, source: int, mirror: Mirror
+) -> Repartitioned:
+    """Build ``engine``'s ZeRO 1-2 optimizer anew over ``members`` (ascending global ranks, this one
+    among them, ``group`` their process group), from the partitions of the members it had (module
+    docstring). Every member calls it together; ``source`` is a member that held a partition
+    before (its view of the old members, state names and model is the one every rank takes)."""
+    why = unsupported(engine)
+    if why is not None:
+        raise RepartitionError(why)
+    old_opt = engine.optimizer
+    info = _agree(engine, rank=rank, source=source, group=group)
+    old: tuple[int, ...] = tuple(info["old"])
+    old_layouts = layouts(old_opt, len(old))
+    owned = rank in old  # a live old member: its partitions are of the old layout
+    if owned:
+        _check(old_opt, old_layouts)
+    src = _Sources(
+        old=old,
+        members=members,
+        rank=rank,
+        source=source,
+        group=group,
+        mirror=mirror,
+        holders=_holders(old, members, mirror, group=group),
+        mirror_at=_mirror_offsets(old_layouts, info["keys"]),
+        own=[
+            {MASTER: old_opt.single_partition_of_fp32_groups[i].detach()} | _partitioned(old_opt, i)
+            for i in range(len(old_layouts))
+        ]
+        if owned
+        else None,
+        bit16=[flat.detach() for flat in old_opt.bit16_groups_flat] if owned else None,
+    )
+    new_opt = _rebuild(engine, group)
+    new_layouts = layouts(new_opt, len(members))
+    _check(new_opt, new_layouts)
+    for i, (was, now) in enumerate(zip(old_layouts, new_layouts, strict=True)):
+        target = new_opt.single_partition_of_fp32_groups[i]
+        state = new_opt.optimizer.state[target]
+        for name, dtype in [(MASTER, torch.float32), *info["keys"][i].items()]:
+            full = _assemble(src, i, name, was)
+            part = _slice(full, was, now, members.index(rank))
+            if name != MASTER:
+                state[name] = part.to(dtype)
+                continue
+            target.data.copy_(part)
+            for j, p in enumerate(new_opt.bit16_groups[i]):  # every rank: the whole assembled model
+                p.data.copy_(full[was.offsets[j] : was.offsets[j] + p.numel()].view_as(p))
+        for name, value in info["scalars"][i].items():
+            state[name] = value.clone() if isinstance(value, torch.Tensor) else value
+        if not state:
+            del new_opt.optimizer.state[target]
+    mirror.copy, mirror.of_rank, mirror.members = None, None, ()
+    lost = sorted(set(old) - set(members))
+    return Repartitioned(
+        old=old,
+        new=members,
+        state_lost=tuple(q for q in lost if any(info["keys"]) and src.holders.get(q) is None),
+        mirror_step=min((s for s in src.holders.values() if s is not None), default=None),
+    )
+
+
+def _agree(engine: Any, *, rank: int, source: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    """``source``'s old members, per-element state names and dtypes, other state and parameter
+    sizes, on every member; checked against this rank's own."""
+    opt = engine.optimizer
+    numels = [[p.numel() for p in params] for params in opt.bit16_groups]
+    mine = None
+    if rank == source:
+        mine = {
+            "old": members_of(engine),
+            "keys": [{k: v.dtype for k, v in _partitioned(opt, i).items()} for i in range(len(numels))],
+            "scalars": [_scalars(opt, i) for i in range(len(numels))],
+            "numels": numels,
+        }
+    info: dict[str, Any] = _broadcast_object(mine, src=source, rank=rank, group=group)
+    if numels != info["numels"]:
+        raise RepartitionError(f"rank {rank}: parameter groups {numels} differ from rank {source}'s {info['numels']}")
+    if rank in info["old"] and members_of(engine) != tuple(info["old"]):
+        raise RepartitionError(f"rank {rank}: partitions over {members_of(engine)}, rank {source}'s over {info['old']}")
+    return info
+
+
+def _rebuild(engine: Any, group: dist.ProcessGroup) -> Any:
+    """DeepSpeed's ZeRO optimizer built anew over ``group`` around the same torch optimizer, which
+    gets its parameter groups back and loses its state (the caller fills the new partition's)."""
+    old_opt = engine.optimizer
+    base = old_opt.optimizer
+    old_opt.destroy()  # its gradient hooks, before the new optimizer adds its own
+    for i, g in enumerate(base.param_groups):
+        g["params"] = list(old_opt.bit16_groups[i])
+    base.state = collections.defaultdict(dict)
+    engine.seq_data_parallel_group = group
+    new_opt = engine._configure_zero_optimizer(base)
+    new_opt.loss_scaler = old_opt.loss_scaler
+    new_opt.dynamic_loss_scale = old_opt.dynamic_loss_scale
+    engine.optimizer = new_opt
+    if getattr(engine, "_support_torch_style_backward", False):
+        # what DeepSpeedEngine.__init__ does for the optimizer it built: loss.backward() (not
+        # engine.backward) ends its window through this hook
+        new_opt.register_grad_acc_post_hook(engine._backward_post_hook)
+    return new_opt
+
+
+def _mirror_offsets(old: list[GroupLayout], keys: list[dict[str, Any]]) -> dict[tuple[int, str], int]:
+    """Where each state starts in a mirror copy: groups in order, each group's states by name."""
+    out, at = {}, 0
+    for i, layout in enumerate(old):
+        for name in sorted(keys[i]):
+            out[(i, name)], at = at, at + layout.partition
+    return out
+
+
+@dataclass(frozen=True)
+class _Sources:
+    """Where each old partition's states are, for :func:`_assemble` (``own`` and ``bit16``: this
+    rank's partitions and model, when it held a partition)."""
+
+    old: tuple[int, ...]
+    members: tuple[int, ...]
+    rank: int
+    source: int
+    group: dist.ProcessGroup
+    mirror: Mirror
+    holders: dict[int, int | None]
+    mirror_at: dict[tuple[int, str], int]
+    own: list[dict[str, torch.Tensor]] | None
+    bit16: list[torch.Tensor] | None
+
+
+def _broadcast_object(obj: Any, *, src: int, rank: int, group: dist.ProcessGroup) -> Any:
+    """``src``'s ``obj`` on every member (``broadcast_object_list`` compares the default group's
+    rank with ``src``, which a group made by global job ranks does not allow)."""
+    data = pickle.dumps(obj) if rank == src else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(length, src=src, group=group)
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if rank == src
+        else torch.empty(int(length.item()), dtype=torch.uint8)
+    )
+    dist.broadcast(buf, src=src, group=group)
+    return pickle.loads(buf.numpy().tobytes())  # from a rank of the same job
+
+
+def _check(opt: Any, layouts: list[GroupLayout]) -> None:
+    for i, layout in enumerate(layouts):
+        built = (opt.bit16_groups_flat[i].numel(), opt.partition_size[i], list(opt.round_robin_bit16_offsets[i]))
+        if built != (layout.total, layout.partition, list(layout.offsets)):
+            raise RepartitionError(f"DeepSpeed's layout of group {i} is not the one computed (a DeepSpeed change?)")
+
+
+def _scalars(opt: Any, i: int) -> dict[str, Any]:
+    """The state of this rank's partition of group ``i`` that is not per element (Adam's step)."""
+    part = opt.single_partition_of_fp32_groups[i]
+    long = _partitioned(opt, i)
+    return {k: v for k, v in opt.optimizer.state.get(part, {}).items() if k not in long}
+
+
+def _holders(
+    old: tuple[int, ...], members: tuple[int, ...], mirror: Mirror, *, group: dist.ProcessGroup
+) -> dict[int, int | None]:
+    """For each lost old member: the step of the copy of its state its mirror holder has (the next
+    old member in the ring, when live), or None. The holder says, so every rank agrees."""
+    out: dict[int, int | None] = {}
+    for q, owner in enumerate(old):
+        if owner in members:
+            continue
+        holder = old[(q + 1) % len(old)]
+        if holder not in members or holder == owner:
+            out[owner] = None
+            continue
+        has = mirror.copy is not None and mirror.of_rank == owner and mirror.members == old
+        flag = torch.tensor([mirror.step if has else -1], dtype=torch.int64)
+        dist.broadcast(flag, src=holder, group=group)
+        out[owner] = int(flag.item()) if int(flag.item()) >= 0 else None
+    return out
+
+
+def _assemble(src: _Sources, i: int, name: str, layout: GroupLayout) -> torch.Tensor:
+    """State ``name`` of group ``i`` over the whole old flat layout, on every member."""
+    size = layout.partition
+    full = torch.zeros(layout.total, dtype=torch.float32)
+    for q, owner in enumerate(src.old):
+        part = full.narrow(0, q * size, size)
+        if owner in src.members:
+            if src.rank == owner:
+                assert src.own is not None
+                part.copy_(src.own[i][name].reshape(-1))
+            dist.broadcast(part, src=owner, group=src.group)
+        elif name == MASTER:  # the model every rank holds, as of the last completed step
+            if src.rank == src.source:
+                assert src.bit16 is not None
+                part.copy_(src.bit16[i].narrow(0, q * size, size))
+            dist.broadcast(part, src=src.source, group=src.group)
+        elif src.holders.get(owner) is not None:
+            holder = src.old[(q + 1) % len(src.old)]
+            if src.rank == holder:
+                assert src.mirror.copy is not None
+                part.copy_(src.mirror.copy.narrow(0, src.mirror_at[(i, name)], size))
+            dist.broadcast(part, src=holder, group=src.group)
+    return full
+
+
+def _slice(full: torch.Tensor, old: GroupLayout, new: GroupLayout, part: int) -> torch.Tensor:
+    """Partition ``part`` of ``new``, from ``full`` laid out as ``old``."""
+    out = torch.zeros(new.partition, dtype=full.dtype)
+    base = part * new.partition
+    for j, offset, length in new.pieces(part):
+        dst = new.offsets[j] + offset - base
+        src = old.offsets[j] + offset
+        out[dst : dst + length] = full[src : src + length]
+    return out

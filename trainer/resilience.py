@@ -358,7 +358,7 @@ class Resilience:
                 self._take_state()  # a plan left a rank out: its optimizer partition is re-homed
             unreachable = sorted(follower.newly_missing())
             if self.partitions is not None:
-                self.partitions.boundary()
+                self.partitions.boundary(reroute)
         self._failures_in_row = 0
         asked = None if ride is None else ride[0] > 0
         written = self.checkpoint.boundary(self.reroute, leader=self.leader, asked=asked)

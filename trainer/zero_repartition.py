@@ -114,10 +114,27 @@ def unsupported(engine: Any) -> str | None:
     return None
 
 
+_MEMBERS = "_pulse_members"
+
+
 def members_of(engine: Any) -> tuple[int, ...]:
-    """The global ranks the optimizer's partitions belong to, in partition order."""
-    group = engine.optimizer.dp_process_group
+    """The global ranks the optimizer's partitions belong to, in partition order: recorded on the
+    optimizer when it was put on a live group (that group may be destroyed by now, after a
+    failure), else its group's, DeepSpeed's world group."""
+    opt = engine.optimizer
+    recorded: tuple[int, ...] | None = getattr(opt, _MEMBERS, None)
+    if recorded is not None:
+        return recorded
+    group = opt.dp_process_group
     return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+
+
+def _put_on(engine: Any, group: dist.ProcessGroup, members: tuple[int, ...]) -> None:
+    opt = engine.optimizer
+    opt.dp_process_group = group
+    opt.real_dp_process_group = [group] * len(opt.real_dp_process_group)
+    setattr(opt, _MEMBERS, members)
+    engine.seq_data_parallel_group = group
 
 
 def layouts(opt: Any, parts: int) -> list[GroupLayout]:
@@ -196,7 +213,14 @@ class Rehoming:
         """The plan in force counts on other ranks than the optimizer's partitions are over."""
         return groups.live_members != members_of(self.engine)
 
-    def boundary(self) -> None:
+    def boundary(self, groups: PlanGroups) -> None:
+        """After the plan switch at a boundary, the live ranks unchanged: DeepSpeed's own collectives
+        (the gradient norm, the all-gather of the partitions) go on the live ranks' group, made with
+        the collective timeout, instead of the world's (30 minutes for a hung rank); then the copy."""
+        members, group = groups.live_group()
+        opt = self.engine.optimizer
+        if group is not None and group is not opt.dp_process_group and members == members_of(self.engine):
+            _put_on(self.engine, group, members)
         self.mirror.boundary(self.engine, step=int(self.engine.global_steps), rank=self.rank)
 
     def rehome(self, groups: PlanGroups, *, source: int, job: str) -> Repartitioned:
@@ -259,6 +283,7 @@ def repartition(
         bit16=[flat.detach() for flat in old_opt.bit16_groups_flat] if owned else None,
     )
     new_opt = _rebuild(engine, group)
+    _put_on(engine, group, members)
     new_layouts = layouts(new_opt, len(members))
     _check(new_opt, new_layouts)
     for i, (was, now) in enumerate(zip(old_layouts, new_layouts, strict=True)):

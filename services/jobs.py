@@ -30,9 +30,8 @@ its ranks join the live ones at a step boundary and take their state (``trainer/
 ``PlanFollower.join``), no restart of the job. Their registration ends the exclusion
 (``services/plans.py``), so the node counts again. At most ``max_rejoins`` relaunches per node
 and job (``rejoins``), so a node whose ranks die at every start is not relaunched for ever. A
-job whose DeepSpeed config partitions the optimizer (ZeRO 1-2, :func:`rejoinable`) is not
-relaunched at all: its live ranks re-homed the excluded ranks' partitions and train on without
-them, and a relaunched rank could not be taken back (``trainer/deepspeed_reroute.py``).
+job at ZeRO stage 3 (:func:`rejoinable`) is not relaunched at all: its ranks do not follow plans
+(``trainer/deepspeed_reroute.py`` refuses stage 3), so a relaunched rank could not be taken back.
 
 :func:`decide` looks at the current state, the latest status per node, the ranks that joined and
 the time, and says what the job's state should be and which commands to send; the orchestrator persists the state
@@ -71,12 +70,12 @@ def _names(items: Sequence[object], most: int = 8) -> str:
 
 
 def rejoinable(deepspeed_config: Mapping[str, Any] | None) -> bool:
-    """Whether a relaunched rank of a job with this DeepSpeed config can be taken back: not when
-    ZeRO 1-2 partitions the optimizer over the live ranks. A job without a config in its spec
-    (the script's own) is tried; the rank refuses at start if it cannot."""
+    """Whether a relaunched rank of a job with this DeepSpeed config can be taken back: not at ZeRO
+    stage 3, whose ranks follow no plan. A job without a config in its spec (the script's own) is
+    tried; the rank refuses at start if it cannot."""
     zero = (deepspeed_config or {}).get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
-    return stage in (0, "0", None)
+    return str(stage) in ("0", "1", "2", "None")
 
 
 def decide(

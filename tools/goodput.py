@@ -555,15 +555,19 @@ def _submit(
 
 
 def _wait_first_step(stack: Stack, run: Run, timeout: float) -> None:
+    ended: list[str] = []  # a job that ended first fails the campaign at once (the wait retries what raises)
+
     def stepping() -> bool:
         if run.first_step_at is not None:
             return True
         st = stack.get(f"/v1/jobs/{run.job}")
         if st["state"] in TERMINAL_JOB_STATES:
-            raise CampaignError(f"job {run.job} {st['state']} before its first step: {st.get('reason')}")
-        return False
+            ended.append(f"job {run.job} {st['state']} before its first step: {st.get('reason')}")
+        return bool(ended)
 
     _wait(stepping, timeout=timeout, what=f"job {run.job}'s first step")
+    if ended:
+        raise CampaignError(ended[0])
 
 
 class FaultInjector:

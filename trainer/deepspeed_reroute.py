@@ -84,6 +84,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer import zero_repartition
 from trainer.collective import ReroutedAllReduce
 
 
@@ -120,9 +121,9 @@ def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False, 
     configuration cannot be rerouted exactly; the engine is then left as it was.
 
     ``rejoining``: a restarted rank joining a running job (``trainer.follow``, ``join``) runs
-    DeepSpeed in a world of one, so only ZeRO stage 0 (a whole optimizer on every rank) fits it:
-    at stages 1 and 2 the live ranks would have to re-partition their optimizer state to take
-    it back (they do when a rank leaves, :mod:`trainer.zero_repartition`; not when one comes back).
+    DeepSpeed in a world of one; at stages 1 and 2 the live ranks re-partition the optimizer
+    state over themselves and it when they take it back (:mod:`trainer.zero_repartition`), which
+    bf16 stage 1's ``BF16_Optimizer`` cannot.
 
     ``rider``: values that ride along with each optimizer step's reduction (:class:`Rider`).
     """
@@ -131,11 +132,11 @@ def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False, 
         if world != 1:
             raise RerouteConfigError(f"a rejoining rank runs in a world of one; the process group has {world} ranks")
         stage = int(engine.zero_optimization_stage())
-        if stage != 0:
+        why = zero_repartition.unsupported(engine) if stage in (1, 2) else None
+        if why is not None:
             raise RerouteConfigError(
                 f"zero_optimization.stage={stage}: a restarted rank cannot rejoin, the live ranks' optimizer "
-                "partitions would have to be re-homed to take it back (not built; the live ranks train on "
-                "without it); use stage 0 for rejoin, or restart the job"
+                f"partitions cannot be re-homed to take it back ({why}); the live ranks train on without it"
             )
     elif world != reroute.world_size:
         raise RerouteConfigError(f"reroute.world_size={reroute.world_size} but the process group has {world} ranks")

@@ -48,8 +48,8 @@ Rejoin (``PULSE_REJOIN=1``, set by the orchestrator when it relaunches an exclud
     waits until the live ranks take it back at a boundary, then it holds their state, including
     ``engine.global_steps``. A script whose loop counts optimizer steps from
     ``engine.global_steps`` continues from the live ranks' step (the README shows that diff);
-    one that counts from 0 runs on until the live ranks finish, then leaves with 0. Stage 0 only:
-    at stages 1-2 the relaunched rank is refused at start, and the live ranks train on without it.
+    one that counts from 0 runs on until the live ranks finish, then leaves with 0. Under ZeRO
+    1-2 the live ranks and it re-home the optimizer partitions over all of them at that boundary.
 Emergency checkpoint
     SIGUSR2 (the agents deliver it for ``POST /v1/jobs/{id}/checkpoint``) asks for one; every live
     rank agrees at the next boundary (the request rides with the step's gradient reduction, or,
@@ -151,7 +151,7 @@ class Resilience:
         self.recoveries = 0
         self.checkpoint = EmergencyCheckpoint(engine, directory=s.checkpoint_dir, job=s.job_id, rank=self.rank)
         self.checkpoints = self.checkpoint.written  # the directories written, in order
-        self.partitions: zero_repartition.Rehoming | None = None  # ZeRO 1-2, with survival
+        self.partitions = zero_repartition.Rehoming(engine, rank=self.rank, mirror_steps=s.zero_mirror_steps, on=False)
         self._declared_tokens: int | None = s.tokens_per_step
         self._declared_flops: float | None = s.model_flops_per_token
         self._tokens = 0  # counted this window from integer inputs
@@ -240,8 +240,7 @@ class Resilience:
             log.warning("event=reroute_off job=%s rank=%d reason=%r note=reporting_only", s.job_id, self.rank, str(exc))
             return
         self._guard_reduction()
-        if s.survives and zero_repartition.Rehoming.serves(engine):
-            self.partitions = zero_repartition.Rehoming(engine, rank=self.rank, mirror_steps=s.zero_mirror_steps)
+        self.partitions.on = s.survives and zero_repartition.Rehoming.serves(engine)  # ZeRO 1-2
         self.rider = rider
         self.reroute = reroute
         self.follower = PlanFollower(
@@ -308,8 +307,7 @@ class Resilience:
             self._in_engine_backward = False
 
     def _saw_backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` called by the script (not through ``engine.backward``): that scalar
-        is the window's loss."""
+        """The script called ``loss.backward()`` itself: that scalar is the window's loss."""
         if not self._in_engine_backward and loss.numel() == 1:
             self._losses.append(loss.detach())
             self._forward_loss = None
@@ -354,11 +352,10 @@ class Resilience:
             if follower.joined:  # restarted ranks came back: every live rank takes the same state
                 self._take_state()
                 ride = None  # they did not ride: the checkpoint flag is agreed with them (_rejoin)
-            elif self.partitions is not None and self.partitions.stale(reroute):
+            elif self.partitions.stale(reroute):
                 self._take_state()  # a plan left a rank out: its optimizer partition is re-homed
             unreachable = sorted(follower.newly_missing())
-            if self.partitions is not None:
-                self.partitions.boundary(reroute)
+            self.partitions.boundary(reroute)
         self._failures_in_row = 0
         asked = None if ride is None else ride[0] > 0
         written = self.checkpoint.boundary(self.reroute, leader=self.leader, asked=asked)
@@ -457,13 +454,14 @@ class Resilience:
         re-homed (:mod:`trainer.zero_repartition`) and the source's step count and learning rates."""
         engine, reroute, follower = self.engine, self.reroute, self.follower
         assert reroute is not None and follower is not None
-        if self.partitions is None:
+        if not self.partitions.on:
             check_partitions(engine, reroute, why=zero_repartition.unsupported(engine) or "survival is off")
+            materialize_optimizer_state(engine)  # a restarted rank's optimizer has no state yet
         else:
             self.partitions.rehome(reroute, source=follower.source, job=self.settings.job_id)
             deepspeed_reroute.reattach(engine, reroute)
             self._guard_reduction()
-        take_state(engine, reroute, src=follower.source, tensors=self.partitions is None)
+        take_state(engine, reroute, src=follower.source, tensors=not self.partitions.on)
 
     def _rejoin(self) -> None:
         follower = self.follower
@@ -473,10 +471,10 @@ class Resilience:
         except JobFinished as exc:
             log.warning("event=rejoin_abandoned job=%s rank=%d reason=%r", self.settings.job_id, self.rank, str(exc))
             self._leave("job_finished")
-        materialize_optimizer_state(self.engine)
         self._take_state()
         log.warning("event=rejoined job=%s rank=%d step=%d", self.settings.job_id, self.rank, self.engine.global_steps)
-        self.checkpoint.boundary(self.reroute, leader=self.leader)  # the rest of the live ranks' boundary
+        self.partitions.boundary(self.reroute)  # the rest of the live ranks' boundary, in its order
+        self.checkpoint.boundary(self.reroute, leader=self.leader)
 
     # --- the live ranks' view, and the end --------------------------------------------------------
 

@@ -25,7 +25,9 @@ What the runner does to the script's world, before it runs:
 - ``PULSE_REJOIN=1``: the rank cannot enter the live ranks' world (its size was fixed at
   ``init_process_group``), so it gets a world of one before the script starts (DeepSpeed's and
   torch's ``init_process_group`` then find it made), and the config's ``train_batch_size`` is
-  divided by the job's world size, as DeepSpeed checks it against a world of one.
+  divided by the job's world size, as DeepSpeed checks it against a world of one. Its rank in
+  the job's groups is asked of the group itself (``dist.get_rank(group)`` would answer from the
+  world of one's rank 0).
 
 Without ``PULSE_REDIS_URL`` and ``PULSE_JOB_ID`` the script runs as it would alone.
 """
@@ -201,6 +203,27 @@ def _world_of_one() -> None:
             original(*args, **kwargs)
 
     dist.init_process_group = init_process_group
+    _rank_in_groups_by_group()
+
+
+def _rank_in_groups_by_group() -> None:
+    """``dist.get_rank(group)`` maps the default group's rank through the group's table of global
+    ranks. In a world of one that rank is 0 whatever the rank's place in the job, so in the job's
+    groups (:func:`trainer.collective.make_group`, keyed by job ranks) it would name another rank:
+    DeepSpeed's ZeRO optimizer asks it which partition is its own. Here it asks the group instead
+    (``ProcessGroup.rank()``, the same answer wherever both are right)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.get_rank
+
+    def get_rank(group: dist.ProcessGroup | None = None) -> int:
+        if group is None or group is c10d.GroupMember.WORLD or c10d._rank_not_in_group(group):
+            return original(group)
+        return int(group.rank())
+
+    c10d.get_rank = get_rank
+    dist.get_rank = get_rank
 
 
 def _run(target: str, rest: list[str], *, module: bool) -> int:

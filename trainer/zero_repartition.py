@@ -199,8 +199,9 @@ class Rehoming:
     """One engine's ZeRO 1-2 partitions kept where the live ranks are: the neighbour's copy at
     the boundaries (:class:`Mirror`) and the re-homing when the live ranks change (:func:`repartition`)."""
 
-    def __init__(self, engine: Any, *, rank: int, mirror_steps: int) -> None:
+    def __init__(self, engine: Any, *, rank: int, mirror_steps: int, on: bool = True) -> None:
         self.engine, self.rank = engine, rank
+        self.on = on  # off: an engine this does not serve, or survival off; every method a no-op
         self.mirror = Mirror(every=mirror_steps)
         self.done: list[Repartitioned] = []
 
@@ -211,12 +212,14 @@ class Rehoming:
 
     def stale(self, groups: PlanGroups) -> bool:
         """The plan in force counts on other ranks than the optimizer's partitions are over."""
-        return groups.live_members != members_of(self.engine)
+        return self.on and groups.live_members != members_of(self.engine)
 
     def boundary(self, groups: PlanGroups) -> None:
         """After the plan switch at a boundary, the live ranks unchanged: DeepSpeed's own collectives
         (the gradient norm, the all-gather of the partitions) go on the live ranks' group, made with
         the collective timeout, instead of the world's (30 minutes for a hung rank); then the copy."""
+        if not self.on:
+            return
         members, group = groups.live_group()
         opt = self.engine.optimizer
         if group is not None and group is not opt.dp_process_group and members == members_of(self.engine):

@@ -223,7 +223,8 @@ def scenario_refuse() -> dict[str, Any]:
         "sum": refusal({**ds_config(0), "gradient_allreduce_op": "sum"}),
         "stage2_ok": refusal(rerouteable(2)),
         "rejoin_stage0_ok": refusal(ds_config(0), rejoining=True, job_world=4),
-        "rejoin_stage1": refusal(rerouteable(1), rejoining=True, job_world=4),
+        "rejoin_stage1_ok": refusal(rerouteable(1), rejoining=True, job_world=4),
+        "rejoin_bf16_stage1": refusal(bf16, rejoining=True, job_world=4),
         "world_mismatch": refusal(ds_config(0), job_world=4),
     }
 
@@ -327,7 +328,8 @@ def test_attach_refuses_what_it_cannot_reroute(tmp_path: Path) -> None:
     assert out["sum"] is not None and "gradient_allreduce_op" in out["sum"]
     assert out["stage2_ok"] is None
     assert out["rejoin_stage0_ok"] is None  # a restarted rank of a stage-0 job may rejoin
-    assert out["rejoin_stage1"] is not None and "zero_optimization.stage=1" in out["rejoin_stage1"]
+    assert out["rejoin_stage1_ok"] is None  # the live ranks re-home the partitions to take it back
+    assert out["rejoin_bf16_stage1"] is not None and "BF16_Optimizer" in out["rejoin_bf16_stage1"]
     assert out["world_mismatch"] is not None and "reroute.world_size=4" in out["world_mismatch"]
     assert out["bf16_stage1"] == {
         "optimizer": "BF16_Optimizer",

@@ -130,8 +130,13 @@ def test_stream_follows_a_psu_fault_and_its_recovery_across_a_reconnect(stack: S
             what="pulse events --follow printing every streamed event",
         )
         woke: list[Message] = []
-        while not woken.empty():
-            woke.append(woken.get_nowait())
+
+        def recovered() -> bool:  # the waker's thread reads the stream at its own pace
+            while not woken.empty():
+                woke.append(woken.get_nowait())
+            return any(m.data and m.event == "transition" and m.data["to_state"] == "HEALTHY" for m in woke)
+
+        wait_for(recovered, timeout=20, what="the recovery in the waker's queue")
         assert [(m.data["from_state"], m.data["to_state"]) for m in woke if m.data and m.event == "transition"] == [
             ("HEALTHY", "DEGRADED"),
             ("DEGRADED", "HEALTHY"),

@@ -43,7 +43,8 @@ def test_a_checkpoint_reaches_the_rank_alone_and_its_exit_is_reported(redis_url:
         for _ in range(2):  # delivered twice: signalled once
             client.xadd(wire.job_commands_key(job), {wire.COMMAND_FIELD: cmd})
         marks = tmp_path / f"{job}-1.sigusr2"
-        wait_for(marks.exists, timeout=10, what="SIGUSR2 at the rank")
+        # written, not only created: a SIGTERM inside the handler would leave the file empty
+        wait_for(lambda: marks.exists() and marks.read_text().strip(), timeout=10, what="SIGUSR2 at the rank")
         os.kill(child, 0)  # the rank's child lives: it was not signalled
         os.kill(rank_pid, signal.SIGTERM)  # the rank ends (143); the supervisor reports it and takes its code
         assert proc.wait(timeout=30) == 143

@@ -424,7 +424,6 @@ class Resilience:
             raise error
         s = self.settings
         completed = int(self.engine.global_steps)
-        self.partitions.release()  # so that the broken groups really close
 
         def report_missing(missing: list[int]) -> None:
             reporter.report(step=completed, loss=None, plan_generation=reroute.generation, unreachable_ranks=missing)

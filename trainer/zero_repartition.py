@@ -226,20 +226,6 @@ class Rehoming:
             _put_on(self.engine, group, members)
         self.mirror.boundary(self.engine, step=int(self.engine.global_steps), rank=self.rank)
 
-    def release(self) -> None:
-        """Before a recovery destroys the plan's groups (:meth:`PlanGroups.reset`): DeepSpeed lets go
-        of the one it runs on, so that the destroyed group's connections close and a survivor
-        blocked in DeepSpeed's own collective fails at once instead of after the timeout.
-        DeepSpeed runs no collective until :meth:`rehome` puts it on the new group."""
-        if not self.on:
-            return
-        members = members_of(self.engine)
-        opt = self.engine.optimizer
-        opt.dp_process_group = None
-        opt.real_dp_process_group = [None] * len(opt.real_dp_process_group)
-        setattr(opt, _MEMBERS, members)
-        self.engine.seq_data_parallel_group = None
-
     def rehome(self, groups: PlanGroups, *, source: int, job: str) -> Repartitioned:
         """Every live rank together, after the plan in force changed who is live."""
         members, group = groups.live_group()

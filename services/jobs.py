@@ -75,7 +75,7 @@ def rejoinable(deepspeed_config: Mapping[str, Any] | None) -> bool:
     tried; the rank refuses at start if it cannot."""
     zero = (deepspeed_config or {}).get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
-    return str(stage) in ("0", "1", "2", "None")
+    return stage is None or str(stage) in ("0", "1", "2")
 
 
 def decide(

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -142,15 +143,9 @@ def layouts(opt: Any, parts: int) -> list[GroupLayout]:
     out = []
     for params in opt.bit16_groups:
         size = torch.tensor([], dtype=params[0].dtype).element_size()
-        alignment = 16 // _gcd(16, size) if opt.parameter_alignment else 1
+        alignment = 16 // math.gcd(16, size) if opt.parameter_alignment else 1
         out.append(group_layout([p.numel() for p in params], parts=parts, param_alignment=alignment))
     return out
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def _partitioned(opt: Any, i: int) -> dict[str, torch.Tensor]:
@@ -203,7 +198,6 @@ class Rehoming:
         self.engine, self.rank = engine, rank
         self.on = on  # off: an engine this does not serve, or survival off; every method a no-op
         self.mirror = Mirror(every=mirror_steps)
-        self.done: list[Repartitioned] = []
 
     @staticmethod
     def serves(engine: Any) -> bool:
@@ -231,7 +225,6 @@ class Rehoming:
         members, group = groups.live_group()
         assert group is not None  # survival: every plan's group is made with the collective timeout
         done = repartition(self.engine, group=group, members=members, rank=self.rank, source=source, mirror=self.mirror)
-        self.done.append(done)
         log.warning(
             "event=zero_repartitioned job=%s rank=%d step=%d old=%s new=%s state_lost=%s mirror_step=%s",
             job, self.rank, self.engine.global_steps, list(done.old), list(done.new),
@@ -285,8 +278,7 @@ def repartition(
         else None,
         bit16=[flat.detach() for flat in old_opt.bit16_groups_flat] if owned else None,
     )
-    new_opt = _rebuild(engine, group)
-    _put_on(engine, group, members)
+    new_opt = _rebuild(engine, group, members)
     new_layouts = layouts(new_opt, len(members))
     _check(new_opt, new_layouts)
     for i, (was, now) in enumerate(zip(old_layouts, new_layouts, strict=True)):
@@ -311,7 +303,7 @@ def repartition(
         old=old,
         new=members,
         state_lost=tuple(q for q in lost if any(info["keys"]) and src.holders.get(q) is None),
-        mirror_step=min((s for s in src.holders.values() if s is not None), default=None),
+        mirror_step=min((h[1] for h in src.holders.values() if h is not None), default=None),
     )
 
 
@@ -336,9 +328,10 @@ def _agree(engine: Any, *, rank: int, source: int, group: dist.ProcessGroup) -> 
     return info
 
 
-def _rebuild(engine: Any, group: dist.ProcessGroup) -> Any:
-    """DeepSpeed's ZeRO optimizer built anew over ``group`` around the same torch optimizer, which
-    gets its parameter groups back and loses its state (the caller fills the new partition's)."""
+def _rebuild(engine: Any, group: dist.ProcessGroup, members: tuple[int, ...]) -> Any:
+    """DeepSpeed's ZeRO optimizer built anew over ``group`` (of ``members``) around the same torch
+    optimizer, which gets its parameter groups back and loses its state (the caller fills the new
+    partition's)."""
     old_opt = engine.optimizer
     base = old_opt.optimizer
     old_opt.destroy()  # its gradient hooks, before the new optimizer adds its own
@@ -347,6 +340,7 @@ def _rebuild(engine: Any, group: dist.ProcessGroup) -> Any:
     base.state = collections.defaultdict(dict)
     engine.seq_data_parallel_group = group
     new_opt = engine._configure_zero_optimizer(base)
+    setattr(new_opt, _MEMBERS, members)
     new_opt.loss_scaler = old_opt.loss_scaler
     new_opt.dynamic_loss_scale = old_opt.dynamic_loss_scale
     engine.optimizer = new_opt
@@ -377,7 +371,7 @@ class _Sources:
     source: int
     group: dist.ProcessGroup
     mirror: Mirror
-    holders: dict[int, int | None]
+    holders: dict[int, tuple[int, int] | None]
     mirror_at: dict[tuple[int, str], int]
     own: list[dict[str, torch.Tensor]] | None
     bit16: list[torch.Tensor] | None
@@ -414,10 +408,10 @@ def _scalars(opt: Any, i: int) -> dict[str, Any]:
 
 def _holders(
     old: tuple[int, ...], members: tuple[int, ...], mirror: Mirror, *, group: dist.ProcessGroup
-) -> dict[int, int | None]:
-    """For each lost old member: the step of the copy of its state its mirror holder has (the next
-    old member in the ring, when live), or None. The holder says, so every rank agrees."""
-    out: dict[int, int | None] = {}
+) -> dict[int, tuple[int, int] | None]:
+    """For each lost old member: its mirror holder (the next old member in the ring, when live) and
+    the step of the copy of its state the holder has, or None. The holder says, so every rank agrees."""
+    out: dict[int, tuple[int, int] | None] = {}
     for q, owner in enumerate(old):
         if owner in members:
             continue
@@ -428,7 +422,7 @@ def _holders(
         has = mirror.copy is not None and mirror.of_rank == owner and mirror.members == old
         flag = torch.tensor([mirror.step if has else -1], dtype=torch.int64)
         dist.broadcast(flag, src=holder, group=group)
-        out[owner] = int(flag.item()) if int(flag.item()) >= 0 else None
+        out[owner] = (holder, int(flag.item())) if int(flag.item()) >= 0 else None
     return out
 
 
@@ -448,8 +442,8 @@ def _assemble(src: _Sources, i: int, name: str, layout: GroupLayout) -> torch.Te
                 assert src.bit16 is not None
                 part.copy_(src.bit16[i].narrow(0, q * size, size))
             dist.broadcast(part, src=src.source, group=src.group)
-        elif src.holders.get(owner) is not None:
-            holder = src.old[(q + 1) % len(src.old)]
+        elif (held := src.holders.get(owner)) is not None:
+            holder = held[0]
             if src.rank == holder:
                 assert src.mirror.copy is not None
                 part.copy_(src.mirror.copy.narrow(0, src.mirror_at[(i, name)], size))

@@ -41,6 +41,7 @@ import redis
 from clusterpulse import wire
 from tests.stack import Stack, reports
 from tests.support import REDIS_URL, REPO, free_port, pulse_env, wait_all, wait_for
+from trainer.run import reroutable
 
 SCRIPT = REPO / "tests" / "fixtures" / "scripts" / "user_train.py"
 CONFIG: dict[str, Any] = {
@@ -54,11 +55,10 @@ CONFIG: dict[str, Any] = {
 
 def config(stage: int) -> dict[str, Any]:
     """The job's DeepSpeed config at ZeRO ``stage``. At stages 1-2 both runs get the reduction the
-    library needs (``reduce_scatter`` off, contiguous gradients), so the ratio is the library's own
+    library needs (:func:`trainer.run.reroutable`: ``reduce_scatter`` off), so the ratio is the library's own
     cost (reporting, agreement, the optimizer-state copy every ``PULSE_ZERO_MIRROR_STEPS``), not
     that of DeepSpeed's other reduction."""
-    zero = {"stage": stage} | ({"reduce_scatter": False, "contiguous_gradients": True} if stage else {})
-    return CONFIG | {"zero_optimization": zero}
+    return reroutable(CONFIG | {"zero_optimization": {"stage": stage}})
 
 
 def _world(

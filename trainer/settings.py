@@ -1,8 +1,8 @@
 """Every trainer-side setting, in one object: ``PULSE_*`` environment variables of a rank.
 
 The library (:mod:`trainer.resilience`) reads nothing else from the environment besides what a
-launcher sets for torch.distributed (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``). Build it with :func:`load_trainer_settings`; tests pass their own values as
+launcher sets for torch.distributed (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``). Build it with :func:`load_trainer_settings`; tests pass their own values as
 keyword arguments. Every duration is seconds with an ``_s`` suffix and may be set small for tests.
 
 What each one does (the README's integration section has the same table):

@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -157,10 +158,14 @@ def _partitioned(opt: Any, i: int) -> dict[str, torch.Tensor]:
 
 @dataclass
 class Mirror:
-    """This rank's copy of its predecessor's partition state (the live group in partition order is a
-    ring), refreshed every ``every`` optimizer steps by :meth:`boundary`; 0 turns it off."""
+    """This rank's copy of the partition state of the rank ``shift`` places before it (the live
+    group in partition order is a ring), refreshed every ``every`` optimizer steps by
+    :meth:`boundary`; 0 turns it off. ``shift`` is the ranks per node (``LOCAL_WORLD_SIZE``), so
+    that the copy lives on another node: a node's ranks are neighbours in rank order and often go
+    together (an agent ends its node's other ranks when one dies)."""
 
     every: int
+    shift: int = 1
     copy: torch.Tensor | None = None
     of_rank: int | None = None
     members: tuple[int, ...] = ()
@@ -179,15 +184,24 @@ class Mirror:
         if not any(states):
             return  # the optimizer has not stepped yet: no state to keep
         mine = torch.cat([s[k].detach().reshape(-1).float() for s in states for k in sorted(s)])
-        q = members.index(rank)
+        q, k = members.index(rank), self.step_in(members)
         group = opt.dp_process_group
         buf = torch.empty_like(mine)
-        recv = dist.irecv(buf, src=members[q - 1], group=group)
-        send = dist.isend(mine, dst=members[(q + 1) % len(members)], group=group)
+        of = members[(q - k) % len(members)]
+        recv = dist.irecv(buf, src=of, group=group)
+        send = dist.isend(mine, dst=members[(q + k) % len(members)], group=group)
         for work in (recv, send):
             if work is not None:
                 work.wait()
-        self.copy, self.of_rank, self.members, self.step = buf, members[q - 1], members, step
+        self.copy, self.of_rank, self.members, self.step = buf, of, members, step
+
+    def step_in(self, members: tuple[int, ...]) -> int:
+        """How far along ``members`` each rank's copy goes: ``shift``, or 1 when that comes back to itself."""
+        return self.shift % len(members) or 1
+
+    def holder(self, members: tuple[int, ...], owner: int) -> int:
+        """Which of ``members`` keeps ``owner``'s copy."""
+        return members[(members.index(owner) + self.step_in(members)) % len(members)]
 
 
 class Rehoming:
@@ -197,7 +211,7 @@ class Rehoming:
     def __init__(self, engine: Any, *, rank: int, mirror_steps: int, on: bool = True) -> None:
         self.engine, self.rank = engine, rank
         self.on = on  # off: an engine this does not serve, or survival off; every method a no-op
-        self.mirror = Mirror(every=mirror_steps)
+        self.mirror = Mirror(every=mirror_steps, shift=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     @staticmethod
     def serves(engine: Any) -> bool:
@@ -409,13 +423,13 @@ def _scalars(opt: Any, i: int) -> dict[str, Any]:
 def _holders(
     old: tuple[int, ...], members: tuple[int, ...], mirror: Mirror, *, group: dist.ProcessGroup
 ) -> dict[int, tuple[int, int] | None]:
-    """For each lost old member: its mirror holder (the next old member in the ring, when live) and
-    the step of the copy of its state the holder has, or None. The holder says, so every rank agrees."""
+    """For each lost old member: its mirror holder (:meth:`Mirror.holder`, when live) and the step
+    of the copy of its state the holder has, or None. The holder says, so every rank agrees."""
     out: dict[int, tuple[int, int] | None] = {}
-    for q, owner in enumerate(old):
+    for owner in old:
         if owner in members:
             continue
-        holder = old[(q + 1) % len(old)]
+        holder = mirror.holder(old, owner)
         if holder not in members or holder == owner:
             out[owner] = None
             continue

@@ -73,7 +73,7 @@ def scenario(rank: int, stage: int, mirror_every: int) -> dict[str, Any]:
     r = ReroutedAllReduce(world_size=WORLD, rank=rank, proxy_timeout_s=10.0, collective_timeout_s=30.0)
     engine = make_engine(rerouteable(stage))
     attach(engine, r)
-    mirror = zero_repartition.Mirror(every=mirror_every)
+    mirror = zero_repartition.Mirror(every=mirror_every, shift=2)  # 2 ranks a node: rank 1's copy on rank 3
     for step in range(3):
         train(engine, rank, range(step, step + 1))
         mirror.boundary(engine, step=int(engine.global_steps), rank=rank)

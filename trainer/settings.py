@@ -35,7 +35,7 @@ What each one does (the README's integration section has the same table):
     smoke runs of a script whose length is its own (``pulse bench goodput --entrypoint``).
 ``PULSE_ZERO_MIRROR_STEPS`` (10)
     ZeRO 1-2: every this many optimizer steps each live rank copies its partition of the
-    optimizer state to the next live rank, so that when it is lost the live ranks re-home the
+    optimizer state to the live rank ``LOCAL_WORLD_SIZE`` places along (on another node), so that when it is lost the live ranks re-home the
     partition with state at most this many steps old instead of zeros (0: no copy). The master
     weights need no copy: every rank holds the model.
 ``PULSE_REROUTE`` (true)

@@ -89,6 +89,13 @@ class Settings(BaseSettings):
     evaluate_interval_s: float = Field(0.5, gt=0)
     ingest_block_s: float = Field(0.2, gt=0)
     ingest_batch: int = Field(2000, ge=1)
+    # Ingest processes (services/ingest_worker.py) per replica: 0 (the default) has the leader read
+    # the heartbeat streams itself; N > 0 starts N processes that read them and hand the leader
+    # observations, for clusters one process cannot follow (services/observations.py).
+    ingest_processes: int = Field(0, ge=0, le=64)
+    # An entry an ingest process read and did not hand over within this long (killed, hung) is
+    # claimed by another; also how long a dead process's entries wait.
+    ingest_claim_s: float = Field(5.0, gt=0)
     persist_interval_s: float = Field(5.0, gt=0)  # the outbox written, stream entries acknowledged
     # The compact summary (services/summary.py): when each node was last seen, identities changed.
     summary_interval_s: float = Field(30.0, gt=0)

@@ -70,6 +70,14 @@ class Cluster:
         return self.fold(hb, received_at=received_at)
 
     def fold(self, hb: wire.Heartbeat, *, received_at: float) -> ClusterEvent | None:
+        return self.fold_read(hb, None, received_at=received_at)
+
+    def fold_read(
+        self, hb: wire.Heartbeat, reading: health.Reading | None, *, received_at: float
+    ) -> ClusterEvent | None:
+        """Fold one heartbeat with what it says (:func:`services.health.read`, made by an ingest
+        process; ``None``: read it here). Returns a registration event for a node seen the first
+        time."""
         view = self.nodes.get(hb.node)
         registered = None
         if view is None:
@@ -80,7 +88,9 @@ class Cluster:
             )
         if view.health.last_seen is not None and received_at < view.health.last_seen:
             return registered  # a redelivered older entry: the newer one already counts
-        view.health = health.observe(view.health, hb, received_at=received_at, policy=self.policy)
+        if reading is None:
+            reading = health.read(hb, policy=self.policy)
+        view.health = health.observe_reading(view.health, reading, received_at=received_at, policy=self.policy)
         view.latest = hb
         view.clock_skew_s = hb.sent_at - received_at
         view.labels = dict(hb.labels)

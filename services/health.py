@@ -149,10 +149,20 @@ def _throttling(hb: Heartbeat) -> bool:
     return any(not g.lost and not SUSTAINED_THROTTLE.isdisjoint(g.throttle) for g in hb.gpus)
 
 
-def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy, throttling: bool | None = None) -> Signals:
-    """Hard faults and warnings in one heartbeat. ``throttle_for`` is how long (seconds) the node
-    has been throttling without a break, as tracked by :func:`observe`, which passes ``throttling``
-    too (whether any GPU has a sustained reason: asked once per heartbeat, not twice)."""
+@dataclass(frozen=True)
+class Reading:
+    """What one heartbeat says by itself, before how long the node has been throttling is known:
+    :func:`read` of a heartbeat, made where the heartbeat is decoded (in an ingest process,
+    services/ingest_worker.py, or the leader itself) and finished into :class:`Signals` by
+    :func:`observe_reading`, which keeps the node's throttle clock."""
+
+    faults: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    throttled: tuple[str, ...] = ()  # "GPU i reason" for every sustained throttle reason seen
+
+
+def read(hb: Heartbeat, *, policy: Policy) -> Reading:
+    """Hard faults and warnings in one heartbeat, and what it throttles for."""
     faults: list[str] = []
     warnings: list[str] = []
     for g in hb.gpus:
@@ -174,16 +184,25 @@ def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy, throttling: bo
             faults.append(f"GPU {g.index} PCIe link x{g.pcie_link_width} of x{g.pcie_link_width_max}")
         if g.temperature_celsius is not None and g.temperature_celsius >= policy.temperature_warn:
             warnings.append(f"GPU {g.index} at {g.temperature_celsius:.0f} C")
-    if throttling is None:
-        throttling = _throttling(hb)
-    throttled = _throttled(hb) if throttling else []
-    if throttled:
-        if throttle_for >= policy.throttle_sustain:
-            faults.append(f"throttling for {throttle_for:.0f}s: {', '.join(throttled)}")
-        else:
-            warnings.append(f"throttling: {', '.join(throttled)}")
     _assess_power(hb, policy, faults, warnings)
-    return Signals(tuple(faults), tuple(warnings))
+    throttled = tuple(_throttled(hb)) if _throttling(hb) else ()
+    return Reading(tuple(faults), tuple(warnings), throttled)
+
+
+def signals(reading: Reading, *, throttle_for: float, policy: Policy) -> Signals:
+    """A reading finished: throttling is a fault once it has lasted ``throttle_sustain``."""
+    if not reading.throttled:
+        return Signals(reading.faults, reading.warnings)
+    if throttle_for >= policy.throttle_sustain:
+        text = f"throttling for {throttle_for:.0f}s: {', '.join(reading.throttled)}"
+        return Signals((*reading.faults, text), reading.warnings)
+    return Signals(reading.faults, (*reading.warnings, f"throttling: {', '.join(reading.throttled)}"))
+
+
+def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy) -> Signals:
+    """Hard faults and warnings in one heartbeat. ``throttle_for`` is how long (seconds) the node
+    has been throttling without a break, as tracked by :func:`observe`."""
+    return signals(read(hb, policy=policy), throttle_for=throttle_for, policy=policy)
 
 
 def _assess_power(hb: Heartbeat, policy: Policy, faults: list[str], warnings: list[str]) -> None:
@@ -227,20 +246,27 @@ def _assess_power(hb: Heartbeat, policy: Policy, faults: list[str], warnings: li
 
 def observe(node: NodeHealth, hb: Heartbeat, *, received_at: float, policy: Policy) -> NodeHealth:
     """Fold one heartbeat, received at ``received_at`` on the one clock, into the record."""
+    if node.last_seen is not None and received_at < node.last_seen:
+        return node  # an older entry redelivered after a restart: nothing new to learn from it
+    return observe_reading(node, read(hb, policy=policy), received_at=received_at, policy=policy)
+
+
+def observe_reading(node: NodeHealth, reading: Reading, *, received_at: float, policy: Policy) -> NodeHealth:
+    """Fold what one heartbeat said (:func:`read`), received at ``received_at``, into the record."""
     gap = math.inf if node.last_seen is None else received_at - node.last_seen
     if gap < 0:  # an older entry redelivered after a restart: nothing new to learn from it
         return node
-    throttling = _throttling(hb)
+    throttling = bool(reading.throttled)
     throttle_since = (node.throttle_since if node.throttle_since is not None else received_at) if throttling else None
     throttle_for = received_at - throttle_since if throttle_since is not None else 0.0
-    signals = assess(hb, throttle_for=throttle_for, policy=policy, throttling=throttling)
-    level = SEVERITY[signals.level]
+    found = signals(reading, throttle_for=throttle_for, policy=policy)
+    level = SEVERITY[found.level]
     contiguous = gap <= policy.suspect_after
     streak = tuple((node.streak[i] + 1 if contiguous else 1) if level <= i else 0 for i in range(3))
     return replace(
         node,
         last_seen=received_at,
-        signals=signals,
+        signals=found,
         streak=(streak[0], streak[1], streak[2]),
         throttle_since=throttle_since,
     )

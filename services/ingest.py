@@ -17,28 +17,34 @@ import logging
 from collections.abc import Callable
 from typing import Any, cast
 
+import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
 
 from clusterpulse import wire
 from clusterpulse.settings import Settings
 from clusterpulse.states import EventKind, JobState
-from services import checkpoints
+from services import checkpoints, observations
 from services.clock import entry_time
 from services.cluster import ClusterEvent
 from services.outbox import Outbox, Registered
+from services.screen import Entries, screen
 from services.sender import SenderCheck
-from services.shared import Shared, read_latest, until_ok
+from services.shared import Shared
 
 log = logging.getLogger("pulse.orchestrator")
 
-Entries = list[tuple[bytes, dict[bytes, bytes]]]
-
 
 def stream_keys(settings: Settings) -> list[str]:
-    """Every stream the orchestrator reads."""
+    """Every stream the leader reads: the heartbeat shards, or with ingest processes
+    (``PULSE_INGEST_PROCESSES``) the observations they make of them."""
+    heartbeats = (
+        [observations.OBSERVATION_STREAM]
+        if settings.ingest_processes
+        else wire.heartbeat_stream_keys(settings.heartbeat_stream_shards)
+    )
     return [
-        *wire.heartbeat_stream_keys(settings.heartbeat_stream_shards),
+        *heartbeats,
         wire.TRAINER_STREAM,
         wire.JOB_STATUS_STREAM,
         wire.REGISTRATION_STREAM,
@@ -210,6 +216,11 @@ class Ingest:
                 self.shared.job_statuses.append(st)
                 self._ranks_exited(st, entry_time(entry_id))
             return
+        if stream == observations.OBSERVATION_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                self._fold_observations((fields or {}).get(observations.OBSERVATION_FIELD))
+            return
         await self._fold_heartbeats(stream, entries)
 
     def _ranks_exited(self, st: wire.JobStatus, at: float) -> None:
@@ -236,53 +247,36 @@ class Ingest:
             self.outbox.append(ClusterEvent(EventKind.RANK_UNREACHABLE, reason, at, st.node))
 
     async def _fold_heartbeats(self, stream: str, entries: Entries) -> None:
-        """Decode, check each entry's sender against its node's own latest key (one pipelined
-        read per batch of the keys whose earlier contents do not vouch for the entry already,
-        see :class:`services.sender.SenderCheck`), fold what passes."""
-        assert self.shared.cluster is not None
-        decoded: list[tuple[bytes, bytes | None, wire.Heartbeat | wire.WireError | None]] = []
-        for entry_id, fields in entries:
-            payload = fields.get(wire.HEARTBEAT_FIELD) if fields else None
-            item: wire.Heartbeat | wire.WireError | None = None
-            if payload is not None:
-                try:
-                    item = wire.decode_heartbeat(payload)
-                except wire.WireError as exc:
-                    item = exc
-            decoded.append((entry_id, payload, item))
-        check = self.settings.heartbeat_sender_check
-        senders = self._senders
-        nodes = sorted(
-            {hb.node for _, p, hb in decoded if isinstance(hb, wire.Heartbeat) and p and not senders.vouched(hb, p)}
-            if check
-            else ()
-        )
-        own: dict[str, bytes | None] = {}
-        if nodes:
-
-            async def read_own() -> None:
-                own.update(await read_latest(self.redis, nodes))
-
-            await until_ok(self.settings, "sender check", read_own)
+        """Screen a batch (services/screen.py: decode, validate, check each entry's sender), fold
+        what passes."""
         cluster = self.shared.cluster
         assert cluster is not None
-        unacked = self.unacked[stream]
-        for entry_id, payload, item in decoded:
-            unacked.append(entry_id)
+        screened = await screen(
+            entries, stream=stream, redis_client=self.redis, senders=self._senders, settings=self.settings
+        )
+        self.unacked[stream].extend(s.entry_id for s in screened)
+        for s in screened:
             cluster.received += 1
-            if payload is None or item is None:
-                cluster.rejected["missing_field"] += 1
-            elif isinstance(item, wire.WireError):
-                cluster.rejected[item.reason] += 1
-                log.debug("event=heartbeat_rejected reason=%s detail=%s", item.reason, item)
-            elif check and (reason := senders.verdict(item, payload, own.get(item.node))) is not None:
-                cluster.rejected[reason] += 1
-                log.warning(
-                    "event=heartbeat_rejected reason=%s node=%s boot_id=%s seq=%d entry=%s stream=%s detail=%r",
-                    reason, item.node, item.boot_id, item.seq, entry_id.decode(), stream,
-                    "its node's own latest key does not hold this heartbeat or a newer one of the same boot",
-                )  # fmt: skip
-            elif (ev := cluster.fold(item, received_at=entry_time(entry_id))) is not None:
+            if s.heartbeat is None:
+                cluster.rejected[s.rejected] += 1
+            elif (ev := cluster.fold(s.heartbeat, received_at=entry_time(s.entry_id))) is not None:
+                self.outbox.append(ev)
+
+    def _fold_observations(self, blob: bytes | None) -> None:
+        """One entry of the ingest processes' observations (services/observations.py): each one
+        counted, a rejected one by its reason, the others folded with what they said."""
+        cluster = self.shared.cluster
+        assert cluster is not None
+        try:
+            batch = observations.decode_batch(blob or b"")
+        except msgspec.MsgspecError as exc:  # not written by an ingest process: said, and skipped
+            log.error("event=observations_rejected bytes=%d detail=%s", len(blob or b""), exc)
+            return
+        for o in batch:
+            cluster.received += 1
+            if o.heartbeat is None:
+                cluster.rejected[o.rejected] += 1
+            elif (ev := cluster.fold_read(o.heartbeat, o.reading, received_at=o.at)) is not None:
                 self.outbox.append(ev)
 
     def _fold_report(self, payload: bytes | None, at: float) -> None:

@@ -8,6 +8,10 @@ replaced whole at a take-over) and started as a supervised loop:
   streams with a consumer group and folds them; entries are acknowledged only after what they
   carried was persisted, so an orchestrator killed at any point re-reads them. An entry claiming a
   node whose own latest key does not vouch for it is refused (services/sender.py).
+  With ``PULSE_INGEST_PROCESSES`` above 0, the heartbeat streams are read by that many
+  processes per replica instead (services/ingest_pool.py, services/ingest_worker.py), which hand
+  the leader screened, read observations (services/observations.py); the leader's ingest reads
+  those.
 - **evaluate** (services/evaluate.py) ticks on the one clock (services/clock.py: Redis ``TIME``),
   applies transitions in memory at once and queues them in the **outbox** (services/outbox.py),
   written to the database in order and retried while it is down: health never waits on the
@@ -55,6 +59,7 @@ from services.cluster import Cluster, ClusterEvent
 from services.evaluate import Evaluator
 from services.health import Policy
 from services.ingest import Ingest
+from services.ingest_pool import IngestPool
 from services.leader import LeaderLease, NotLeader
 from services.operator import OperatorActions
 from services.outbox import Outbox
@@ -154,6 +159,8 @@ class Orchestrator:
         self.operator = OperatorActions(
             settings, shared=self.shared, writer=self.writer, clock=self.clock, jobs=self.jobs, slurm=self.slurm
         )
+        # PULSE_INGEST_PROCESSES > 0: processes that read the heartbeat streams for the leader
+        self.ingest_pool = IngestPool(settings) if settings.ingest_processes else None
         self.retention = Retention(self.sessions, days=settings.retention_days, batch=settings.retention_batch)
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
@@ -215,6 +222,9 @@ class Orchestrator:
                 ),
             ),
         ]
+        if self.ingest_pool is not None:
+            self.ingest_pool.start()
+            loops.append(("ingest_pool", lambda: self.ingest_pool.loop(stop)))  # type: ignore[union-attr]
         if self.slurm is not None:
             loops.append(("slurm", self._slurm_loop))
         if self.slurm_jobs is not None:
@@ -231,6 +241,8 @@ class Orchestrator:
 
     async def stop(self) -> None:
         await self._end_loops()
+        if self.ingest_pool is not None:
+            await asyncio.to_thread(self.ingest_pool.stop)
         if self.leading:
             with contextlib.suppress(Exception):
                 await self.persister.flush(final=True)

@@ -116,6 +116,15 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ingest(args: argparse.Namespace) -> int:
+    """One ingest process (services/ingest_worker.py), for a leader whose replicas run with
+    PULSE_INGEST_PROCESSES > 0, on any host that reaches Redis."""
+    from services import ingest_worker
+
+    asyncio.run(ingest_worker.run(_settings()))
+    return 0
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     from services import db
     from services.routes.common import redact
@@ -756,6 +765,9 @@ def _daemon_commands(sub: Subparsers) -> None:
     o.add_argument("--host", default="127.0.0.1")
     o.add_argument("--port", type=int, default=8000)
     o.set_defaults(fn=cmd_orchestrator)
+
+    i = sub.add_parser("ingest", help="one ingest process: reads heartbeat streams, hands the leader observations")
+    i.set_defaults(fn=cmd_ingest)
 
     d = sub.add_parser("db", help="database schema")
     d.add_argument("action", choices=("upgrade",))

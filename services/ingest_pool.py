@@ -1,0 +1,59 @@
+"""The replica's ingest processes (``PULSE_INGEST_PROCESSES``): started with the orchestrator,
+started again when one dies (its entries are claimed by the others meanwhile,
+services/ingest_worker.py), stopped with it. Every replica runs its own, leader or not: they only
+turn heartbeats into observations, and the leader alone folds them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+
+from clusterpulse.settings import Settings
+
+log = logging.getLogger("pulse.orchestrator")
+
+
+class IngestPool:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.restarts = 0
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, "-m", "services.ingest_worker"], stdin=subprocess.PIPE)
+        assert proc.stdin is not None
+        proc.stdin.write(self.settings.model_dump_json().encode())
+        proc.stdin.close()
+        log.info("event=ingest_process_started pid=%d", proc.pid)
+        return proc
+
+    def start(self) -> None:
+        self.procs = [self._spawn() for _ in range(self.settings.ingest_processes)]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    async def loop(self, stop: asyncio.Event) -> None:
+        """Start again every process that ended, each ``evaluate_interval_s``."""
+        while not stop.is_set():
+            for i, proc in enumerate(self.procs):
+                if proc.poll() is not None:
+                    log.warning("event=ingest_process_exited pid=%d code=%s restarting=true", proc.pid, proc.returncode)
+                    self.restarts += 1
+                    self.procs[i] = self._spawn()
+            await asyncio.sleep(self.settings.evaluate_interval_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = []

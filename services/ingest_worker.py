@@ -1,0 +1,152 @@
+"""An ingest process: reads heartbeat stream shards, hands the leader observations.
+
+``PULSE_INGEST_PROCESSES=N`` (N > 0) makes each orchestrator replica start N of these
+(services/ingest_pool.py); ``pulse ingest`` runs one by itself, on any host that reaches Redis.
+They are consumers of the heartbeat streams' consumer group, as the leader is when it reads them
+itself, so Redis shares the shards' entries among them: adding a process adds throughput, and a
+process needs no assignment and holds nothing another could not rebuild.
+
+Each batch read is screened (services/screen.py: decoded, validated, sender-checked), read for
+what it says about the hardware (services/health.py ``read``) and handed over with the
+:data:`services.observations.HANDOFF` script: acknowledged and appended to the observation stream
+in one step. Entries another process read and has not handed over within
+``PULSE_INGEST_CLAIM_S`` (a killed or hung process) are claimed (``XAUTOCLAIM``) and handed over
+here; one handed over twice reaches the leader once (the script appends only what it really
+acknowledged). A malformed heartbeat becomes a rejected observation, counted by the leader; it
+never stops the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from clusterpulse import wire
+from clusterpulse.settings import Settings
+from services import health, observations
+from services.clock import entry_time
+from services.screen import Entries, screen
+from services.sender import SenderCheck
+from services.shared import supervised
+
+log = logging.getLogger("pulse.ingest")
+
+
+class IngestWorker:
+    def __init__(self, settings: Settings, *, redis_client: aioredis.Redis, consumer: str | None = None) -> None:
+        self.settings = settings
+        self.redis = redis_client
+        self.consumer = consumer or f"ingest-{socket.gethostname()}-{os.getpid()}"
+        self.streams = wire.heartbeat_stream_keys(settings.heartbeat_stream_shards)
+        self.policy = health.Policy.from_settings(settings)
+        self.senders = SenderCheck()
+        self.maxlen = settings.heartbeat_stream_maxlen * settings.heartbeat_stream_shards
+        self.handoff = redis_client.register_script(observations.HANDOFF)
+        self.handed = 0  # entries handed over by this process
+        self.claimed = 0  # entries claimed from other consumers
+
+    async def loop(self, stop: asyncio.Event) -> None:
+        for stream in self.streams:
+            with contextlib.suppress(redis.exceptions.ResponseError):  # BUSYGROUP: it exists
+                await self.redis.xgroup_create(stream, wire.ORCHESTRATOR_GROUP, id="0", mkstream=True)
+        claim_every = max(0.05, self.settings.ingest_claim_s / 2)
+        claimed_at = -claim_every
+        block_ms = max(1, int(self.settings.ingest_block_s * 1000))
+        while not stop.is_set():
+            if time.monotonic() - claimed_at >= claim_every:
+                await self.claim()
+                claimed_at = time.monotonic()
+            resp: Any = await self.redis.xreadgroup(
+                wire.ORCHESTRATOR_GROUP,
+                self.consumer,
+                cast(Any, dict.fromkeys(self.streams, ">")),
+                count=self.settings.ingest_batch,
+                block=block_ms,
+            )
+            items = resp.items() if isinstance(resp, dict) else (resp or [])
+            for stream, entries in items:
+                name = stream.decode() if isinstance(stream, bytes) else str(stream)
+                await self.hand_over(name, entries[0] if entries and isinstance(entries[0], list) else entries)
+
+    async def claim(self) -> None:
+        """Take over what other consumers read and left pending longer than a claim lease."""
+        min_idle_ms = int(self.settings.ingest_claim_s * 1000)
+        for stream in self.streams:
+            start: Any = "0-0"
+            while True:
+                resp = await self.redis.xautoclaim(
+                    stream,
+                    wire.ORCHESTRATOR_GROUP,
+                    self.consumer,
+                    min_idle_ms,
+                    start_id=start,
+                    count=self.settings.ingest_batch,
+                )
+                start, entries = resp[0], [e for e in resp[1] if e and e[1] is not None]
+                if entries:
+                    self.claimed += len(entries)
+                    log.info(
+                        "event=ingest_claimed stream=%s entries=%d consumer=%s", stream, len(entries), self.consumer
+                    )
+                    await self.hand_over(stream, entries)
+                if start in (b"0-0", "0-0"):
+                    break
+
+    async def hand_over(self, stream: str, entries: Entries) -> int:
+        """Screen, read and hand over one batch of one stream; returns how many reached the leader."""
+        if not entries:
+            return 0
+        screened = await screen(
+            entries, stream=stream, redis_client=self.redis, senders=self.senders, settings=self.settings
+        )
+        args: list[bytes | str | int] = [wire.ORCHESTRATOR_GROUP, self.maxlen]
+        for s in screened:
+            at = entry_time(s.entry_id)
+            if s.heartbeat is None:
+                item = observations.Observed(at, s.rejected, None)
+            else:
+                r = health.read(s.heartbeat, policy=self.policy)
+                item = observations.Observed(at, "", s.heartbeat, r.faults, r.warnings, r.throttled)
+            args += [s.entry_id, observations.encode(item)]
+        n = int(await self.handoff(keys=[observations.OBSERVATION_STREAM, stream], args=args))
+        self.handed += n
+        return n
+
+
+async def run(settings: Settings) -> None:
+    """One ingest process until SIGTERM or SIGINT."""
+    client = aioredis.from_url(settings.redis_url, socket_timeout=settings.redis_timeout_s)
+    worker = IngestWorker(settings, redis_client=client)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("event=ingest_started consumer=%s streams=%d", worker.consumer, len(worker.streams))
+    task = asyncio.create_task(supervised(settings, stop, "ingest_worker", lambda: worker.loop(stop)))
+    await stop.wait()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await client.aclose()
+    log.info("event=ingest_stopped consumer=%s handed=%d claimed=%d", worker.consumer, worker.handed, worker.claimed)
+
+
+def main() -> None:
+    """``python -m services.ingest_worker``: the settings as JSON on standard input (what
+    services/ingest_pool.py writes), so that a parent built from keyword arguments passes them whole."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = Settings.model_validate_json(sys.stdin.read())
+    asyncio.run(run(settings))
+
+
+if __name__ == "__main__":
+    main()

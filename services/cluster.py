@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from clusterpulse import wire
 from clusterpulse.states import EventKind, NodeState
-from services import health, summary
+from services import health, observations, summary
 from services.health import NodeHealth, Policy, Transition
 from services.slurm_sync import SlurmNode
 
@@ -26,13 +26,27 @@ class NodeView:
     """One node as the orchestrator knows it now."""
 
     health: NodeHealth
-    latest: wire.Heartbeat | None = None
+    decoded: wire.Heartbeat | None = None  # the newest heartbeat, decoded; see :attr:`latest`
+    payload: bytes | None = None  # or as its agent wrote it, not decoded yet (from an ingest process)
     clock_skew_s: float | None = None
     schedulable: bool = True
     labels: dict[str, str] = field(default_factory=dict)
     dirty: bool = False  # seen since the last summary written to the database (services/persist.py)
     stored: summary.Key | None = None  # the identity the database holds (services/summary.py)
     scheduler: SlurmNode | None = None  # Slurm's view at the last sync (PULSE_SLURM=on), else None
+
+    @property
+    def latest(self) -> wire.Heartbeat | None:
+        """The newest heartbeat. One an ingest process handed over is decoded here, when something
+        (a scrape, a REST read, the summary) first asks, not at each fold: a node heartbeats every
+        second, a scrape comes every 15 (services/observations.py)."""
+        if self.payload is not None:
+            self.decoded, self.payload = wire.decode_heartbeat(self.payload), None
+        return self.decoded
+
+    @latest.setter
+    def latest(self, hb: wire.Heartbeat | None) -> None:
+        self.decoded, self.payload = hb, None
 
 
 @dataclass(frozen=True)
@@ -70,32 +84,40 @@ class Cluster:
         return self.fold(hb, received_at=received_at)
 
     def fold(self, hb: wire.Heartbeat, *, received_at: float) -> ClusterEvent | None:
-        return self.fold_read(hb, None, received_at=received_at)
-
-    def fold_read(
-        self, hb: wire.Heartbeat, reading: health.Reading | None, *, received_at: float
-    ) -> ClusterEvent | None:
-        """Fold one heartbeat with what it says (:func:`services.health.read`, made by an ingest
-        process; ``None``: read it here). Returns a registration event for a node seen the first
-        time."""
-        view = self.nodes.get(hb.node)
-        registered = None
-        if view is None:
-            view = NodeView(health=NodeHealth(name=hb.node, since=received_at, reason="first heartbeat"))
-            self.nodes[hb.node] = view
-            registered = ClusterEvent(
-                EventKind.REGISTERED, f"first heartbeat (gpus={len(hb.gpus)})", received_at, hb.node
-            )
+        """Fold one decoded heartbeat. Returns a registration event for a node seen the first time."""
+        view, registered = self._view(hb.node, received_at=received_at, gpus=len(hb.gpus))
         if view.health.last_seen is not None and received_at < view.health.last_seen:
             return registered  # a redelivered older entry: the newer one already counts
-        if reading is None:
-            reading = health.read(hb, policy=self.policy)
-        view.health = health.observe_reading(view.health, reading, received_at=received_at, policy=self.policy)
+        reading = health.read(hb, policy=self.policy)
+        self._seen(view, reading, received_at=received_at, sent_at=hb.sent_at, labels=hb.labels)
         view.latest = hb
-        view.clock_skew_s = hb.sent_at - received_at
-        view.labels = dict(hb.labels)
-        view.dirty = True
         return registered
+
+    def fold_observed(self, o: observations.Observed) -> ClusterEvent | None:
+        """Fold what an ingest process made of one heartbeat (``o.rejected`` empty): what it says,
+        read there, and the heartbeat as its agent wrote it, decoded only when asked for."""
+        view, registered = self._view(o.node, received_at=o.at, gpus=o.gpus)
+        if view.health.last_seen is not None and o.at < view.health.last_seen:
+            return registered
+        self._seen(view, o.reading, received_at=o.at, sent_at=o.sent_at, labels=o.labels)
+        view.decoded, view.payload = None, o.payload
+        return registered
+
+    def _view(self, node: str, *, received_at: float, gpus: int) -> tuple[NodeView, ClusterEvent | None]:
+        view = self.nodes.get(node)
+        if view is not None:
+            return view, None
+        view = NodeView(health=NodeHealth(name=node, since=received_at, reason="first heartbeat"))
+        self.nodes[node] = view
+        return view, ClusterEvent(EventKind.REGISTERED, f"first heartbeat (gpus={gpus})", received_at, node)
+
+    def _seen(
+        self, view: NodeView, reading: health.Reading, *, received_at: float, sent_at: float, labels: dict[str, str]
+    ) -> None:
+        view.health = health.observe_reading(view.health, reading, received_at=received_at, policy=self.policy)
+        view.clock_skew_s = sent_at - received_at
+        view.labels = dict(labels)
+        view.dirty = True
 
     # --- health ---------------------------------------------------------------------------------
     def evaluate(self, *, now: float) -> tuple[list[Transition], list[ClusterEvent]]:
@@ -150,7 +172,7 @@ class Cluster:
         stored = summary.stored(telemetry)
         self.nodes[name] = NodeView(
             health=NodeHealth(name=name, state=NodeState(state), since=since, reason=reason, last_seen=last_seen),
-            latest=latest if latest is not None and latest.node == name else stored,
+            decoded=latest if latest is not None and latest.node == name else stored,
             schedulable=schedulable,
             labels=dict(labels),
             stored=None if stored is None else summary.key(stored),

@@ -274,9 +274,9 @@ class Ingest:
             return
         for o in batch:
             cluster.received += 1
-            if o.heartbeat is None:
+            if o.rejected:
                 cluster.rejected[o.rejected] += 1
-            elif (ev := cluster.fold_read(o.heartbeat, o.reading, received_at=o.at)) is not None:
+            elif (ev := cluster.fold_observed(o)) is not None:
                 self.outbox.append(ev)
 
     def _fold_report(self, payload: bytes | None, at: float) -> None:

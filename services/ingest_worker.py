@@ -109,16 +109,28 @@ class IngestWorker:
         screened = await screen(
             entries, stream=stream, redis_client=self.redis, senders=self.senders, settings=self.settings
         )
-        args: list[bytes | str | int] = [wire.ORCHESTRATOR_GROUP, self.maxlen]
+        items: dict[bytes, observations.Observed] = {}
         for s in screened:
-            at = entry_time(s.entry_id)
-            if s.heartbeat is None:
-                item = observations.Observed(at, s.rejected, None)
+            at, hb = entry_time(s.entry_id), s.heartbeat
+            if hb is None:
+                items[s.entry_id] = observations.Observed(at, s.rejected)
             else:
-                r = health.read(s.heartbeat, policy=self.policy)
-                item = observations.Observed(at, "", s.heartbeat, r.faults, r.warnings, r.throttled)
-            args += [s.entry_id, observations.encode(item)]
-        n = int(await self.handoff(keys=[observations.OBSERVATION_STREAM, stream], args=args))
+                r = health.read(hb, policy=self.policy)
+                items[s.entry_id] = observations.Observed(
+                    at, "", hb.node, hb.sent_at, len(hb.gpus), hb.labels, s.payload, r.faults, r.warnings, r.throttled
+                )
+        n = 0
+        while items:  # once, unless another process handed over part of the batch meanwhile
+            blob = observations.encode_batch(list(items.values()))
+            keys = [observations.OBSERVATION_STREAM, stream]
+            res = await self.handoff(
+                keys=keys, args=[wire.ORCHESTRATOR_GROUP, self.consumer, self.maxlen, blob, *items]
+            )
+            if isinstance(res, int):
+                n = res
+                break
+            still = set(res)
+            items = {k: v for k, v in items.items() if k in still}
         self.handed += n
         return n
 

@@ -3,11 +3,14 @@
 With ``PULSE_INGEST_PROCESSES`` above 0, the ingest processes (services/ingest_worker.py) read
 the heartbeat stream shards, screen each entry (services/screen.py) and read what it says about
 the hardware (:func:`services.health.read`), and hand the result over in one step: a Lua script
-acknowledges each heartbeat entry (``XACK``) and appends the observations of the entries it really
-acknowledged, as one msgpack array, to ``OBSERVATION_STREAM``. An entry that another ingest
-process claimed and handed over first is not pending any more, so its second observation is
-dropped there: every heartbeat reaches the leader once, and a process killed before the script
-ran leaves its entries pending for the others to claim. The leader reads the observation stream
+(:data:`HANDOFF`) acknowledges a batch's heartbeat entries (``XACK``) and appends their
+observations, as one msgpack array, to ``OBSERVATION_STREAM``, only if every one of them is still
+pending. An entry that another ingest process claimed and handed over first is not pending any
+more: the script then changes nothing and names the entries still pending, and the process hands
+over those alone. So every heartbeat reaches the leader once, and a process killed before the
+script ran leaves its entries pending for the others to claim. (The observations travel as one
+argument, not one per entry: a Lua script's arguments cost the server per argument and per byte,
+and one per entry made the script the most expensive command of the whole ingest.) The leader reads the observation stream
 with the consumer group and acknowledges an observation entry once what it carried is stored,
 exactly as it did the heartbeat entries (services/ingest.py).
 
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import msgspec
 
-from clusterpulse import wire
 from services import health
 
 OBSERVATION_STREAM = "pulse:{ingest}:observations"
@@ -29,11 +31,17 @@ OBSERVATION_FIELD = b"o"
 
 
 class Observed(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One heartbeat entry, screened: ``rejected`` is empty and ``heartbeat`` set, or the reason."""
+    """One heartbeat entry, screened: ``rejected`` is empty and the rest describes the heartbeat,
+    or it is the reason the entry was refused. The heartbeat itself travels as its agent wrote it
+    (``payload``, already validated): the leader decodes it only when something reads it."""
 
     at: float  # when Redis took the entry in (its id), the one clock health measures silence on
     rejected: str
-    heartbeat: wire.Heartbeat | None
+    node: str = ""
+    sent_at: float = 0.0
+    gpus: int = 0
+    labels: dict[str, str] = {}
+    payload: bytes = b""
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     throttled: tuple[str, ...] = ()
@@ -47,9 +55,9 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(list[Observed])
 
 
-def encode(item: Observed) -> bytes:
-    """One observation, as an element of the array :data:`HANDOFF` builds."""
-    return _encoder.encode(item)
+def encode_batch(items: list[Observed]) -> bytes:
+    """A batch's observations, as :data:`HANDOFF` appends them."""
+    return _encoder.encode(items)
 
 
 def decode_batch(blob: bytes) -> list[Observed]:
@@ -60,20 +68,23 @@ def decode_batch(blob: bytes) -> list[Observed]:
 
 HANDOFF = """
 -- KEYS[1]: the observation stream; KEYS[2]: the heartbeat stream the entries are from.
--- ARGV[1]: the consumer group; ARGV[2]: the observation stream's MAXLEN (approximate);
--- then pairs of (heartbeat entry id, its encoded observation).
-local parts, n = {}, 0
-for i = 3, #ARGV, 2 do
-  if redis.call('XACK', KEYS[2], ARGV[1], ARGV[i]) == 1 then
-    n = n + 1
-    parts[n] = ARGV[i + 1]
-  end
+-- ARGV[1]: the consumer group; ARGV[2]: this consumer; ARGV[3]: the observation stream's MAXLEN
+-- (approximate); ARGV[4]: the observations, one msgpack array; then the heartbeat entry ids.
+local ids, claim = {}, {'XCLAIM', KEYS[2], ARGV[1], ARGV[2], '0'}
+for i = 5, #ARGV do
+  ids[#ids + 1] = ARGV[i]
+  claim[#claim + 1] = ARGV[i]
 end
-if n > 0 then
-  local head = struct.pack('>BI4', 221, n)  -- a msgpack array32 of n elements
-  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'o', head .. table.concat(parts))
+claim[#claim + 1] = 'JUSTID'
+local live = redis.call(unpack(claim))  -- the ids still pending, whoever holds them
+if #live ~= #ids then
+  return live
 end
-return n
+redis.call('XACK', KEYS[2], ARGV[1], unpack(ids))
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'o', ARGV[4])
+return #ids
 """
-"""Acknowledge heartbeat entries and append the observations of those this call acknowledged,
-atomically (a script runs whole or not at all): returns how many were handed over."""
+"""Hand a batch over, atomically (a script runs whole or not at all): when every entry of the batch
+is still pending (nobody else handed any of it over), acknowledge them all and append the
+observations, and return how many; otherwise change nothing and return the ids still pending,
+for the caller to hand over those alone."""

@@ -31,6 +31,7 @@ class Screened:
     entry_id: bytes
     heartbeat: wire.Heartbeat | None
     rejected: str = ""
+    payload: bytes = b""  # the heartbeat as its agent wrote it
 
 
 async def screen(
@@ -74,5 +75,5 @@ async def screen(
                 "its node's own latest key does not hold this heartbeat or a newer one of the same boot",
             )  # fmt: skip
         else:
-            out.append(Screened(entry_id, item))
+            out.append(Screened(entry_id, item, payload=payload))
     return out

@@ -68,8 +68,9 @@ def _payloads(nodes: int, gpus: int, rounds: int) -> list[list[tuple[str, bytes]
     return out
 
 
-def _write_rounds(client: redis.Redis, rounds: list[list[tuple[str, bytes]]], *, maxlen: int) -> float:
-    """The agents' write pattern, pipelined 1,000 heartbeats at a time. Returns seconds."""
+def _write_rounds(client: redis.Redis, rounds: list[list[tuple[str, bytes]]], *, maxlen: int, shards: int = 1) -> float:
+    """The agents' write pattern (each node's latest key, then its entry in its stream shard),
+    pipelined 1,000 heartbeats at a time. Returns seconds."""
     t0 = time.perf_counter()
     for batch in rounds:
         for i in range(0, len(batch), 1000):
@@ -77,7 +78,10 @@ def _write_rounds(client: redis.Redis, rounds: list[list[tuple[str, bytes]]], *,
             for node, payload in batch[i : i + 1000]:
                 pipe.set(wire.node_latest_key(node), payload, px=60_000)
                 pipe.xadd(
-                    wire.heartbeat_stream_key(0), {wire.HEARTBEAT_FIELD: payload}, maxlen=maxlen, approximate=True
+                    wire.node_heartbeat_stream_key(node, shards),
+                    {wire.HEARTBEAT_FIELD: payload},
+                    maxlen=maxlen,
+                    approximate=True,
                 )
             pipe.execute()
     return time.perf_counter() - t0
@@ -329,6 +333,11 @@ def run_bench(args: argparse.Namespace) -> int:
         return soak(args)
     if args.bench == "agent":
         result = _agent(args)
+    elif args.processes:
+        from tools.bench_scale import scale_out
+
+        with tempfile.TemporaryDirectory(prefix="pulse-bench-") as tmp:
+            result = asyncio.run(scale_out(args, _bench_redis_url(), Path(tmp)))
     else:
         with tempfile.TemporaryDirectory(prefix="pulse-bench-") as tmp:
             result = asyncio.run(_ingest(args, _bench_redis_url(), Path(tmp)))

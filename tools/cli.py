@@ -887,6 +887,14 @@ def _bench_commands(sub: Subparsers) -> None:
     bi.add_argument(
         "--interval", type=float, default=0.0, help="heartbeat interval of the detection run, s (0: nodes / 2048, >= 1)"
     )
+    bi.add_argument(
+        "--processes",
+        default="",
+        help="the scale-out form: e.g. 0,1,2,4 drains one pre-filled backlog with the leader alone (0) "
+        "and with that many ingest processes, side by side (tools/bench_scale.py)",
+    )
+    bi.add_argument("--backlog", type=int, default=0, help="heartbeats pre-filled (scale-out form; 0: 24 per node)")
+    bi.add_argument("--shards", type=int, default=4, help="heartbeat stream shards (scale-out form)")
     bi.add_argument("--json", action="store_true")
     bi.set_defaults(fn=cmd_bench)
     ba = bsub.add_parser("agent", help="agent CPU and memory at a 1 s interval")

@@ -42,6 +42,16 @@ from services.shared import supervised
 log = logging.getLogger("pulse.ingest")
 
 
+_FORGET = """
+-- KEYS[1]: a heartbeat stream; ARGV[1]: the group; ARGV[2]: a consumer. Deleted only while it holds
+-- nothing: DELCONSUMER drops a consumer's pending entries with it.
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+end
+return -1
+"""
+
+
 class IngestWorker:
     def __init__(self, settings: Settings, *, redis_client: aioredis.Redis, consumer: str | None = None) -> None:
         self.settings = settings
@@ -52,6 +62,7 @@ class IngestWorker:
         self.senders = SenderCheck()
         self.maxlen = settings.heartbeat_stream_maxlen * settings.heartbeat_stream_shards
         self.handoff = redis_client.register_script(observations.HANDOFF)
+        self.forget = redis_client.register_script(_FORGET)
         self.handed = 0  # entries handed over by this process
         self.claimed = 0  # entries claimed from other consumers
 
@@ -101,6 +112,20 @@ class IngestWorker:
                     await self.hand_over(stream, entries)
                 if start in (b"0-0", "0-0"):
                     break
+            await self._forget_gone(stream, min_idle_ms)
+
+    async def _forget_gone(self, stream: str, min_idle_ms: int) -> None:
+        """Consumers of ingest processes gone long ago, with nothing pending, leave the group's
+        list (a restarted process is a new consumer). One still alive comes back at its next read."""
+        for c in await self.redis.xinfo_consumers(stream, wire.ORCHESTRATOR_GROUP):
+            name = c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"])
+            if (
+                name.startswith("ingest-")
+                and name != self.consumer
+                and not c["pending"]
+                and c["idle"] > 10 * min_idle_ms
+            ):
+                await self.forget(keys=[stream], args=[wire.ORCHESTRATOR_GROUP, name])
 
     async def hand_over(self, stream: str, entries: Entries) -> int:
         """Screen, read and hand over one batch of one stream; returns how many reached the leader."""

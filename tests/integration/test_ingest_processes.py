@@ -136,6 +136,11 @@ def test_an_entry_handed_over_twice_reaches_the_leader_once(redis_url: str) -> N
         assert [wire.decode_heartbeat(o.payload).seq for o in batch] == seqs
         assert [o.rejected for o in batch] == ["", "", ""]
         assert int(raw.xpending(stream, wire.ORCHESTRATOR_GROUP)["pending"]) == 0
+        # A consumer gone for ten claim leases with nothing pending leaves the group's list.
+        assert {c["name"] for c in raw.xinfo_consumers(stream, wire.ORCHESTRATOR_GROUP)} == {b"ingest-a", b"ingest-b"}
+        await asyncio.sleep(10 * settings.ingest_claim_s + 0.1)
+        await b.claim()
+        assert {c["name"] for c in raw.xinfo_consumers(stream, wire.ORCHESTRATOR_GROUP)} == {b"ingest-b"}
         await client.aclose()
 
     asyncio.run(body())

@@ -150,8 +150,8 @@ async def _drain(
 async def scale_out(args: argparse.Namespace, url: str, workdir: Path) -> dict[str, Any]:
     counts = [int(x) for x in str(args.processes).split(",") if x.strip()]
     nodes, gpus, shards = args.nodes, args.gpus_per_node, args.shards
-    backlog = args.backlog or 24 * nodes
-    rounds = _payloads(nodes, gpus, 1 + max(1, backlog // nodes))
+    backlog = args.backlog or 65_536
+    rounds = _payloads(nodes, gpus, 1 + max(2, backlog // nodes))
     sync = redis.Redis.from_url(url)
     sync.flushdb()
     total = nodes * len(rounds)

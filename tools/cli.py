@@ -893,7 +893,7 @@ def _bench_commands(sub: Subparsers) -> None:
         help="the scale-out form: e.g. 0,1,2,4 drains one pre-filled backlog with the leader alone (0) "
         "and with that many ingest processes, side by side (tools/bench_scale.py)",
     )
-    bi.add_argument("--backlog", type=int, default=0, help="heartbeats pre-filled (scale-out form; 0: 24 per node)")
+    bi.add_argument("--backlog", type=int, default=0, help="heartbeats pre-filled (scale-out form; 0: 65,536, at least 2 per node)")
     bi.add_argument("--shards", type=int, default=4, help="heartbeat stream shards (scale-out form)")
     bi.add_argument("--json", action="store_true")
     bi.set_defaults(fn=cmd_bench)

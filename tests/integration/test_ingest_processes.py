@@ -177,7 +177,7 @@ def test_a_killed_ingest_process_loses_nothing_and_degrades_nobody(redis_url: st
         killed_at = time.monotonic()
         await _until(lambda: _pending(raw, settings, consumer) == 0, limit_s=10)
         claimed_after = time.monotonic() - killed_at
-        assert claimed_after <= settings.ingest_claim_s * 1.5 + 1.0, claimed_after
+        assert claimed_after <= settings.ingest_claim_s * 1.5 + 2.0, claimed_after  # a lease, the claim period, slack
         await load
         # while the load ran (silence after it is real): nobody DEGRADED
         assert not [t for t in orch.cluster.transitions if t[1] in ("DEGRADED", "LOST")]

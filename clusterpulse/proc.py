@@ -1,11 +1,14 @@
 """Whether a process of this host is alive: one answer for the agent's launcher (are a job's ranks
-still running?) and the orchestrator's leader lease (is the holder a dead process here?)."""
+still running?) and the orchestrator's leader lease (is the holder a dead process here?). And the
+one log line format of every ``pulse`` process and the processes they start."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from pathlib import Path
+
+LOG_FORMAT = "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 
 
 def alive(pid: int) -> bool:

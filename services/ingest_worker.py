@@ -32,6 +32,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from clusterpulse import wire
+from clusterpulse.proc import LOG_FORMAT
 from clusterpulse.settings import Settings
 from services import health, observations
 from services.clock import entry_time
@@ -180,7 +181,7 @@ async def run(settings: Settings) -> None:
 def main() -> None:
     """``python -m services.ingest_worker``: the settings as JSON on standard input (what
     services/ingest_pool.py writes), so that a parent built from keyword arguments passes them whole."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     settings = Settings.model_validate_json(sys.stdin.read())
     asyncio.run(run(settings))
 

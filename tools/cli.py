@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from clusterpulse.proc import LOG_FORMAT
 from clusterpulse.settings import Settings, load_settings
 from clusterpulse.states import TERMINAL_JOB_STATES, JobState
 
@@ -22,7 +23,7 @@ from clusterpulse.states import TERMINAL_JOB_STATES, JobState
 def _setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        format=LOG_FORMAT,
         stream=sys.stderr,
     )
     for noisy in ("httpx", "alembic", "uvicorn.error"):
@@ -893,7 +894,9 @@ def _bench_commands(sub: Subparsers) -> None:
         help="the scale-out form: e.g. 0,1,2,4 drains one pre-filled backlog with the leader alone (0) "
         "and with that many ingest processes, side by side (tools/bench_scale.py)",
     )
-    bi.add_argument("--backlog", type=int, default=0, help="heartbeats pre-filled (scale-out form; 0: 65,536, at least 2 per node)")
+    bi.add_argument(
+        "--backlog", type=int, default=0, help="heartbeats pre-filled (scale-out form; 0: 65,536, at least 2 per node)"
+    )
     bi.add_argument("--shards", type=int, default=4, help="heartbeat stream shards (scale-out form)")
     bi.add_argument("--json", action="store_true")
     bi.set_defaults(fn=cmd_bench)

@@ -46,7 +46,7 @@ import redis.asyncio as aioredis
 from agent.daemon import NodeAgent, sim_node_name
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
-from clusterpulse.settings import load_settings
+from clusterpulse.settings import Settings, load_settings
 
 
 def _bench_redis_url() -> str:
@@ -85,6 +85,26 @@ def _write_rounds(client: redis.Redis, rounds: list[list[tuple[str, bytes]]], *,
                 )
             pipe.execute()
     return time.perf_counter() - t0
+
+
+def backlog_settings(url: str, database_url: str, *, maxlen: int, **extra: Any) -> Settings:
+    """The orchestrator's settings for draining a backlog written while it could not read."""
+    return load_settings(
+        redis_url=url,
+        database_url=database_url,
+        heartbeat_interval_s=1.0,
+        # Steady state: the backlog is written while the loop is blocked (seconds), so with the
+        # default suspect_after every node would turn SUSPECT the moment it resumes, and the
+        # benchmark would time that transition storm, not ingest.
+        suspect_after_s=1800,
+        degraded_after_s=3600,
+        lost_after_s=3600,
+        evaluate_interval_s=0.25,
+        persist_interval_s=5.0,
+        ingest_batch=2000,
+        heartbeat_stream_maxlen=maxlen,
+        **extra,
+    )
 
 
 def _gauge_baseline(cluster: Any) -> float:
@@ -226,21 +246,7 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     sync.flushdb()
     _write_rounds(sync, rounds[:1], maxlen=maxlen)  # first contact: every node registers
 
-    settings = load_settings(
-        redis_url=url,
-        database_url=f"sqlite:///{workdir / 'bench.db'}",
-        heartbeat_interval_s=1.0,
-        # Steady state: the backlog below is written while the loop is blocked (seconds), so
-        # with the default suspect_after every node would turn SUSPECT the moment it resumes,
-        # and the benchmark would time that transition storm, not ingest.
-        suspect_after_s=1800,
-        degraded_after_s=3600,
-        lost_after_s=3600,
-        evaluate_interval_s=0.25,
-        persist_interval_s=5.0,
-        ingest_batch=2000,
-        heartbeat_stream_maxlen=maxlen,
-    )
+    settings = backlog_settings(url, f"sqlite:///{workdir / 'bench.db'}", maxlen=maxlen)
     db.upgrade(settings.database_url)
     import psutil
 

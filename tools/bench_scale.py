@@ -32,8 +32,7 @@ import redis
 import redis.asyncio as aioredis
 
 from clusterpulse import wire
-from clusterpulse.settings import load_settings
-from tools.bench import _payloads, _write_rounds
+from tools.bench import _payloads, _write_rounds, backlog_settings
 
 TARGET_NODES = 16_384  # the cores on paper are for this many nodes at one heartbeat a second
 
@@ -86,18 +85,11 @@ async def _drain(
     nodes = len(rounds[0])
     total = nodes * len(rounds)
     maxlen = total + 10
-    settings = load_settings(
-        redis_url=url,
-        database_url=f"sqlite:///{workdir / f'scale-{processes}.db'}",
-        heartbeat_interval_s=1.0,
-        suspect_after_s=1800,  # a backlog, not live nodes: nobody turns SUSPECT while it is written
-        degraded_after_s=3600,
-        lost_after_s=3600,
-        evaluate_interval_s=0.25,
-        persist_interval_s=5.0,
-        ingest_batch=2000,
+    settings = backlog_settings(
+        url,
+        f"sqlite:///{workdir / f'scale-{processes}.db'}",
+        maxlen=maxlen,
         heartbeat_stream_shards=shards,
-        heartbeat_stream_maxlen=maxlen,
         ingest_processes=processes,
         ingest_claim_s=600,  # stopped processes are not dead: nothing is claimed during the run
     )

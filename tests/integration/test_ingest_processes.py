@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
 
 import redis
 import redis.asyncio as aioredis
@@ -24,32 +23,15 @@ from clusterpulse.settings import Settings, load_settings
 from services import observations
 from services.ingest_worker import IngestWorker
 from services.orchestrator import Orchestrator
-from tests.integration.test_ingest import _with_orchestrator, orch_render
+from tests.integration.test_ingest import _settings as ingest_settings
+from tests.integration.test_ingest import _until, _with_orchestrator, orch_render
 
 
 def _settings(redis_url: str, sqlite_url: str, **kw: object) -> Settings:
     base: dict[str, object] = dict(
-        redis_url=redis_url,
-        database_url=sqlite_url,
-        heartbeat_interval_s=0.1,
-        degraded_after_s=3.0,
-        lost_after_s=60.0,
-        evaluate_interval_s=0.05,
-        persist_interval_s=0.1,
-        ingest_block_s=0.05,
-        ingest_processes=2,
-        ingest_claim_s=1.0,
-        heartbeat_stream_shards=2,
+        degraded_after_s=3.0, ingest_processes=2, ingest_claim_s=1.0, heartbeat_stream_shards=2
     )
-    base.update(kw)
-    return load_settings(**base)
-
-
-async def _until(cond: Callable[[], bool], limit_s: float = 20.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
+    return ingest_settings(redis_url, sqlite_url, **{**base, **kw})
 
 
 def _agents(n: int, prefix: str = "n") -> list[NodeAgent]:

@@ -41,7 +41,11 @@ class NodeView:
         (a scrape, a REST read, the summary) first asks, not at each fold: a node heartbeats every
         second, a scrape comes every 15 (services/observations.py)."""
         if self.payload is not None:
-            self.decoded, self.payload = wire.decode_heartbeat(self.payload), None
+            payload, self.payload = self.payload, None
+            try:
+                self.decoded = wire.decode_heartbeat(payload)
+            except wire.WireError as exc:  # an ingest process of another version: the last one stands
+                log.error("event=heartbeat_undecodable node=%s detail=%s", self.health.name, exc)
         return self.decoded
 
     @latest.setter
@@ -100,7 +104,7 @@ class Cluster:
         if view.health.last_seen is not None and o.at < view.health.last_seen:
             return registered
         self._seen(view, o.reading, received_at=o.at, sent_at=o.sent_at, labels=o.labels)
-        view.decoded, view.payload = None, o.payload
+        view.payload = o.payload  # the decoded one before it stands until this one is read
         return registered
 
     def _view(self, node: str, *, received_at: float, gpus: int) -> tuple[NodeView, ClusterEvent | None]:

@@ -21,6 +21,9 @@ Ingest (one JSON object):
   ``orchestrator_rss_growth_bytes``: what it grew by from just before the orchestrator started
   (the orchestrator's own share, renders included).
 
+``--ingest-processes N`` measures both with ``PULSE_INGEST_PROCESSES=N`` (services/ingest_worker.py);
+``--processes 0,1,2,4`` is the scale-out form instead (tools/bench_scale.py).
+
 Uses Redis database 15 of ``PULSE_REDIS_URL``'s server (flushed) unless ``PULSE_BENCH_REDIS_URL``
 is set, and a SQLite file in a temporary folder.
 """
@@ -31,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,6 +89,12 @@ def _write_rounds(client: redis.Redis, rounds: list[list[tuple[str, bytes]]], *,
                 )
             pipe.execute()
     return time.perf_counter() - t0
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    """Stop (SIGSTOP) or continue (SIGCONT) ingest processes around a backlog's writing."""
+    for pid in pids:
+        os.kill(pid, sig)
 
 
 def backlog_settings(url: str, database_url: str, *, maxlen: int, **extra: Any) -> Settings:
@@ -160,6 +170,7 @@ async def _detection(args: argparse.Namespace, url: str, workdir: Path) -> dict[
         degraded_after_s=degraded_after,
         lost_after_s=3600,
         evaluate_interval_s=0.25,
+        ingest_processes=args.ingest_processes,
     )
     db.upgrade(settings.database_url)
     engine = db.make_engine(settings.database_url)
@@ -246,7 +257,9 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     sync.flushdb()
     _write_rounds(sync, rounds[:1], maxlen=maxlen)  # first contact: every node registers
 
-    settings = backlog_settings(url, f"sqlite:///{workdir / 'bench.db'}", maxlen=maxlen)
+    settings = backlog_settings(
+        url, f"sqlite:///{workdir / 'bench.db'}", maxlen=maxlen, ingest_processes=args.ingest_processes
+    )
     db.upgrade(settings.database_url)
     import psutil
 
@@ -260,9 +273,13 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     while orch.cluster.received < nodes or orch.outbox.pending:
         await asyncio.sleep(0.01)
     first_contact_s = time.perf_counter() - t0
-    # Steady state: the other rounds, written while the loop is blocked, then consumed.
+    # Steady state: the other rounds, written while the loop (and any ingest process) is stopped,
+    # then consumed.
+    workers = orch.ingest_pool.pids if orch.ingest_pool else []
+    signal_all(workers, signal.SIGSTOP)
     _write_rounds(sync, rounds[1:], maxlen=maxlen)
     t0 = time.perf_counter()
+    signal_all(workers, signal.SIGCONT)
     while orch.cluster.received < total_hb:
         await asyncio.sleep(0.01)
     ingest_s = time.perf_counter() - t0

@@ -32,7 +32,7 @@ import redis
 import redis.asyncio as aioredis
 
 from clusterpulse import wire
-from tools.bench import _payloads, _write_rounds, backlog_settings
+from tools.bench import _payloads, _write_rounds, backlog_settings, signal_all
 
 TARGET_NODES = 16_384  # the cores on paper are for this many nodes at one heartbeat a second
 
@@ -103,15 +103,14 @@ async def _drain(
     _write_rounds(sync, rounds[:1], maxlen=maxlen, shards=shards)  # first contact, not timed
     while cluster.received < nodes or orch.outbox.pending:
         await asyncio.sleep(0.01)
-    workers = [psutil.Process(pid) for pid in (orch.ingest_pool.pids if orch.ingest_pool else [])]
-    for w in workers:
-        os.kill(w.pid, signal.SIGSTOP)
+    pids = orch.ingest_pool.pids if orch.ingest_pool else []
+    workers = [psutil.Process(pid) for pid in pids]
+    signal_all(pids, signal.SIGSTOP)
     _write_rounds(sync, rounds[1:], maxlen=maxlen, shards=shards)  # the backlog (the loop is blocked)
     leader, redis_procs = [psutil.Process()], _redis_process(sync)
     cpu0 = (_cpu(leader), _cpu(workers), _cpu(redis_procs))
     t0 = time.perf_counter()
-    for w in workers:
-        os.kill(w.pid, signal.SIGCONT)
+    signal_all(pids, signal.SIGCONT)
     while cluster.received < total:
         await asyncio.sleep(0.005)
     drain_s = time.perf_counter() - t0

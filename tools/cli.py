@@ -895,6 +895,12 @@ def _bench_commands(sub: Subparsers) -> None:
         "and with that many ingest processes, side by side (tools/bench_scale.py)",
     )
     bi.add_argument(
+        "--ingest-processes",
+        type=int,
+        default=0,
+        help="PULSE_INGEST_PROCESSES of the orchestrator the ingest and detection runs measure (default 0)",
+    )
+    bi.add_argument(
         "--backlog", type=int, default=0, help="heartbeats pre-filled (scale-out form; 0: 65,536, at least 2 per node)"
     )
     bi.add_argument("--shards", type=int, default=4, help="heartbeat stream shards (scale-out form)")

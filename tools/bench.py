@@ -252,7 +252,7 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     sync.flushdb()
     rounds = _payloads(nodes, gpus, rounds_n)
     total_hb = nodes * rounds_n
-    maxlen = total_hb + 10
+    maxlen = max(1000, total_hb + 10)  # every entry kept (and the setting's least)
     raw_s = _write_rounds(sync, rounds, maxlen=maxlen)
     sync.flushdb()
     _write_rounds(sync, rounds[:1], maxlen=maxlen)  # first contact: every node registers

@@ -84,7 +84,7 @@ async def _drain(
     sync.flushdb()
     nodes = len(rounds[0])
     total = nodes * len(rounds)
-    maxlen = total + 10
+    maxlen = max(1000, total + 10)  # every entry kept (and the setting's least)
     settings = backlog_settings(
         url,
         f"sqlite:///{workdir / f'scale-{processes}.db'}",

@@ -7,9 +7,11 @@ leader observations (services/observations.py); the leader folds them as it fold
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
+import subprocess
 import time
 
 import redis
@@ -25,6 +27,7 @@ from services.ingest_worker import IngestWorker
 from services.orchestrator import Orchestrator
 from tests.integration.test_ingest import _settings as ingest_settings
 from tests.integration.test_ingest import _until, _with_orchestrator, orch_render
+from tests.support import PULSE
 
 
 def _settings(redis_url: str, sqlite_url: str, **kw: object) -> Settings:
@@ -172,3 +175,19 @@ def test_a_killed_ingest_process_loses_nothing_and_degrades_nobody(redis_url: st
 
     asyncio.run(_with_orchestrator(settings, body))
     raw.close()
+
+
+def test_the_scale_out_bench_drains_its_backlog_with_and_without_processes(redis_url: str) -> None:
+    """`pulse bench ingest --processes 0,1`, small: both runs fold the whole backlog, refuse
+    nothing, and report each CPU share (the figures themselves are the README's business)."""
+    env = {**os.environ, "PULSE_BENCH_REDIS_URL": redis_url}
+    cmd = [*PULSE, "bench", "ingest", "--nodes", "32", "--gpus-per-node", "2", "--processes", "0,1",
+           "--backlog", "96", "--shards", "2", "--json"]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["backlog_heartbeats"] == 96 and result["redis_read_ceiling_per_s"] > 0
+    alone, one = result["runs"]
+    assert (alone["processes"], one["processes"]) == (0, 1)
+    assert alone["rejected"] == one["rejected"] == 0
+    assert alone["ingest_processes_cpu_ms_per_1000"] == 0 and one["ingest_processes_cpu_ms_per_1000"] > 0
+    assert alone["vs_baseline"] == 1.0 and one["heartbeats_per_s"] > 0

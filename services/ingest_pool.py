@@ -30,7 +30,10 @@ class IngestPool:
         return proc
 
     def start(self) -> None:
-        self.procs = [self._spawn() for _ in range(self.settings.ingest_processes)]
+        """Start the processes; those already running (an orchestrator paused and started again)
+        are kept, not doubled."""
+        if not self.procs:
+            self.procs = [self._spawn() for _ in range(self.settings.ingest_processes)]
 
     @property
     def pids(self) -> list[int]:

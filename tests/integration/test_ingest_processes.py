@@ -23,6 +23,7 @@ from agent.simulated import SimulatedNode
 from clusterpulse import wire
 from clusterpulse.settings import Settings, load_settings
 from services import observations
+from services.ingest_pool import IngestPool
 from services.ingest_worker import IngestWorker
 from services.orchestrator import Orchestrator
 from tests.integration.test_ingest import _settings as ingest_settings
@@ -181,13 +182,41 @@ def test_the_scale_out_bench_drains_its_backlog_with_and_without_processes(redis
     """`pulse bench ingest --processes 0,1`, small: both runs fold the whole backlog, refuse
     nothing, and report each CPU share (the figures themselves are the README's business)."""
     env = {**os.environ, "PULSE_BENCH_REDIS_URL": redis_url}
-    cmd = [*PULSE, "bench", "ingest", "--nodes", "32", "--gpus-per-node", "2", "--processes", "0,1",
-           "--backlog", "96", "--shards", "2", "--json"]  # fmt: skip
+    cmd = [
+        *PULSE,
+        "bench",
+        "ingest",
+        "--nodes",
+        "32",
+        "--gpus-per-node",
+        "2",
+        "--processes",
+        "0,1",
+        "--backlog",
+        "640",
+        "--shards",
+        "2",
+        "--json",
+    ]  # fmt: skip  (enough for a CPU tick of 10 ms)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["backlog_heartbeats"] == 96 and result["redis_read_ceiling_per_s"] > 0
+    assert result["backlog_heartbeats"] == 640 and result["redis_read_ceiling_per_s"] > 0
     alone, one = result["runs"]
     assert (alone["processes"], one["processes"]) == (0, 1)
     assert alone["rejected"] == one["rejected"] == 0
     assert alone["ingest_processes_cpu_ms_per_1000"] == 0 and one["ingest_processes_cpu_ms_per_1000"] > 0
     assert alone["vs_baseline"] == 1.0 and one["heartbeats_per_s"] > 0
+
+
+def test_a_pool_started_twice_keeps_its_processes_and_stops_them(redis_url: str) -> None:
+    pool = IngestPool(load_settings(redis_url=redis_url, ingest_processes=2))
+    pool.start()
+    first = pool.pids
+    pool.start()  # an orchestrator paused and started again
+    try:
+        assert pool.pids == first and len(first) == 2
+        assert all(p.poll() is None for p in pool.procs)
+    finally:
+        procs = list(pool.procs)
+        pool.stop()
+    assert all(p.returncode is not None for p in procs) and pool.pids == []

@@ -182,22 +182,9 @@ def test_the_scale_out_bench_drains_its_backlog_with_and_without_processes(redis
     """`pulse bench ingest --processes 0,1`, small: both runs fold the whole backlog, refuse
     nothing, and report each CPU share (the figures themselves are the README's business)."""
     env = {**os.environ, "PULSE_BENCH_REDIS_URL": redis_url}
-    cmd = [
-        *PULSE,
-        "bench",
-        "ingest",
-        "--nodes",
-        "32",
-        "--gpus-per-node",
-        "2",
-        "--processes",
-        "0,1",
-        "--backlog",
-        "640",
-        "--shards",
-        "2",
-        "--json",
-    ]  # fmt: skip  (enough for a CPU tick of 10 ms)
+    # a backlog of 640: enough CPU for the process that psutil's 10 ms ticks count some
+    cmd = [*PULSE, "bench", "ingest", "--nodes", "32", "--gpus-per-node", "2", "--processes", "0,1",
+           "--backlog", "640", "--shards", "2", "--json"]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["backlog_heartbeats"] == 640 and result["redis_read_ceiling_per_s"] > 0

@@ -246,8 +246,6 @@ def _assess_power(hb: Heartbeat, policy: Policy, faults: list[str], warnings: li
 
 def observe(node: NodeHealth, hb: Heartbeat, *, received_at: float, policy: Policy) -> NodeHealth:
     """Fold one heartbeat, received at ``received_at`` on the one clock, into the record."""
-    if node.last_seen is not None and received_at < node.last_seen:
-        return node  # an older entry redelivered after a restart: nothing new to learn from it
     return observe_reading(node, read(hb, policy=policy), received_at=received_at, policy=policy)
 
 

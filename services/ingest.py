@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -28,7 +27,7 @@ from services import checkpoints, observations
 from services.clock import entry_time
 from services.cluster import ClusterEvent
 from services.outbox import Outbox, Registered
-from services.screen import Entries, screen
+from services.screen import Entries, autoclaim, read_group, screen
 from services.sender import SenderCheck
 from services.shared import Shared
 
@@ -117,14 +116,8 @@ class Ingest:
         """Entries other consumers (a previous leader) read and never acknowledged become this
         replica's (``XAUTOCLAIM``), for :meth:`read_pending` to fold."""
         for stream in self.streams:
-            start: Any = "0-0"
-            while True:
-                resp = await self.redis.xautoclaim(
-                    stream, wire.ORCHESTRATOR_GROUP, self.consumer, min_idle_ms, start_id=start, count=1000
-                )
-                start = resp[0]  # the cursor: 0-0 once the whole pending list was scanned
-                if start in (b"0-0", "0-0"):
-                    break
+            async for _ in autoclaim(self.redis, stream, self.consumer, min_idle_ms=min_idle_ms, count=1000):
+                pass
 
     async def read_pending(self) -> None:
         """Fold entries delivered to this consumer but not folded yet: after a takeover (from the
@@ -167,20 +160,8 @@ class Ingest:
             await asyncio.sleep(0)
 
     async def read(self, streams: dict[str, str], *, block_ms: int | None) -> list[tuple[str, Entries]]:
-        """XREADGROUP, normalised to [(stream, [(id, fields)])] for RESP2 and RESP3 replies."""
-        resp: Any = await self.redis.xreadgroup(
-            wire.ORCHESTRATOR_GROUP,
-            self.consumer,
-            cast(Any, streams),
-            count=self.settings.ingest_batch,
-            block=block_ms,
-        )
-        items = resp.items() if isinstance(resp, dict) else (resp or [])
-        out: list[tuple[str, Entries]] = []
-        for stream, entries in items:
-            name = stream.decode() if isinstance(stream, bytes) else str(stream)
-            out.append((name, entries[0] if entries and isinstance(entries[0], list) else entries))
-        return out
+        """XREADGROUP of this replica's consumer (services/screen.py :func:`read_group`)."""
+        return await read_group(self.redis, self.consumer, streams, count=self.settings.ingest_batch, block_ms=block_ms)
 
     # --- folding --------------------------------------------------------------------------------
     async def fold(self, stream: str, entries: Entries) -> None:

@@ -11,8 +11,8 @@ what it says about the hardware (services/health.py ``read``) and handed over wi
 :data:`services.observations.HANDOFF` script: acknowledged and appended to the observation stream
 in one step. Entries another process read and has not handed over within
 ``PULSE_INGEST_CLAIM_S`` (a killed or hung process) are claimed (``XAUTOCLAIM``) and handed over
-here; one handed over twice reaches the leader once (the script appends only what it really
-acknowledged). A malformed heartbeat becomes a rejected observation, counted by the leader; it
+here; one handed over twice reaches the leader once (the script appends a batch only while all
+of it is still pending). A malformed heartbeat becomes a rejected observation, counted by the leader; it
 never stops the loop.
 """
 
@@ -26,7 +26,6 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -36,7 +35,7 @@ from clusterpulse.proc import LOG_FORMAT
 from clusterpulse.settings import Settings
 from services import health, observations
 from services.clock import entry_time
-from services.screen import Entries, screen
+from services.screen import Entries, autoclaim, read_group, screen
 from services.sender import SenderCheck
 from services.shared import supervised
 
@@ -78,41 +77,27 @@ class IngestWorker:
             if time.monotonic() - claimed_at >= claim_every:
                 await self.claim()
                 claimed_at = time.monotonic()
-            resp: Any = await self.redis.xreadgroup(
-                wire.ORCHESTRATOR_GROUP,
-                self.consumer,
-                cast(Any, dict.fromkeys(self.streams, ">")),
-                count=self.settings.ingest_batch,
-                block=block_ms,
+            streams = dict.fromkeys(self.streams, ">")
+            read = await read_group(
+                self.redis, self.consumer, streams, count=self.settings.ingest_batch, block_ms=block_ms
             )
-            items = resp.items() if isinstance(resp, dict) else (resp or [])
-            for stream, entries in items:
-                name = stream.decode() if isinstance(stream, bytes) else str(stream)
-                await self.hand_over(name, entries[0] if entries and isinstance(entries[0], list) else entries)
+            for stream, entries in read:
+                await self.hand_over(stream, entries)
 
     async def claim(self) -> None:
         """Take over what other consumers read and left pending longer than a claim lease."""
         min_idle_ms = int(self.settings.ingest_claim_s * 1000)
         for stream in self.streams:
-            start: Any = "0-0"
-            while True:
-                resp = await self.redis.xautoclaim(
-                    stream,
-                    wire.ORCHESTRATOR_GROUP,
-                    self.consumer,
-                    min_idle_ms,
-                    start_id=start,
-                    count=self.settings.ingest_batch,
-                )
-                start, entries = resp[0], [e for e in resp[1] if e and e[1] is not None]
+            batches = autoclaim(
+                self.redis, stream, self.consumer, min_idle_ms=min_idle_ms, count=self.settings.ingest_batch
+            )
+            async for entries in batches:
                 if entries:
                     self.claimed += len(entries)
                     log.info(
                         "event=ingest_claimed stream=%s entries=%d consumer=%s", stream, len(entries), self.consumer
                     )
                     await self.hand_over(stream, entries)
-                if start in (b"0-0", "0-0"):
-                    break
             await self._forget_gone(stream, min_idle_ms)
 
     async def _forget_gone(self, stream: str, min_idle_ms: int) -> None:

@@ -10,13 +10,14 @@ more: the script then changes nothing and names the entries still pending, and t
 over those alone. So every heartbeat reaches the leader once, and a process killed before the
 script ran leaves its entries pending for the others to claim. (The observations travel as one
 argument, not one per entry: a Lua script's arguments cost the server per argument and per byte,
-and one per entry made the script the most expensive command of the whole ingest.) The leader reads the observation stream
-with the consumer group and acknowledges an observation entry once what it carried is stored,
-exactly as it did the heartbeat entries (services/ingest.py).
+and one per entry made the script the most expensive command of the whole ingest.) The leader
+reads the observation stream with the consumer group and acknowledges an observation entry once
+what it carried is stored, exactly as it did the heartbeat entries (services/ingest.py).
 
 What the leader saves per heartbeat: the Redis reply of one entry per batch instead of one per
-heartbeat, a msgpack decode instead of JSON (no number parsing), and the sender check and health
-reading, done by the ingest processes. What stays with it: the node's throttle clock and streaks
+heartbeat, the heartbeat's decode (it keeps the agent's bytes and decodes them only when read,
+services/cluster.py ``NodeView.latest``), and the sender check and health reading, done by the
+ingest processes. What stays with it: the node's throttle clock and streaks
 (:func:`services.health.observe_reading`), evaluation, and everything after.
 """
 

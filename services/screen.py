@@ -3,13 +3,16 @@ then checked against each claimed node's own latest key (services/sender.py), wi
 read per batch of the keys whose earlier contents do not vouch for their entries already.
 
 Both readers of the heartbeat streams use it: the leader's ingest (services/ingest.py) when it
-reads them itself, and the ingest processes (services/ingest_worker.py) when they do.
+reads them itself, and the ingest processes (services/ingest_worker.py) when they do; and both
+read their streams with :func:`read_group` and take over idle entries with :func:`autoclaim`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 
@@ -21,6 +24,39 @@ from services.shared import read_latest, until_ok
 log = logging.getLogger("pulse.orchestrator")
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+async def read_group(
+    client: aioredis.Redis, consumer: str, streams: dict[str, str], *, count: int, block_ms: int | None
+) -> list[tuple[str, Entries]]:
+    """XREADGROUP of the orchestrator's group, normalised to [(stream, [(id, fields)])] for RESP2
+    and RESP3 replies."""
+    resp: Any = await client.xreadgroup(
+        wire.ORCHESTRATOR_GROUP, consumer, cast(Any, streams), count=count, block=block_ms
+    )
+    items = resp.items() if isinstance(resp, dict) else (resp or [])
+    out: list[tuple[str, Entries]] = []
+    for stream, entries in items:
+        name = stream.decode() if isinstance(stream, bytes) else str(stream)
+        out.append((name, entries[0] if entries and isinstance(entries[0], list) else entries))
+    return out
+
+
+async def autoclaim(
+    client: aioredis.Redis, stream: str, consumer: str, *, min_idle_ms: int, count: int
+) -> AsyncIterator[Entries]:
+    """Every entry of ``stream`` pending with any consumer for at least ``min_idle_ms`` becomes
+    ``consumer``'s (``XAUTOCLAIM``), a batch at a time, until the whole pending list was scanned;
+    entries trimmed from the stream meanwhile are left out."""
+    start: Any = "0-0"
+    while True:
+        resp = await client.xautoclaim(
+            stream, wire.ORCHESTRATOR_GROUP, consumer, min_idle_ms, start_id=start, count=count
+        )
+        start = resp[0]  # the cursor: 0-0 once the whole pending list was scanned
+        yield [e for e in resp[1] if e and e[1] is not None]
+        if start in (b"0-0", "0-0"):
+            return
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,6 +102,13 @@ class Replicas:
         live = [r for r in REPLICAS if r in self.procs and self.procs[r].poll() is None and r not in self.stopped]
         return [r for r in live if self.metric(r, "pulse_leader") == 1.0]
 
+    def leader(self) -> tuple[str, str]:
+        """The one replica that leads now and the other one: the tests take turns killing and
+        pausing leaders, so none of them assumes which replica the test before it left leading."""
+        leaders = self.leaders()
+        assert len(leaders) == 1, leaders
+        return leaders[0], next(r for r in REPLICAS if r != leaders[0])
+
     def nodes(self, replica: str) -> dict[str, dict[str, Any]]:
         r = self.get(replica, "/v1/nodes")
         r.raise_for_status()
@@ -224,34 +231,34 @@ def ha(tmp_path_factory: pytest.TempPathFactory, database_url: str) -> Iterator[
 
 
 def test_exactly_one_replica_leads_and_the_follower_serves_reads(ha: Replicas) -> None:
-    assert ha.leaders() == ["orch-a"]
-    assert ha.metric("orch-b", "pulse_leader") == 0.0
-    epoch = ha.metric("orch-a", "pulse_leader_epoch")
-    assert epoch >= 1 and ha.metric("orch-b", "pulse_leader_epoch") == epoch
+    lead, follow = ha.leader()
+    assert ha.metric(follow, "pulse_leader") == 0.0
+    epoch = ha.metric(lead, "pulse_leader_epoch")
+    assert epoch >= 1 and ha.metric(follow, "pulse_leader_epoch") == epoch
     # the follower's reads come from the database: the same nodes, the same health
     wait_for(
-        lambda: {n: v["state"] for n, v in ha.nodes("orch-b").items()} == dict.fromkeys(NODES, "HEALTHY"),
+        lambda: {n: v["state"] for n, v in ha.nodes(follow).items()} == dict.fromkeys(NODES, "HEALTHY"),
         timeout=30,
         what="the follower sees 3 HEALTHY nodes",
     )
-    assert ha.get("orch-b", "/healthz").status_code == 200 and ha.get("orch-b", "/readyz").status_code == 200
+    assert ha.get(follow, "/healthz").status_code == 200 and ha.get(follow, "/readyz").status_code == 200
     # mutations go to the leader: the follower names it
-    refused = ha.post("orch-b", f"/v1/nodes/{NODES[0]}/cordon")
+    refused = ha.post(follow, f"/v1/nodes/{NODES[0]}/cordon")
     assert refused.status_code == 503, refused.text
-    assert "orch-b follows; the leader is orch-a" in refused.json()["detail"]
-    assert ha.post("orch-a", f"/v1/nodes/{NODES[0]}/cordon").json()["changed"] is True
-    wait_for(lambda: ha.nodes("orch-b")[NODES[0]]["schedulable"] is False, timeout=30, what="cordon seen by b")
-    assert ha.post("orch-a", f"/v1/nodes/{NODES[0]}/uncordon").json()["changed"] is True
+    assert f"{follow} follows; the leader is {lead}" in refused.json()["detail"]
+    assert ha.post(lead, f"/v1/nodes/{NODES[0]}/cordon").json()["changed"] is True
+    wait_for(lambda: ha.nodes(follow)[NODES[0]]["schedulable"] is False, timeout=30, what="cordon seen by the follower")
+    assert ha.post(lead, f"/v1/nodes/{NODES[0]}/uncordon").json()["changed"] is True
 
 
 def test_sigstopped_leader_is_replaced_and_its_writes_are_refused_when_it_wakes(ha: Replicas) -> None:
-    assert ha.leaders() == ["orch-a"]
-    old = int(ha.metric("orch-a", "pulse_leader_epoch"))
-    ha.run_job("orch-a", "before-pause")  # job commands under the old epoch, before the pause
+    lead, follow = ha.leader()
+    old = int(ha.metric(lead, "pulse_leader_epoch"))
+    ha.run_job(lead, "before-pause")  # job commands under the old epoch, before the pause
 
-    ha.pause("orch-a")
-    wait_for(lambda: ha.leaders() == ["orch-b"], timeout=4 * LEASE + 30, what="orch-b leads")
-    new = int(ha.metric("orch-b", "pulse_leader_epoch"))
+    ha.pause(lead)
+    wait_for(lambda: ha.leaders() == [follow], timeout=4 * LEASE + 30, what=f"{follow} leads")
+    new = int(ha.metric(follow, "pulse_leader_epoch"))
     assert new > old
     wait_for(
         lambda: ha.sql("SELECT id, at FROM events WHERE kind = 'leader' AND epoch = :e", e=new),
@@ -259,14 +266,16 @@ def test_sigstopped_leader_is_replaced_and_its_writes_are_refused_when_it_wakes(
         what="the new leader's event",
     )
     (takeover_id, takeover_at), *_ = ha.sql("SELECT id, at FROM events WHERE kind = 'leader' AND epoch = :e", e=new)
-    ha.run_job("orch-b", "during-pause")  # jobs go on under the new leader
+    ha.run_job(follow, "during-pause")  # jobs go on under the new leader
 
-    ha.resume("orch-a")
-    wait_for(lambda: ha.metric("orch-a", "pulse_leader") == 0.0, timeout=30, what="orch-a follows")
-    wait_for(lambda: ha.metric("orch-a", "pulse_leader_epoch") == new, timeout=30, what="orch-a sees the new epoch")
-    wait_for(lambda: "event=stepped_down" in (ha.tmp / "orch-a.log").read_text(), timeout=30, what="a stepped down")
+    ha.resume(lead)
+    wait_for(lambda: ha.metric(lead, "pulse_leader") == 0.0, timeout=30, what=f"{lead} follows")
+    wait_for(lambda: ha.metric(lead, "pulse_leader_epoch") == new, timeout=30, what=f"{lead} sees the new epoch")
+    wait_for(
+        lambda: "event=stepped_down" in (ha.tmp / f"{lead}.log").read_text(), timeout=30, what=f"{lead} stepped down"
+    )
     time.sleep(4 * RENEW)  # whatever the woken replica still had in flight has been tried by now
-    assert ha.leaders() == ["orch-b"]
+    assert ha.leaders() == [follow]
 
     # nothing carrying the stale epoch landed after the takeover
     stale_events = ha.sql("SELECT id, kind, reason FROM events WHERE epoch = :e AND id > :t", e=old, t=takeover_id)
@@ -283,27 +292,27 @@ def test_sigstopped_leader_is_replaced_and_its_writes_are_refused_when_it_wakes(
     finally:
         client.close()
     # the woken replica serves reads and sends mutations to the new leader
-    assert set(ha.nodes("orch-a")) >= set(NODES)
-    refused = ha.post("orch-a", f"/v1/nodes/{NODES[0]}/cordon")
-    assert refused.status_code == 503 and "the leader is orch-b" in refused.json()["detail"], refused.text
+    assert set(ha.nodes(lead)) >= set(NODES)
+    refused = ha.post(lead, f"/v1/nodes/{NODES[0]}/cordon")
+    assert refused.status_code == 503 and f"the leader is {follow}" in refused.json()["detail"], refused.text
 
 
 def test_sigkilled_leader_fails_over_within_one_lease_and_work_goes_on(ha: Replicas) -> None:
-    assert ha.leaders() == ["orch-b"]
-    old = int(ha.metric("orch-b", "pulse_leader_epoch"))
-    ha.procs["orch-b"].kill()
+    lead, follow = ha.leader()
+    old = int(ha.metric(lead, "pulse_leader_epoch"))
+    ha.procs[lead].kill()
     killed = time.monotonic()
-    ha.procs["orch-b"].wait()
-    wait_for(lambda: ha.leaders() == ["orch-a"], timeout=4 * LEASE + 30, what="orch-a leads")
+    ha.procs[lead].wait()
+    wait_for(lambda: ha.leaders() == [follow], timeout=4 * LEASE + 30, what=f"{follow} leads")
     failover_s = time.monotonic() - killed
     print(f"failover_s={failover_s:.2f} lease_s={LEASE} renew_s={RENEW}")
     # the contract: one lease plus a renew tick, with room for a loaded machine's scheduling
     assert failover_s < LEASE + RENEW + 3.0, f"failover took {failover_s:.1f}s, lease {LEASE}s"
-    assert int(ha.metric("orch-a", "pulse_leader_epoch")) == old + 1
+    assert int(ha.metric(follow, "pulse_leader_epoch")) == old + 1
 
     # health goes on: a silenced agent's node degrades under the new leader
     ha.procs[NODES[2]].kill()
-    wait_for(lambda: ha.nodes("orch-a")[NODES[2]]["state"] == "DEGRADED", timeout=60, what=f"{NODES[2]} DEGRADED")
+    wait_for(lambda: ha.nodes(follow)[NODES[2]]["state"] == "DEGRADED", timeout=60, what=f"{NODES[2]} DEGRADED")
 
     # plans go on: a 3-rank job registers; the degraded node's rank is carried by a neighbour
     client = redis.Redis.from_url(REDIS_URL)
@@ -311,8 +320,8 @@ def test_sigkilled_leader_fails_over_within_one_lease_and_work_goes_on(ha: Repli
         for rank, node in enumerate(NODES):
             reg = wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="ha-train", rank=rank, node=node, world_size=3)
             client.xadd(wire.REGISTRATION_STREAM, {wire.REGISTRATION_FIELD: wire.encode(reg)})
-        wait_for(lambda: ha.get("orch-a", "/v1/jobs/ha-train/plan").status_code == 200, timeout=30, what="a plan")
-        plan = ha.get("orch-a", "/v1/jobs/ha-train/plan").json()
+        wait_for(lambda: ha.get(follow, "/v1/jobs/ha-train/plan").status_code == 200, timeout=30, what="a plan")
+        plan = ha.get(follow, "/v1/jobs/ha-train/plan").json()
         assert "2" in plan["proxies"] or 2 in plan["excluded"], plan
         published = wire.decode_plan(client.get(wire.job_plan_key("ha-train")) or b"")
         assert published.generation == plan["generation"]
@@ -325,5 +334,5 @@ def test_sigkilled_leader_fails_over_within_one_lease_and_work_goes_on(ha: Repli
     wait_for(lambda: stored() == {old + 1}, timeout=30, what="the plan stored under the new epoch")
 
     # jobs go on: one placed and run by the new leader
-    done = ha.run_job("orch-a", "after-kill")
+    done = ha.run_job(follow, "after-kill")
     assert set(done["assigned_nodes"]) <= set(NODES[:2])

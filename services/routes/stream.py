@@ -20,8 +20,11 @@ connected and one that reconnects before any event arrived resumes there. The st
 client goes away (checked at every poll). A follower replica streams too (it reads the same
 database).
 
-Limits: the caller's token is checked once, at connection time (a revoked token's stream runs
-until the client disconnects). On PostgreSQL two writers committing at once may make a lower id
+The caller's token is checked again at every poll (a lookup cached ``PULSE_TOKEN_CACHE_S``, a
+revoke on this replica drops the cache at once): the stream of a token revoked since it connected
+ends with a ``: `` comment saying why, and the client's reconnect gets the 401.
+
+Limits: on PostgreSQL two writers committing at once may make a lower id
 visible after a higher one has been sent; such an event is then skipped by this stream (it stays
 in ``GET /v1/events``). Events are written by the leader's loops in one order, so this needs two
 concurrent writers (an operator action racing a transition).
@@ -36,12 +39,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 
 from clusterpulse.states import EventKind
 from services import db
-from services.deps import OrchestratorDep, SettingsDep, Viewer
+from services.deps import Bearer, OrchestratorDep, SettingsDep, TokensDep, Viewer, require_viewer
 from services.routes.events import event_public
 
 log = logging.getLogger("pulse.orchestrator.stream")
@@ -86,8 +89,11 @@ DESCRIPTION = (
 )
 async def stream(
     request: Request,
+    *,
     orch: OrchestratorDep,
     settings: SettingsDep,
+    tokens: TokensDep,
+    creds: Bearer,
     _: Viewer,
     since_id: Annotated[int | None, Query(ge=0, description="send events with a larger id")] = None,
     last_event_id: Annotated[int | None, Header(ge=0, description="as since_id; sent by EventSource")] = None,
@@ -102,6 +108,14 @@ async def stream(
         with orch.sessions() as s:
             return [event_public(e) for e in db.events_after(s, after_id=last, limit=BATCH)]
 
+    async def refused() -> str | None:
+        """Why the caller may no longer read (its token revoked since it connected), else None."""
+        try:
+            await require_viewer(request, settings, tokens, creds)
+        except HTTPException as exc:
+            return str(exc.detail)
+        return None
+
     async def messages() -> AsyncIterator[str]:
         last = start if start is not None else await asyncio.to_thread(newest)
         client = request.client.host if request.client else "unknown"
@@ -110,6 +124,9 @@ async def stream(
         quiet_since = time.monotonic()
         try:
             while not await request.is_disconnected():
+                if (why := await refused()) is not None:
+                    yield f": closed: {why}\n\n"
+                    break
                 rows = await asyncio.to_thread(after, last)
                 for row in rows:
                     yield format_message(row)

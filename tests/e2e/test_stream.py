@@ -159,3 +159,29 @@ def test_stream_replays_after_since_id_then_keeps_alive(stack: Stack) -> None:
             if m is not None and m.data is not None:
                 got.append(m)
     assert [m.data for m in got][: len(stored)] == stored
+
+
+def test_a_revoked_tokens_stream_ends_saying_why(stack: Stack) -> None:
+    """A viewer token's stream is open; the token is revoked: the stream ends with a comment
+    naming the refusal (not at the client's leisure), and reconnecting with it is a 401."""
+    created = stack.post("/v1/tokens", {"name": "stream-viewer", "role": "viewer"})
+    assert created.status_code == 201, created.text
+    viewer = {"Authorization": f"Bearer {created.json()['secret']}"}
+    lines: list[str] = []
+    client = httpx.Client(base_url=stack.api, headers=viewer, timeout=httpx.Timeout(5.0, read=10.0))
+    with client, client.stream("GET", "/v1/stream") as r:
+        assert r.status_code == 200
+        revoked_at = None
+        for line in r.iter_lines():  # ends when the server closes the stream
+            lines.append(line)
+            if line.startswith(": keepalive") and revoked_at is None:  # streaming: now revoke it
+                revoked = stack.post("/v1/tokens/stream-viewer/revoke")
+                assert revoked.json()["changed"] is True, revoked.text
+                lines.append("revoked")
+                revoked_at = time.monotonic()
+            if revoked_at is not None and time.monotonic() - revoked_at > 10:
+                break  # keepalives went on: the stream outlived its token
+    closing = [line for line in lines if line.startswith(": closed:")]
+    assert closing == [": closed: the bearer token is unknown or revoked; this call needs role viewer or above"], lines
+    assert lines.index("revoked") < lines.index(closing[0])
+    assert httpx.get(f"{stack.api}/v1/stream", headers=viewer, timeout=5).status_code == 401

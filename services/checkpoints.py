@@ -31,6 +31,11 @@ class CheckpointRefused(Exception):
     """The job cannot take a checkpoint now; the message says its state and what is needed."""
 
 
+class CheckpointUndelivered(Exception):
+    """The request is recorded (its ``checkpoint_requested`` event stands) but its commands did
+    not reach Redis; the message names the request and says to ask again."""
+
+
 def refusal(job_id: str, state: str) -> str | None:
     """Why a job in ``state`` cannot be asked for a checkpoint, or None when it can: only running
     ranks save, and before RUNNING they may not yet catch SIGUSR2 (its default action kills)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import redis
 from sqlalchemy.orm import Session
 
 from clusterpulse.settings import Settings
@@ -156,7 +157,8 @@ class OperatorActions:
         ``checkpoint_requested`` event, then a checkpoint command to every assigned node (a Slurm
         job: one on the job's command stream, which every rank's supervisor reads). Returns
         (request id, nodes). Raises KeyError for an unknown job, CheckpointRefused when it is not
-        RUNNING (nothing written or sent then)."""
+        RUNNING (nothing written or sent then), CheckpointUndelivered when Redis fails the send
+        (the event stands: the request was made, and a second one is a new request)."""
         request = uuid.uuid4().hex[:16]
 
         def write(s: Session) -> tuple[list[str], dict[str, Any], str, int]:
@@ -176,7 +178,13 @@ class OperatorActions:
         nodes, spec, addr, port = await self.writer.run("job checkpoint", write)
         # a Slurm job's ranks' supervisors read the job's own stream (agent/slurm_rank.py), not the nodes' agents
         slurm = is_slurm(spec)
-        await self.jobs.send(Send("checkpoint", job_id, nodes, spec, addr, port, request=request, job_stream=slurm))
+        try:
+            await self.jobs.send(Send("checkpoint", job_id, nodes, spec, addr, port, request=request, job_stream=slurm))
+        except redis.RedisError as exc:
+            raise checkpoints.CheckpointUndelivered(
+                f"checkpoint request {request} of job {job_id} is recorded but did not reach its ranks "
+                f"(Redis: {exc}); ask again once Redis answers"
+            ) from exc
         return request, nodes
 
     async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Header, HTTPException, Query, Response, status
 
 from services import db
-from services.checkpoints import CheckpointRefused
+from services.checkpoints import CheckpointRefused, CheckpointUndelivered
 from services.deps import Operator, OrchestratorDep, Viewer
 from services.jobs import JOB_STATES
 from services.operator import IdempotencyKeyReused, PlacementRefused
@@ -189,7 +189,10 @@ async def stop_job(job_id: str, orch: OrchestratorDep, caller: Operator) -> JobP
     "/v1/jobs/{job_id}/checkpoint",
     response_model=CheckpointPublic,
     status_code=202,
-    responses={409: {"model": ErrorPublic}},
+    responses={
+        409: {"model": ErrorPublic},
+        503: {"model": ErrorPublic, "description": "Redis did not take the request"},
+    },
 )
 async def checkpoint_job(
     job_id: str,
@@ -206,4 +209,8 @@ async def checkpoint_job(
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} is not known") from None
     except CheckpointRefused as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from None
+    except CheckpointUndelivered as exc:
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, detail=str(exc), headers={"Retry-After": "5"}
+        ) from None
     return CheckpointPublic(job=await _get_job(orch, job_id), request=request, requested_by=caller.name, nodes=nodes)

@@ -12,14 +12,19 @@ sync to the first evaluation after Redis is back.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
 
 from clusterpulse import wire
+from clusterpulse.states import JobState
+from services import db
 from tests.stack import Stack
 from tests.support import wait_for
 from tools.harness import PrivateRedis
@@ -124,3 +129,39 @@ def test_redis_restart_degrades_nobody_and_agents_republish(stack: Stack, privat
     partition = [e["reason"] for e in stack.events() if e["id"] > mark and e["kind"] == "partition"]
     assert len(partition) == 2, partition
     assert partition[0].startswith("Redis unreachable") and partition[1].startswith("partition over"), partition
+
+
+def test_a_checkpoint_asked_while_redis_is_down_is_a_503_that_names_the_request(
+    tmp_path: Path, private_redis: PrivateRedis
+) -> None:
+    """The request is recorded (its event stands) before its commands go to Redis; when Redis
+    refuses them the caller hears so, with the request's id and a Retry-After, not a bare 500."""
+    s = Stack(tmp_path, PULSE_REDIS_URL=private_redis.url, PULSE_REDIS_TIMEOUT_S="1")
+    try:
+        s.orchestrator()
+        wait_for(lambda: s.metric("pulse_leader") == 1.0, timeout=30, what="the orchestrator leads")
+        engine = create_engine(s.env["PULSE_DATABASE_URL"])
+        try:
+            with Session(engine) as session, session.begin():
+                spec = {"name": "ckpt", "nodes": 1, "gpus_per_node": 1, "entrypoint": ["train.py"]}
+                db.create_job(
+                    session, job_id=JOB, name="ckpt", spec=spec, assigned_nodes=["redis-0"], master_addr="127.0.0.1",
+                    master_port=29500, idempotency_key=None, at=time.time(), actor="test",
+                )  # fmt: skip
+                db.set_job_state(session, job_id=JOB, state=JobState.RUNNING, reason="test", at=time.time())
+        finally:
+            engine.dispose()
+        private_redis.stop()
+        r = s.post(f"/v1/jobs/{JOB}/checkpoint", {"reason": "before the maintenance"})
+        assert r.status_code == 503, r.text
+        assert r.headers["Retry-After"] == "5"
+        m = re.fullmatch(
+            rf"checkpoint request ([0-9a-f]{{16}}) of job {JOB} is recorded but did not reach its ranks "
+            r"\(Redis: .+\); ask again once Redis answers",
+            r.json()["detail"],
+        )
+        assert m, r.json()
+        asked = [e["reason"] for e in s.events(job=JOB) if e["kind"] == "checkpoint_requested"]
+        assert len(asked) == 1 and asked[0].endswith(f"[request {m[1]}]"), asked
+    finally:
+        s.close()

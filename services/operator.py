@@ -5,6 +5,7 @@ or a stale leader is refused, ``NotLeader``), then applied in memory or sent to 
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -20,6 +21,8 @@ from services.shared import Shared, Writer
 from services.slurm import SlurmSync
 from services.slurm_jobs import is_slurm
 from services.threads import in_thread
+
+log = logging.getLogger("pulse.orchestrator")
 
 
 class PlacementRefused(Exception):
@@ -126,7 +129,9 @@ class OperatorActions:
 
     async def stop_job(self, job_id: str, *, actor: str) -> bool:
         """Ask a job to stop: STOPPING and a stop command to every assigned node. Idempotent;
-        a job already finished stays as it is. Raises KeyError for an unknown job."""
+        a job already finished stays as it is. Raises KeyError for an unknown job. A send Redis
+        fails is not the caller's error: the job loop resends a STOPPING job's stop every
+        ``PULSE_JOB_RESEND_S`` (services/reconcile.py)."""
 
         def write(s: Session) -> tuple[bool, list[str], dict[str, Any], str, int]:
             job = db.get_job(s, job_id=job_id)
@@ -149,7 +154,10 @@ class OperatorActions:
             return True  # the Slurm job loop scancels it (services/slurm_jobs.py: SIGTERM, the grace, SIGKILL)
         if changed:
             self.jobs.last_send[(job_id, "stop")] = self.clock.now()
-            await self.jobs.send(Send("stop", job_id, nodes, spec, addr, port))
+            try:
+                await self.jobs.send(Send("stop", job_id, nodes, spec, addr, port))
+            except redis.RedisError as exc:  # STOPPING is stored: the job loop resends the stop
+                log.warning("event=job_command_deferred job=%s kind=stop error=%r", job_id, str(exc))
         return changed
 
     async def request_checkpoint(self, job_id: str, *, actor: str, reason: str) -> tuple[str, list[str]]:

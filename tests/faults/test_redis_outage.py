@@ -131,11 +131,11 @@ def test_redis_restart_degrades_nobody_and_agents_republish(stack: Stack, privat
     assert partition[0].startswith("Redis unreachable") and partition[1].startswith("partition over"), partition
 
 
-def test_a_checkpoint_asked_while_redis_is_down_is_a_503_that_names_the_request(
-    tmp_path: Path, private_redis: PrivateRedis
-) -> None:
-    """The request is recorded (its event stands) before its commands go to Redis; when Redis
-    refuses them the caller hears so, with the request's id and a Retry-After, not a bare 500."""
+@pytest.fixture
+def running_job(tmp_path: Path, private_redis: PrivateRedis) -> Iterator[Stack]:
+    """The orchestrator alone on a private Redis, leading, with a RUNNING job written to its
+    database whose node's agent said its ranks started (no agent runs: what is asked of the job's
+    node only has to be sent)."""
     s = Stack(tmp_path, PULSE_REDIS_URL=private_redis.url, PULSE_REDIS_TIMEOUT_S="1")
     try:
         s.orchestrator()
@@ -149,19 +149,54 @@ def test_a_checkpoint_asked_while_redis_is_down_is_a_503_that_names_the_request(
                     master_port=29500, idempotency_key=None, at=time.time(), actor="test",
                 )  # fmt: skip
                 db.set_job_state(session, job_id=JOB, state=JobState.RUNNING, reason="test", at=time.time())
+                started = {"job": JOB, "node": "redis-0", "state": "started", "pids": []}
+                db.set_job_node_status(session, job_id=JOB, node="redis-0", status=started, at=time.time())
         finally:
             engine.dispose()
-        private_redis.stop()
-        r = s.post(f"/v1/jobs/{JOB}/checkpoint", {"reason": "before the maintenance"})
-        assert r.status_code == 503, r.text
-        assert r.headers["Retry-After"] == "5"
-        m = re.fullmatch(
-            rf"checkpoint request ([0-9a-f]{{16}}) of job {JOB} is recorded but did not reach its ranks "
-            r"\(Redis: .+\); ask again once Redis answers",
-            r.json()["detail"],
-        )
-        assert m, r.json()
-        asked = [e["reason"] for e in s.events(job=JOB) if e["kind"] == "checkpoint_requested"]
-        assert len(asked) == 1 and asked[0].endswith(f"[request {m[1]}]"), asked
+        yield s
     finally:
         s.close()
+
+
+def test_a_checkpoint_asked_while_redis_is_down_is_a_503_that_names_the_request(
+    running_job: Stack, private_redis: PrivateRedis
+) -> None:
+    """The request is recorded (its event stands) before its commands go to Redis; when Redis
+    refuses them the caller hears so, with the request's id and a Retry-After, not a bare 500."""
+    s = running_job
+    private_redis.stop()
+    r = s.post(f"/v1/jobs/{JOB}/checkpoint", {"reason": "before the maintenance"})
+    assert r.status_code == 503, r.text
+    assert r.headers["Retry-After"] == "5"
+    m = re.fullmatch(
+        rf"checkpoint request ([0-9a-f]{{16}}) of job {JOB} is recorded but did not reach its ranks "
+        r"\(Redis: .+\); ask again once Redis answers",
+        r.json()["detail"],
+    )
+    assert m, r.json()
+    asked = [e["reason"] for e in s.events(job=JOB) if e["kind"] == "checkpoint_requested"]
+    assert len(asked) == 1 and asked[0].endswith(f"[request {m[1]}]"), asked
+
+
+def test_a_stop_asked_while_redis_is_down_is_stored_and_sent_once_redis_answers(
+    running_job: Stack, private_redis: PrivateRedis
+) -> None:
+    """A stop is STOPPING in the database before its commands go out, and the job loop resends a
+    STOPPING job's stop: Redis down is no error of the caller's (it was a 500), and the stop
+    reaches the node's command stream once Redis is back."""
+    s = running_job
+    private_redis.stop()
+    r = s.post(f"/v1/jobs/{JOB}/stop")
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "STOPPING"
+    private_redis.start()
+    client = private_redis.client()
+    try:
+
+        def sent() -> list[str]:
+            entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(wire.node_commands_key("redis-0"))  # type: ignore[assignment]
+            return [wire.decode_job_command(f[wire.COMMAND_FIELD]).kind for _, f in entries]
+
+        wait_for(lambda: "stop" in sent(), timeout=30, what="the stop resent once Redis answers")
+    finally:
+        client.close()

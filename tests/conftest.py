@@ -11,6 +11,7 @@ tree) rebuild each other's ops and wait minutes on each other's lock files.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sys
@@ -101,11 +102,11 @@ HEAVY = {
 HEAVY_AT_ONCE = 2
 
 
-@pytest.fixture(autouse=True)
-def _heavy_slot(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test of a HEAVY module holds one of HEAVY_AT_ONCE lock files shared by this run's
-    workers (xdist's run id names them) while it runs; others pass straight through."""
-    if str(request.node.path.relative_to(REPO)) not in HEAVY:
+@contextlib.contextmanager
+def _heavy_slot(item: pytest.Item) -> Iterator[None]:
+    """For a test of a HEAVY module, one of HEAVY_AT_ONCE lock files shared by this run's workers
+    (xdist's run id names them), held while it runs; others pass straight through."""
+    if str(item.path.relative_to(REPO)) not in HEAVY:
         yield
         return
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
@@ -125,3 +126,12 @@ def _heavy_slot(request: pytest.FixtureRequest) -> Iterator[None]:
                 f.close()
             return
         time.sleep(0.2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """The slot is held around the whole protocol, not taken by a fixture: a module's fixtures
+    set up with its first test (a gloo world run in a module fixture) and torn down with its last
+    are inside it too; an autouse fixture would come after them."""
+    with _heavy_slot(item):
+        yield

@@ -7,9 +7,9 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import httpx
 import redis
@@ -17,8 +17,10 @@ import redis
 from agent.daemon import NodeAgent
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
-from tests.support import REDIS_URL, free_port, pulse_env, spawn, stop, wait_for
+from tests.support import REDIS_URL, free_port, http, pulse_env, spawn, stop, wait_for
 from tools.harness import kill_launched
+
+T = TypeVar("T")
 
 TOKEN = "stack-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -47,7 +49,7 @@ class Stack:
 
     def orchestrator(self) -> None:
         self.procs["orch"] = spawn(["orchestrator", "--port", str(self.port)], env=self.env, log=self.tmp / "orch.log")
-        wait_for(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
+        wait_for(lambda: http().get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
 
     def agent(
         self, node: str, *extra: str, env: dict[str, str] | None = None, addr_label: str | None = "127.0.0.1"
@@ -78,18 +80,18 @@ class Stack:
     def metric(self, series: str) -> float:
         """The value of one series on /metrics, e.g. ``pulse_partition_suspected`` or
         ``pulse_node_clock_skew_seconds{node="n1"}``."""
-        for line in httpx.get(f"{self.api}/metrics", timeout=5).text.splitlines():
+        for line in http().get(f"{self.api}/metrics", timeout=5).text.splitlines():
             if line.startswith(series + " "):
                 return float(line.split()[1])
         raise AssertionError(f"{series} not on /metrics")
 
     def get(self, path: str, **kw: Any) -> Any:
-        r = httpx.get(f"{self.api}{path}", timeout=5, **kw)
+        r = http().get(f"{self.api}{path}", timeout=5, **kw)
         r.raise_for_status()
         return r.json()
 
     def post(self, path: str, body: Any = None, **kw: Any) -> httpx.Response:
-        return httpx.post(f"{self.api}{path}", json=body, headers={**AUTH, **kw.pop("headers", {})}, timeout=10, **kw)
+        return http().post(f"{self.api}{path}", json=body, headers={**AUTH, **kw.pop("headers", {})}, timeout=10, **kw)
 
     def job(self, job_id: str) -> dict[str, Any]:
         out: dict[str, Any] = self.get(f"/v1/jobs/{job_id}")
@@ -116,16 +118,36 @@ class Stack:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
 
 
-def _entries(url: str, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    client = redis.Redis.from_url(url)
-    try:
-        return cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream))
-    finally:
-        client.close()
+class _StreamReader:
+    """A stream's entries, decoded, read incrementally: tests poll the trainer streams many times a
+    second while they grow to thousands of entries, and reading and decoding all of each every time
+    cost a multi-rank test as much CPU (in pytest and Redis) as its ranks. A stream whose first entry
+    changed (flushed between tests, or trimmed) is read again from its start."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, redis.Redis] = {}
+        self._read: dict[tuple[str, str], tuple[bytes, bytes, list[Any]]] = {}  # first id, last id, decoded
+
+    def entries(self, url: str, stream: str, decode: Callable[[dict[bytes, bytes]], T]) -> list[T]:
+        client = self._clients.setdefault(url, redis.Redis.from_url(url))
+        head = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream, count=1))
+        if not head:
+            self._read.pop((url, stream), None)
+            return []
+        first, last, decoded = self._read.get((url, stream), (head[0][0], b"", []))
+        if first != head[0][0]:
+            first, last, decoded = head[0][0], b"", []
+        new = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream, min=b"(" + last if last else "-"))
+        decoded = [*decoded, *(decode(fields) for _, fields in new)]
+        self._read[(url, stream)] = (first, new[-1][0] if new else last, decoded)
+        return list(decoded)
+
+
+_streams = _StreamReader()
 
 
 def reports(url: str) -> list[wire.TrainerReport]:
-    return [wire.decode_trainer_report(f[wire.TRAINER_FIELD]) for _, f in _entries(url, wire.TRAINER_STREAM)]
+    return _streams.entries(url, wire.TRAINER_STREAM, lambda f: wire.decode_trainer_report(f[wire.TRAINER_FIELD]))
 
 
 def first_step_with(url: str, job: str, generation: int) -> dict[int, int]:
@@ -147,7 +169,9 @@ def latest_step(url: str, job: str) -> dict[int, int]:
 
 
 def registrations(url: str) -> list[wire.RankRegistration]:
-    return [wire.decode_registration(f[wire.REGISTRATION_FIELD]) for _, f in _entries(url, wire.REGISTRATION_STREAM)]
+    return _streams.entries(
+        url, wire.REGISTRATION_STREAM, lambda f: wire.decode_registration(f[wire.REGISTRATION_FIELD])
+    )
 
 
 NODE = "quiet-node-1"

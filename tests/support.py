@@ -21,6 +21,7 @@ PG_URL = os.environ.get("PULSE_TEST_PG_URL", "postgresql+psycopg://postgres@127.
 REPO = Path(__file__).resolve().parent.parent
 PULSE = [sys.executable, "-m", "tools.cli"]
 free_port = harness.free_port
+http = harness.http
 
 
 def wait_for(cond: Callable[[], object], *, timeout: float, what: str, every: float = 0.05) -> object:

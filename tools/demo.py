@@ -27,7 +27,7 @@ import httpx
 
 from tools.cli import format_events, format_nodes
 from tools.demo_train import JOB_NODES, DemoJob, why_not
-from tools.harness import HarnessError, PrivateRedis, free_port, redis_answers
+from tools.harness import HarnessError, PrivateRedis, free_port, http, redis_answers
 
 SCREEN_EVERY_S = 3.0  # when stdout is not a terminal (a log, a test)
 
@@ -61,7 +61,7 @@ def _wait_ready(api: str, proc: subprocess.Popen[bytes], log: Path) -> None:
         if proc.poll() is not None:
             raise SystemExit(f"pulse demo: the orchestrator exited ({proc.returncode}); see {log}")
         try:
-            if httpx.get(f"{api}/readyz", timeout=1).status_code == 200:
+            if http().get(f"{api}/readyz", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -70,8 +70,8 @@ def _wait_ready(api: str, proc: subprocess.Popen[bytes], log: Path) -> None:
 
 
 def _screen(api: str, started: float, job: DemoJob | None) -> str:
-    nodes = httpx.get(f"{api}/v1/nodes", timeout=2).json()["data"]
-    events = httpx.get(f"{api}/v1/events", params={"limit": 8}, timeout=2).json()["data"]
+    nodes = http().get(f"{api}/v1/nodes", timeout=2).json()["data"]
+    events = http().get(f"{api}/v1/events", params={"limit": 8}, timeout=2).json()["data"]
     counts: dict[str, int] = {}
     for n in nodes:
         counts[n["state"]] = counts.get(n["state"], 0) + 1

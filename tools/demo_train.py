@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from tools.cli import format_jobs
-from tools.harness import kill_launched
+from tools.harness import http, kill_launched
 
 JOB_NODES = 4
 STEP_DELAY_S = 0.2
@@ -92,9 +92,9 @@ class DemoJob:
         """Submit the job once its 4 nodes are HEALTHY (placement needs them)."""
         if self.job_id is not None:
             return
-        nodes = httpx.get(f"{self.api}/v1/nodes", params={"state": "HEALTHY"}, timeout=2).json()["data"]
+        nodes = http().get(f"{self.api}/v1/nodes", params={"state": "HEALTHY"}, timeout=2).json()["data"]
         if {n["name"] for n in nodes} >= set(self.names):
-            r = httpx.post(f"{self.api}/v1/jobs", json=JOB, timeout=10)
+            r = http().post(f"{self.api}/v1/jobs", json=JOB, timeout=10)
             r.raise_for_status()
             self.job_id = r.json()["id"]
 
@@ -103,7 +103,7 @@ class DemoJob:
         self.submit_when_ready()
         if self.job_id is None or self.victim is not None:
             return None
-        job = httpx.get(f"{self.api}/v1/jobs/{self.job_id}", timeout=2).json()
+        job = http().get(f"{self.api}/v1/jobs/{self.job_id}", timeout=2).json()
         if self.first_step_at is None and job["progress"].get("step", 0) >= 1:
             self.first_step_at = time.monotonic()
         if self.first_step_at is None or time.monotonic() - self.first_step_at < fault_after:
@@ -118,8 +118,8 @@ class DemoJob:
     def screen(self) -> list[str]:
         if self.job_id is None:
             return ["job: waiting for its 4 nodes to be HEALTHY"]
-        job = httpx.get(f"{self.api}/v1/jobs/{self.job_id}", timeout=2).json()
-        r = httpx.get(f"{self.api}/v1/jobs/{self.job_id}/plan", timeout=2)
+        job = http().get(f"{self.api}/v1/jobs/{self.job_id}", timeout=2).json()
+        r = http().get(f"{self.api}/v1/jobs/{self.job_id}/plan", timeout=2)
         plan = r.json() if r.status_code == 200 else None
         fault = f"PSU fault injected on {self.victim}" if self.victim else "PSU fault: after the first steps"
         first = (
@@ -133,10 +133,10 @@ class DemoJob:
         """Stop the job (its ranks outlive their agents by design), then kill what is left."""
         if self.job_id is not None:
             with contextlib.suppress(httpx.HTTPError):
-                httpx.post(f"{self.api}/v1/jobs/{self.job_id}/stop", timeout=5)
+                http().post(f"{self.api}/v1/jobs/{self.job_id}/stop", timeout=5)
                 deadline = time.monotonic() + 15
                 while time.monotonic() < deadline:
-                    if httpx.get(f"{self.api}/v1/jobs/{self.job_id}", timeout=2).json()["state"] == "STOPPED":
+                    if http().get(f"{self.api}/v1/jobs/{self.job_id}", timeout=2).json()["state"] == "STOPPED":
                         break
                     time.sleep(0.5)
         kill_launched(self.workdir / "agents")  # what the stop did not end: ranks, the job's store

@@ -110,7 +110,7 @@ import redis
 
 from clusterpulse import wire
 from clusterpulse.states import TERMINAL_JOB_STATES, EventKind, JobState, NodeState
-from tools.harness import HarnessError, PrivateRedis, free_port, kill_launched, wait_for
+from tools.harness import HarnessError, PrivateRedis, free_port, http, kill_launched, wait_for
 
 log = logging.getLogger("pulse.goodput")
 
@@ -247,7 +247,7 @@ class Stack:
                 [sys.executable, "-m", "tools.cli", "orchestrator", "--port", str(self.api_port)],
                 env=self.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
-        _wait(lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=60, what="orchestrator")
+        _wait(lambda: http().get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=60, what="orchestrator")
 
     def kill_orchestrator(self) -> None:
         if self.orch is not None and self.orch.poll() is None:

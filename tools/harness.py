@@ -5,8 +5,10 @@ campaigns and the tests start their servers the same way."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis
 
 
@@ -23,12 +26,53 @@ class HarnessError(RuntimeError):
     """A server of the harness could not start (its binary missing, or it never answered)."""
 
 
+@functools.cache
+def http() -> httpx.Client:
+    """The one HTTP client of this process's tools and tests. ``httpx.get`` builds a client, and
+    with it an SSL context (about 20 ms of CPU), on every call: a test polling an API every 50 ms
+    spent a third of a core on that alone. No keep-alive, so that each request opens its own
+    connection as ``httpx.get`` does: a server killed and restarted on its port is never asked
+    through a connection to its predecessor."""
+    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
+_PORTS_FROM = 20000  # below this, the well-known and registered ports of services a machine may run
+_handed: set[int] = set()
+_rng = random.Random()  # its own: a test that seeds the module's generator must not make two processes agree
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (Linux), or None where it cannot be read."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on or connects from right now, not handed out
+    before by this process. It is taken below the kernel's ephemeral range: a port from ``bind(0)``
+    is an ephemeral one, which any outgoing connection on the machine may take as its source port
+    before our server binds it (uvicorn then exits 3, "address already in use": a soak failed so
+    under a parallel suite). Where the range cannot be read, ``bind(0)``."""
+    low = _ephemeral_low()
+    if low is None or low <= _PORTS_FROM + 1000:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+            return port
+    for _ in range(1000):
+        port = _rng.randrange(_PORTS_FROM, low)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
         return port
+    raise HarnessError(f"no free port in {_PORTS_FROM}-{low - 1} after 1000 tries")
 
 
 def wait_for(

@@ -269,14 +269,20 @@ class _Orchestrator:
         while True:
             if self.proc.poll() is not None:
                 raise SystemExit(
-                    f"pulse bench soak: the orchestrator exited ({self.proc.returncode}); see {self.log_path}"
+                    f"pulse bench soak: the orchestrator exited ({self.proc.returncode}); the end of its log "
+                    f"(the run's directory is removed on exit):\n{self.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
                 if (await http.get("/readyz")).status_code == 200:
                     return
             if time.monotonic() - t0 > 120:
-                raise SystemExit(f"pulse bench soak: the orchestrator did not become ready; see {self.log_path}")
+                raise SystemExit(
+                    f"pulse bench soak: the orchestrator did not become ready in 120 s:\n{self.log_tail()}"
+                )
             await asyncio.sleep(0.2)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it has not exited within 30 s."""
@@ -327,7 +333,7 @@ async def _warm_up(args: argparse.Namespace, http: httpx.AsyncClient, orch: _Orc
     if registered != args.nodes or unwell != 0:
         raise SystemExit(
             f"pulse bench soak: {registered} of {args.nodes} nodes registered, {unwell} not HEALTHY "
-            f"after {settled_s:.0f}s; see {orch.log_path}"
+            f"after {settled_s:.0f}s; the end of the orchestrator's log:\n{orch.log_tail()}"
         )
     await asyncio.sleep(args.warmup)
     return settled_s

@@ -34,7 +34,7 @@ from agent.daemon import NodeAgent, run_agents
 from agent.publisher import HeartbeatPublisher
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
-from tests.support import REDIS_URL, free_port, pulse_env, spawn, stop, wait_for
+from tests.support import REDIS_URL, free_port, http, pulse_env, spawn, stop, wait_for
 
 FLOOR_JOB = "bench-floor"
 
@@ -174,7 +174,7 @@ def measure(
         orch = spawn(["orchestrator", "--port", str(port)], env=env, log=Path(tmp) / "orch.log")
         api = f"http://127.0.0.1:{port}"
         try:
-            wait_for(lambda: httpx.get(f"{api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
+            wait_for(lambda: http().get(f"{api}/readyz", timeout=1).status_code == 200, timeout=30, what="ready")
             return asyncio.run(
                 _campaign(api, redis_url, nodes=nodes, ranks_per_job=ranks_per_job, marks=marks, interval_s=interval_s)
             )

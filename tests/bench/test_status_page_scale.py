@@ -21,12 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.browser import chromium
 from tests.stack import Stack
-from tests.support import REDIS_URL, spawn, stop, wait_for
+from tests.support import REDIS_URL, http, spawn, stop, wait_for
 
 
 def measure(tmp: Path, *, nodes: int, refreshes: int) -> dict[str, Any]:
@@ -43,7 +42,7 @@ def measure(tmp: Path, *, nodes: int, refreshes: int) -> dict[str, Any]:
         stack.procs["sim"] = spawn(sim, env=stack.env, log=tmp / "sim.log")
         wait_for(lambda: stack.get("/v1/nodes")["count"] >= nodes, timeout=120, what=f"{nodes} nodes", every=1)
         t = time.perf_counter()
-        body = httpx.get(f"{stack.api}/v1/nodes", timeout=30).content
+        body = http().get(f"{stack.api}/v1/nodes", timeout=30).content
         nodes_s = time.perf_counter() - t
         with chromium() as d:
             t = time.perf_counter()

@@ -42,7 +42,7 @@ from deploy_files import (
 )
 from metric_names import metric_names_used
 
-from tests.support import REDIS_URL, free_port, pulse_env, spawn, stop, wait_for
+from tests.support import REDIS_URL, free_port, http, pulse_env, spawn, stop, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -89,7 +89,7 @@ class Stack:
         return f"127.0.0.1:{self.port}"
 
     def get(self, path: str) -> httpx.Response:
-        r = httpx.get(f"http://{self.target}{path}", timeout=2)
+        r = http().get(f"http://{self.target}{path}", timeout=2)
         r.raise_for_status()
         return r
 
@@ -196,7 +196,7 @@ def running_prometheus(config: Path, promtool: str, tmp_path: Path) -> Iterator[
         )
     try:
         wait_for(
-            lambda: proc.poll() is None and httpx.get(f"{url}/-/ready", timeout=1).status_code == 200,
+            lambda: proc.poll() is None and http().get(f"{url}/-/ready", timeout=1).status_code == 200,
             timeout=20,
             what=f"Prometheus ready (log: {log})",
         )
@@ -206,7 +206,7 @@ def running_prometheus(config: Path, promtool: str, tmp_path: Path) -> Iterator[
 
 
 def api(url: str, path: str, **params: str) -> Any:
-    r = httpx.get(f"{url}/api/v1/{path}", params=params, timeout=2)
+    r = http().get(f"{url}/api/v1/{path}", params=params, timeout=2)
     r.raise_for_status()
     body = r.json()
     assert body["status"] == "success", body

@@ -27,12 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import pytest
 
 from tests.stack import Stack, first_step_with, latest_step, registrations, reports
-from tests.support import REDIS_URL, REPO, wait_for
+from tests.support import REDIS_URL, REPO, http, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -96,7 +95,7 @@ def _start(
 def _metrics_seen(s: Stack, job: str) -> None:
     wanted = [f'pulse_job_{m}{{job="{job}"}}' for m in ("step", "loss", "step_time_seconds")]
     wait_for(
-        lambda: all(w in httpx.get(f"{s.api}/metrics", timeout=5).text for w in wanted),
+        lambda: all(w in http().get(f"{s.api}/metrics", timeout=5).text for w in wanted),
         timeout=120,
         what=f"{wanted} on /metrics",
         every=0.3,

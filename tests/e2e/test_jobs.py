@@ -15,7 +15,7 @@ import pytest
 
 from clusterpulse import wire
 from tests.stack import Stack as BaseStack
-from tests.support import REDIS_URL, REPO, wait_for
+from tests.support import REDIS_URL, REPO, http, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +68,7 @@ def test_job_runs_to_success_on_healthy_nodes_only(stack: Stack) -> None:
     # the lifecycle's own events: the ranks registered, so the job has a plan (and its events) too
     states = [e["to_state"] for e in stack.get("/v1/events", params={"job": job["id"]})["data"] if e["kind"] == "job"]
     assert states == ["PENDING", "STARTING", "RUNNING", "SUCCEEDED"]
-    metrics = httpx.get(f"{stack.api}/metrics", timeout=5).text
+    metrics = http().get(f"{stack.api}/metrics", timeout=5).text
     assert f'pulse_job_state{{job="{job["id"]}",state="SUCCEEDED"}} 1' in metrics
 
 
@@ -119,7 +119,7 @@ def test_refusals_and_bad_specs_write_nothing(stack: Stack) -> None:
         assert field in json.dumps(r.json()["detail"]), (field, r.text)
     huge = stack.post("/v1/jobs", {**spec("x"), "env": {"BIG": "x" * 400_000}})
     assert huge.status_code == 413 and "exceeds" in huge.json()["detail"]
-    assert httpx.post(f"{stack.api}/v1/jobs", json=spec("x"), timeout=5).status_code == 401
+    assert http().post(f"{stack.api}/v1/jobs", json=spec("x"), timeout=5).status_code == 401
     assert stack.get("/v1/jobs")["count"] == before
 
 
@@ -212,7 +212,7 @@ def test_checkpoint_over_rest_and_cli_reaches_every_rank_and_the_jobs_events(sta
         )
 
     assert ask(tokens["viewer"], "no").status_code == 403
-    assert httpx.post(f"{stack.api}/v1/jobs/{job_id}/checkpoint", timeout=5).status_code == 401
+    assert http().post(f"{stack.api}/v1/jobs/{job_id}/checkpoint", timeout=5).status_code == 401
     r = ask(tokens["operator"], "LossSpike at step ~1200")
     assert r.status_code == 202, r.text
     asked = r.json()

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.support import free_port, pulse_env, spawn, stop, wait_for
+from tests.support import free_port, http, pulse_env, spawn, stop, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +41,9 @@ class Stack:
     def start_orchestrator(self) -> None:
         self.orchestrator = spawn(["orchestrator", "--port", str(self.port)], env=self.env, log=self.logs / "orch.log")
         wait_for(
-            lambda: httpx.get(f"{self.api}/readyz", timeout=1).status_code == 200, timeout=30, what="orchestrator ready"
+            lambda: http().get(f"{self.api}/readyz", timeout=1).status_code == 200,
+            timeout=30,
+            what="orchestrator ready",
         )
 
     def start_agent(self, node: str) -> None:
@@ -53,18 +54,18 @@ class Stack:
         )
 
     def nodes(self) -> dict[str, dict[str, Any]]:
-        r = httpx.get(f"{self.api}/v1/nodes", timeout=2)
+        r = http().get(f"{self.api}/v1/nodes", timeout=2)
         r.raise_for_status()
         return {n["name"]: n for n in r.json()["data"] if n["name"] in NODES}
 
     def events(self, **params: Any) -> list[dict[str, Any]]:
-        r = httpx.get(f"{self.api}/v1/events", params={"limit": 10000, **params}, timeout=2)
+        r = http().get(f"{self.api}/v1/events", params={"limit": 10000, **params}, timeout=2)
         r.raise_for_status()
         data: list[dict[str, Any]] = r.json()["data"]
         return data
 
     def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.api}/metrics", timeout=2).text.splitlines():
+        for line in http().get(f"{self.api}/metrics", timeout=2).text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise AssertionError(f"{name} not on /metrics")
@@ -176,18 +177,18 @@ def test_partition_brake_holds_when_five_of_eight_go_silent(stack: Stack) -> Non
 
 def test_cordon_needs_the_token_and_is_recorded(stack: Stack) -> None:
     node = NODES[7]
-    r = httpx.post(f"{stack.api}/v1/nodes/{node}/cordon", timeout=2)
+    r = http().post(f"{stack.api}/v1/nodes/{node}/cordon", timeout=2)
     assert r.status_code == 401
-    r = httpx.post(f"{stack.api}/v1/nodes/{node}/cordon", headers={"Authorization": "Bearer wrong"}, timeout=2)
+    r = http().post(f"{stack.api}/v1/nodes/{node}/cordon", headers={"Authorization": "Bearer wrong"}, timeout=2)
     assert r.status_code == 401
     auth = {"Authorization": f"Bearer {stack.env['PULSE_API_TOKEN']}"}
-    r = httpx.post(f"{stack.api}/v1/nodes/{node}/cordon", json={"reason": "PSU swap"}, headers=auth, timeout=2)
+    r = http().post(f"{stack.api}/v1/nodes/{node}/cordon", json={"reason": "PSU swap"}, headers=auth, timeout=2)
     assert r.status_code == 200 and r.json()["changed"] is True and r.json()["node"]["schedulable"] is False
-    r = httpx.post(f"{stack.api}/v1/nodes/{node}/cordon", headers=auth, timeout=2)
+    r = http().post(f"{stack.api}/v1/nodes/{node}/cordon", headers=auth, timeout=2)
     assert r.json()["changed"] is False
     assert [e["reason"] for e in stack.events(node=node) if e["kind"] == "cordon"] == ["PSU swap"]
-    assert 'pulse_node_schedulable{node="e2e-7"} 0' in httpx.get(f"{stack.api}/metrics", timeout=2).text
-    r = httpx.post(f"{stack.api}/v1/nodes/{node}/uncordon", headers=auth, timeout=2)
+    assert 'pulse_node_schedulable{node="e2e-7"} 0' in http().get(f"{stack.api}/metrics", timeout=2).text
+    r = http().post(f"{stack.api}/v1/nodes/{node}/uncordon", headers=auth, timeout=2)
     assert r.json()["node"]["schedulable"] is True
-    assert httpx.post(f"{stack.api}/v1/nodes/nope/cordon", headers=auth, timeout=2).status_code == 404
-    assert httpx.get(f"{stack.api}/v1/nodes?state=bogus", timeout=2).status_code == 422
+    assert http().post(f"{stack.api}/v1/nodes/nope/cordon", headers=auth, timeout=2).status_code == 404
+    assert http().get(f"{stack.api}/v1/nodes?state=bogus", timeout=2).status_code == 422

@@ -23,13 +23,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import pytest
 import redis
 
 from tests.browser import chromium, missing
 from tests.stack import AUTH, Stack
-from tests.support import REDIS_URL, REPO, stop, wait_for
+from tests.support import REDIS_URL, REPO, http, stop, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 T = TypeVar("T")
@@ -55,7 +54,7 @@ def _labels(node: str) -> list[str]:
 
 
 def _states(stack: Stack) -> dict[str, str]:
-    r = httpx.get(f"{stack.api}/v1/nodes", headers=AUTH, timeout=5)
+    r = http().get(f"{stack.api}/v1/nodes", headers=AUTH, timeout=5)
     r.raise_for_status()
     return {n["name"]: n["state"] for n in r.json()["data"]}
 
@@ -109,7 +108,7 @@ def _stable(read: Callable[[], T]) -> T:
 
 def _plan(stack: Stack, job: str) -> dict[str, Any] | None:
     """The job's plan in force, or None while not every rank has registered (409)."""
-    r = httpx.get(f"{stack.api}/v1/jobs/{job}/plan", headers=AUTH, timeout=5)
+    r = http().get(f"{stack.api}/v1/jobs/{job}/plan", headers=AUTH, timeout=5)
     if r.status_code == 409:
         return None
     r.raise_for_status()
@@ -215,7 +214,7 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     history = _stable(
         lambda: [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#node-history [data-transition]")]
     )
-    r = httpx.get(f"{stack.api}/v1/events", params={"node": VICTIM}, headers=AUTH, timeout=5)
+    r = http().get(f"{stack.api}/v1/events", params={"node": VICTIM}, headers=AUTH, timeout=5)
     api = [e for e in r.json()["data"] if e["to_state"]]
     assert len(history) == len(api) and "→ DEGRADED" in history[0] and "PSU current imbalance" in history[0], history
     browser.save_screenshot(str(tmp_path / "node-page.png"))

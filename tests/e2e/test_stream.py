@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from tests.stack import AUTH, Stack
-from tests.support import PULSE, REDIS_URL, REPO, wait_for
+from tests.support import PULSE, REDIS_URL, REPO, http, wait_for
 from tools.sse import Message, parse, wake_on
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -78,7 +78,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 
 
 def test_stream_follows_a_psu_fault_and_its_recovery_across_a_reconnect(stack: Stack, tmp_path: Path) -> None:
-    assert httpx.get(f"{stack.api}/v1/stream", timeout=5).status_code == 401  # viewer role
+    assert http().get(f"{stack.api}/v1/stream", timeout=5).status_code == 401  # viewer role
     follower_out = tmp_path / "follow.jsonl"
     with follower_out.open("wb") as out:
         follower = subprocess.Popen(
@@ -184,4 +184,4 @@ def test_a_revoked_tokens_stream_ends_saying_why(stack: Stack) -> None:
     closing = [line for line in lines if line.startswith(": closed:")]
     assert closing == [": closed: the bearer token is unknown or revoked; this call needs role viewer or above"], lines
     assert lines.index("revoked") < lines.index(closing[0])
-    assert httpx.get(f"{stack.api}/v1/stream", headers=viewer, timeout=5).status_code == 401
+    assert http().get(f"{stack.api}/v1/stream", headers=viewer, timeout=5).status_code == 401

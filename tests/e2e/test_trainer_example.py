@@ -12,11 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.stack import Stack, registrations, reports
-from tests.support import REPO, free_port, pulse_env, wait_for
+from tests.support import REPO, free_port, http, pulse_env, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -122,7 +121,7 @@ def test_example_job_through_orchestrator_and_agents(redis_url: str, tmp_path: P
             state = s.get(f"/v1/jobs/{job_id}")["state"]
             if not states or states[-1] != state:
                 states.append(state)
-            metrics = httpx.get(f"{s.api}/metrics", timeout=5).text
+            metrics = http().get(f"{s.api}/metrics", timeout=5).text
             seen |= {w for w in wanted if w in metrics}
             if state in ("SUCCEEDED", "FAILED", "STOPPED") and (seen == set(wanted) or state != "SUCCEEDED"):
                 break

@@ -33,7 +33,7 @@ from sqlalchemy import create_engine, text
 from clusterpulse import wire
 from tests.faults.servers import PrivatePostgres
 from tests.stack import Stack
-from tests.support import PG_URL, REDIS_URL, REPO, free_port, pulse_env, spawn, stop, wait_for
+from tests.support import PG_URL, REDIS_URL, REPO, free_port, http, pulse_env, spawn, stop, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 
@@ -87,10 +87,10 @@ class Replicas:
         return f"http://127.0.0.1:{self.ports[replica]}"
 
     def get(self, replica: str, path: str, **kw: Any) -> httpx.Response:
-        return httpx.get(f"{self.url(replica)}{path}", timeout=5, **kw)
+        return http().get(f"{self.url(replica)}{path}", timeout=5, **kw)
 
     def post(self, replica: str, path: str, body: Any = None) -> httpx.Response:
-        return httpx.post(f"{self.url(replica)}{path}", json=body, headers=AUTH, timeout=10)
+        return http().post(f"{self.url(replica)}{path}", json=body, headers=AUTH, timeout=10)
 
     def metric(self, replica: str, series: str) -> float:
         for line in self.get(replica, "/metrics").text.splitlines():

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
 from sqlalchemy import create_engine, text
@@ -24,7 +23,7 @@ from sqlalchemy import create_engine, text
 from clusterpulse import wire
 from tests.faults.servers import PrivatePostgres
 from tests.stack import Stack
-from tests.support import wait_for
+from tests.support import http, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 
@@ -57,13 +56,13 @@ def _kind(stack: Stack, kind: str) -> list[dict[str, Any]]:
 
 
 def _ready(stack: Stack) -> tuple[int, dict[str, str]]:
-    r = httpx.get(f"{stack.api}/readyz", timeout=10)
+    r = http().get(f"{stack.api}/readyz", timeout=10)
     return r.status_code, r.json()
 
 
 def _transitions_counted(stack: Stack) -> int:
     """The orchestrator's own count of the transitions it made since it started (/metrics)."""
-    body = httpx.get(f"{stack.api}/metrics", timeout=5).text
+    body = http().get(f"{stack.api}/metrics", timeout=5).text
     return sum(int(float(v)) for v in re.findall(r"^pulse_health_transitions_total\{[^}]*\} (\S+)$", body, re.M))
 
 

@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
@@ -26,7 +25,7 @@ from clusterpulse import wire
 from clusterpulse.states import JobState
 from services import db
 from tests.stack import Stack
-from tests.support import wait_for
+from tests.support import http, wait_for
 from tools.harness import PrivateRedis
 
 pytestmark = pytest.mark.e2e
@@ -87,7 +86,7 @@ def test_redis_restart_degrades_nobody_and_agents_republish(stack: Stack, privat
     private_redis.stop()
     down_at = time.time()
     ready = wait_for(
-        lambda: (r := httpx.get(f"{stack.api}/readyz", timeout=5)).status_code == 503 and r.json(),
+        lambda: (r := http().get(f"{stack.api}/readyz", timeout=5)).status_code == 503 and r.json(),
         timeout=20,
         what="/readyz 503 while Redis is down",
     )
@@ -99,7 +98,7 @@ def test_redis_restart_degrades_nobody_and_agents_republish(stack: Stack, privat
 
     private_redis.start()  # a fresh, empty Redis on the same port
     back_at = time.time()
-    wait_for(lambda: httpx.get(f"{stack.api}/readyz", timeout=5).status_code == 200, timeout=30, what="ready again")
+    wait_for(lambda: http().get(f"{stack.api}/readyz", timeout=5).status_code == 200, timeout=30, what="ready again")
     wait_for(
         lambda: all((v["last_heartbeat_at"] or 0) > back_at for v in stack.nodes().values()),
         timeout=30,

@@ -23,11 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.stack import AUTH, NODE, TOKEN, live_orchestrator
-from tests.support import fresh_database
+from tests.support import fresh_database, http
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,7 +47,7 @@ expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "41
 
 def test_schemathesis_with_every_check_against_a_live_orchestrator_on_postgresql(tmp_path: Path) -> None:
     with fresh_database("postgresql", tmp_path) as url, live_orchestrator(tmp_path, url, gpus=64) as stack:
-        job = httpx.post(
+        job = http().post(
             f"{stack.api}/v1/jobs",
             json={"name": "st", "nodes": 1, "gpus_per_node": 1, "entrypoint": ["x.py"]},
             headers=AUTH,

@@ -19,12 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.slurm_cluster import SlurmCluster, available
 from tests.stack import Stack, reports
-from tests.support import REPO, spawn, wait_for
+from tests.support import REPO, http, spawn, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -125,7 +124,7 @@ def _job_processes(job_id: str) -> list[int]:
 
 
 def _step(stack: Stack, job_id: str) -> float:
-    for line in httpx.get(f"{stack.api}/metrics", timeout=5).text.splitlines():
+    for line in http().get(f"{stack.api}/metrics", timeout=5).text.splitlines():
         if line.startswith(f'pulse_job_step{{job="{job_id}"}} '):
             return float(line.split()[1])
     return -1.0

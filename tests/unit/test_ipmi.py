@@ -492,9 +492,11 @@ def test_source_timeout_kills_the_process_group_and_reaps(monkeypatch: pytest.Mo
     pidfile = tmp_path / "pids"
     monkeypatch.setenv("FAKE_IPMI_HANG", "1")
     monkeypatch.setenv("FAKE_IPMI_PIDFILE", str(pidfile))
-    src = IpmiSource(command=[FAKE, "sdr", "elist"], timeout_s=0.5)
+    # 2 s: the fake (a Python script) must start, start its child and write both pids before it is
+    # killed; under three test workers on two cores 0.5 s was not always enough to get that far
+    src = IpmiSource(command=[FAKE, "sdr", "elist"], timeout_s=2.0)
     started = time.monotonic()
-    with pytest.raises(IpmiTimeout, match=r"did not finish within 0\.5s") as info:
+    with pytest.raises(IpmiTimeout, match=r"did not finish within 2s") as info:
         asyncio.run(src.read())
     assert time.monotonic() - started < 5.0
     assert info.value.transient

@@ -1,6 +1,6 @@
 """What the tools and the tests share to run the system on one machine: a free port, waiting on a
-condition, a private ``redis-server``. One of each, so that the demo, the benchmarks, the
-campaigns and the tests start their servers the same way."""
+condition, a private ``redis-server``, an HTTP client. One of each, so that the demo, the
+benchmarks, the campaigns and the tests start their servers the same way."""
 
 from __future__ import annotations
 

@@ -119,17 +119,19 @@ class Stack:
 
 
 class _StreamReader:
-    """A stream's entries, decoded, read incrementally: tests poll the trainer streams many times a
-    second while they grow to thousands of entries, and reading and decoding all of each every time
-    cost a multi-rank test as much CPU (in pytest and Redis) as its ranks. A stream whose first entry
-    changed (flushed between tests, or trimmed) is read again from its start."""
+    """A stream's entries, decoded, read incrementally: tests poll the trainer streams every 50 ms
+    while they grow to thousands of entries, and reading and decoding all of each at every poll
+    grows with the stream, quadratic over a test. A stream whose first entry changed (flushed
+    between tests, or trimmed) is read again from its start."""
 
     def __init__(self) -> None:
         self._clients: dict[str, redis.Redis] = {}
         self._read: dict[tuple[str, str], tuple[bytes, bytes, list[Any]]] = {}  # first id, last id, decoded
 
     def entries(self, url: str, stream: str, decode: Callable[[dict[bytes, bytes]], T]) -> list[T]:
-        client = self._clients.setdefault(url, redis.Redis.from_url(url))
+        if url not in self._clients:
+            self._clients[url] = redis.Redis.from_url(url)
+        client = self._clients[url]
         head = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream, count=1))
         if not head:
             self._read.pop((url, stream), None)

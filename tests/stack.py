@@ -140,7 +140,7 @@ class _StreamReader:
         if first != head[0][0]:
             first, last, decoded = head[0][0], b"", []
         new = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream, min=b"(" + last if last else "-"))
-        decoded = [*decoded, *(decode(fields) for _, fields in new)]
+        decoded.extend(decode(fields) for _, fields in new)
         self._read[(url, stream)] = (first, new[-1][0] if new else last, decoded)
         return list(decoded)
 

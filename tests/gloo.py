@@ -7,8 +7,10 @@ A rank script is called as ``python -W error FILE SCENARIO RANK OUT_DIR`` with `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -84,10 +86,10 @@ def run_world(
             assert procs[rank].wait(max(1.0, deadline - time.monotonic())) == 0, tails(logs)
         return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in ranks}
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        for proc in procs.values():  # each rank's session: a process a rank started goes too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def tails(logs: dict[int, Path]) -> str:

@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def install(settings: TrainerSettings) -> None:
     """Make this process's ``deepspeed.initialize`` attach the protocol (module docstring)."""
     if settings.rejoin:
-        _world_of_one()
+        world_of_one()
     if "deepspeed" in sys.modules:
         _patch(sys.modules["deepspeed"], settings)
     else:
@@ -186,7 +186,7 @@ def reroutable(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _world_of_one() -> None:
+def world_of_one() -> None:
     """A rejoining rank's own world (module docstring); later init_process_group calls find it made."""
     import torch
     import torch.distributed as dist

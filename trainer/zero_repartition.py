@@ -13,14 +13,19 @@ taken back. Every live rank calls it together, on the live ranks' group
 (:meth:`trainer.collective.PlanGroups.live_group`):
 
 1. Every old partition is broadcast over that group, one state at a time, from where it still is.
-   - A live owner sends its own.
+   - A live owner sends its own. An owner is an old member whose partitions are still over the
+     old members: a relaunched rank (its engine started in a world of one) is not one, nor a rank
+     whose part in an interrupted re-home went further than the source's; their partitions are
+     recovered as a gone owner's.
    - A gone owner's master weights come from the model's parameters, which every rank holds as of
      the last completed step. This is exact in fp32; under bf16/fp16 it is rounded to the
      parameter dtype.
    - A gone owner's optimizer state comes from the copy its mirror holder keeps (:class:`Mirror`),
      at most ``PULSE_ZERO_MIRROR_STEPS`` steps old. Where no copy exists, it is zero, and the
      result says which partitions lost it.
-2. DeepSpeed builds its optimizer over the live group, through the engine's own
+2. Once every member has confirmed that it holds its new partitions (the last collective, so a
+   member that dies or times out before it leaves every rank's optimizer as it was), DeepSpeed
+   builds its optimizer over the live group, through the engine's own
    ``_configure_zero_optimizer`` around the same torch optimizer. The param groups, their
    hyperparameters and the learning-rate scheduler (which holds the torch optimizer) stay as they
    are. Every rank fills its new partition from the assembled state and writes the whole assembled
@@ -32,9 +37,9 @@ builds. A rank's identity of a parameter is its index in its group, so ``round_r
 (which reorders parameters by the group's size) is refused.
 
 Cost: at the boundary of a change, the whole optimizer state crosses the live group once (one
-broadcast per old partition and state), and every rank briefly holds one state of the whole group
-in memory. The mirror sends each rank's partition state to one neighbour every
-``PULSE_ZERO_MIRROR_STEPS`` steps.
+broadcast per old partition and state); every rank briefly holds one state of the whole group, and
+until the commit its new partitions and the whole model's fp32 master weights. The mirror sends
+each rank's partition state to one neighbour every ``PULSE_ZERO_MIRROR_STEPS`` steps.
 """
 
 from __future__ import annotations
@@ -240,20 +245,22 @@ class Rehoming:
         assert group is not None  # survival: every plan's group is made with the collective timeout
         done = repartition(self.engine, group=group, members=members, rank=self.rank, source=source, mirror=self.mirror)
         log.warning(
-            "event=zero_repartitioned job=%s rank=%d step=%d old=%s new=%s state_lost=%s mirror_step=%s",
+            "event=zero_repartitioned job=%s rank=%d step=%d old=%s new=%s state_lost=%s mirror_step=%s owners=%s",
             job, self.rank, self.engine.global_steps, list(done.old), list(done.new),
-            list(done.state_lost), done.mirror_step,
+            list(done.state_lost), done.mirror_step, list(done.owners),
         )  # fmt: skip
         return done
 
 
 @dataclass(frozen=True)
 class Repartitioned:
-    """What :func:`repartition` did: the old and new members, and the old members whose optimizer
-    state was not found anywhere (zeros now)."""
+    """What :func:`repartition` did: the old and new members, the members that still held their
+    old partition (``owners``), and the old members whose optimizer state was not found anywhere
+    (zeros now)."""
 
     old: tuple[int, ...]
     new: tuple[int, ...]
+    owners: tuple[int, ...]
     state_lost: tuple[int, ...]
     mirror_step: int | None
 
@@ -264,7 +271,12 @@ def repartition(
     """Build ``engine``'s ZeRO 1-2 optimizer anew over ``members`` (ascending global ranks, this one
     among them, ``group`` their process group), from the partitions of the members it had (module
     docstring). Every member calls it together; ``source`` is a member that held a partition
-    before (its view of the old members, state names and model is the one every rank takes)."""
+    before (its view of the old members, state names and model is the one every rank takes).
+
+    All or nothing on each rank: every collective runs before the optimizer is touched, the last
+    one confirming that every member holds its new partition; a failure before that (a member
+    died, or timed out) raises ``RuntimeError`` with this rank's optimizer as it was, so the
+    survivors can re-home again over fewer ranks."""
     why = unsupported(engine)
     if why is not None:
         raise RepartitionError(why)
@@ -272,17 +284,18 @@ def repartition(
     info = _agree(engine, rank=rank, source=source, group=group)
     old: tuple[int, ...] = tuple(info["old"])
     old_layouts = layouts(old_opt, len(old))
-    owned = rank in old  # a live old member: its partitions are of the old layout
+    owners = _owners(old, members, claim=members_of(engine), rank=rank, group=group)
+    owned = rank in owners
     if owned:
         _check(old_opt, old_layouts)
     src = _Sources(
         old=old,
-        members=members,
+        owners=owners,
         rank=rank,
         source=source,
         group=group,
         mirror=mirror,
-        holders=_holders(old, members, mirror, group=group),
+        holders=_holders(old, owners, members, mirror, group=group),
         mirror_at=_mirror_offsets(old_layouts, info["keys"]),
         own=[
             {MASTER: old_opt.single_partition_of_fp32_groups[i].detach()} | _partitioned(old_opt, i)
@@ -292,33 +305,65 @@ def repartition(
         else None,
         bit16=[flat.detach() for flat in old_opt.bit16_groups_flat] if owned else None,
     )
-    new_opt = _rebuild(engine, group, members)
-    new_layouts = layouts(new_opt, len(members))
-    _check(new_opt, new_layouts)
+    new_layouts = layouts(old_opt, len(members))
+    parts: list[dict[str, torch.Tensor]] = []  # per group: this rank's new partition of each state
+    models: list[torch.Tensor] = []  # per group: the whole assembled master, for the parameters
     for i, (was, now) in enumerate(zip(old_layouts, new_layouts, strict=True)):
+        parts.append({})
+        for name in [MASTER, *info["keys"][i]]:
+            full = _assemble(src, i, name, was)
+            parts[i][name] = _slice(full, was, now, members.index(rank))
+            if name == MASTER:
+                models.append(full)
+    _commit(group, members)
+    # From here on nothing crosses the network: every member has what it needs.
+    new_opt = _rebuild(engine, group, members)
+    _check(new_opt, new_layouts)
+    for i, was in enumerate(old_layouts):
         target = new_opt.single_partition_of_fp32_groups[i]
         state = new_opt.optimizer.state[target]
-        for name, dtype in [(MASTER, torch.float32), *info["keys"][i].items()]:
-            full = _assemble(src, i, name, was)
-            part = _slice(full, was, now, members.index(rank))
-            if name != MASTER:
-                state[name] = part.to(dtype)
-                continue
-            target.data.copy_(part)
-            for j, p in enumerate(new_opt.bit16_groups[i]):  # every rank: the whole assembled model
-                p.data.copy_(full[was.offsets[j] : was.offsets[j] + p.numel()].view_as(p))
+        target.data.copy_(parts[i][MASTER])
+        for j, p in enumerate(new_opt.bit16_groups[i]):  # every rank: the whole assembled model
+            p.data.copy_(models[i][was.offsets[j] : was.offsets[j] + p.numel()].view_as(p))
+        for name, dtype in info["keys"][i].items():
+            state[name] = parts[i][name].to(dtype)
         for name, value in info["scalars"][i].items():
             state[name] = value.clone() if isinstance(value, torch.Tensor) else value
         if not state:
             del new_opt.optimizer.state[target]
     mirror.copy, mirror.of_rank, mirror.members = None, None, ()
-    lost = sorted(set(old) - set(members))
     return Repartitioned(
         old=old,
         new=members,
-        state_lost=tuple(q for q in lost if any(info["keys"]) and src.holders.get(q) is None),
+        owners=owners,
+        state_lost=tuple(q for q in old if q not in owners and any(info["keys"]) and src.holders.get(q) is None),
         mirror_step=min((h[1] for h in src.holders.values() if h is not None), default=None),
     )
+
+
+def _owners(
+    old: tuple[int, ...], members: tuple[int, ...], *, claim: tuple[int, ...], rank: int, group: dist.ProcessGroup
+) -> tuple[int, ...]:
+    """The members that hold their partition of ``old``: each says whether its own partitions are
+    over ``old`` (``claim``). An old member whose are not (a relaunched rank, whose engine started
+    in a world of one; or a rank whose last re-home completed when the source's did not) is
+    re-homed as a lost one: its master weights from the model, its state from its mirror."""
+    flags = torch.zeros(len(members), dtype=torch.int64)
+    flags[members.index(rank)] = int(rank in old and claim == old)
+    dist.all_reduce(flags, group=group)
+    owners = tuple(m for m, flag in zip(members, flags.tolist(), strict=True) if flag)
+    strays = sorted(set(old) & set(members) - set(owners))
+    if strays:
+        log.warning("event=zero_partitions_elsewhere rank=%d old=%s ranks=%s", rank, list(old), strays)
+    return owners
+
+
+def _commit(group: dist.ProcessGroup, members: tuple[int, ...]) -> None:
+    """The last collective of a re-home: every member has assembled its new partitions."""
+    ready = torch.ones(1, dtype=torch.int64)
+    dist.all_reduce(ready, group=group)
+    if int(ready.item()) != len(members):
+        raise RepartitionError(f"{int(ready.item())} of {len(members)} members ready to re-home")
 
 
 def _agree(engine: Any, *, rank: int, source: int, group: dist.ProcessGroup) -> dict[str, Any]:
@@ -337,8 +382,6 @@ def _agree(engine: Any, *, rank: int, source: int, group: dist.ProcessGroup) -> 
     info: dict[str, Any] = _broadcast_object(mine, src=source, rank=rank, group=group)
     if numels != info["numels"]:
         raise RepartitionError(f"rank {rank}: parameter groups {numels} differ from rank {source}'s {info['numels']}")
-    if rank in info["old"] and members_of(engine) != tuple(info["old"]):
-        raise RepartitionError(f"rank {rank}: partitions over {members_of(engine)}, rank {source}'s over {info['old']}")
     return info
 
 
@@ -380,7 +423,7 @@ class _Sources:
     rank's partitions and model, when it held a partition)."""
 
     old: tuple[int, ...]
-    members: tuple[int, ...]
+    owners: tuple[int, ...]
     rank: int
     source: int
     group: dist.ProcessGroup
@@ -421,13 +464,14 @@ def _scalars(opt: Any, i: int) -> dict[str, Any]:
 
 
 def _holders(
-    old: tuple[int, ...], members: tuple[int, ...], mirror: Mirror, *, group: dist.ProcessGroup
+    old: tuple[int, ...], owners: tuple[int, ...], members: tuple[int, ...], mirror: Mirror, *, group: dist.ProcessGroup
 ) -> dict[int, tuple[int, int] | None]:
-    """For each lost old member: its mirror holder (:meth:`Mirror.holder`, when live) and the step
-    of the copy of its state the holder has, or None. The holder says, so every rank agrees."""
+    """For each old member that is not an owner: its mirror holder (:meth:`Mirror.holder`, when
+    live) and the step of the copy of its state the holder has, or None. The holder says, so every
+    rank agrees."""
     out: dict[int, tuple[int, int] | None] = {}
     for owner in old:
-        if owner in members:
+        if owner in owners:
             continue
         holder = mirror.holder(old, owner)
         if holder not in members or holder == owner:
@@ -446,7 +490,7 @@ def _assemble(src: _Sources, i: int, name: str, layout: GroupLayout) -> torch.Te
     full = torch.zeros(layout.total, dtype=torch.float32)
     for q, owner in enumerate(src.old):
         part = full.narrow(0, q * size, size)
-        if owner in src.members:
+        if owner in src.owners:
             if src.rank == owner:
                 assert src.own is not None
                 part.copy_(src.own[i][name].reshape(-1))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -187,17 +188,30 @@ def test_a_users_script_survives_a_killed_rank_without_a_restart(
         assert kinds.index("checkpoint_requested") < kinds.index("checkpoint_written"), kinds
         s.wait_state(job, "SUCCEEDED", timeout=180)
         regs = [g.rank for g in registrations(redis_url) if g.job == job]
-        assert sorted(r for r in regs if r != 1) == [0, 2, 3], regs  # no survivor restarted
+        logs = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
+        # A survivor that missed the 3 s collective timeout under load is excluded too (it leaves,
+        # and is relaunched like rank 1): the run then survives two losses, and says so.
+        also = {int(r) for r in re.findall(rf"event=leaving job={job} rank=(\d+) step=\d+ reason=excluded", logs)}
+        assert sorted(r for r in regs if r != 1 and r not in also) == sorted({0, 2, 3} - also), regs  # no restart
         if stage:
             # the optimizer's partitions were re-homed on the survivors (rank 1's state from its
             # neighbour's copy), then over all four when the relaunched rank 1 was taken back: it
             # ends with the same model as the others
-            logs = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
             moved = [line for line in logs.splitlines() if "event=zero_repartitioned" in line]
-            lost = [m for m in moved if "old=[0, 1, 2, 3] new=[0, 2, 3] state_lost=[]" in m]
-            back = [m for m in moved if "old=[0, 2, 3] new=[0, 1, 2, 3] state_lost=[]" in m]
-            assert len(lost) == 3 and len(back) == 4 and len(moved) == 7, moved
-            assert regs.count(1) == 2, regs
+            if not also:
+                lost = [m for m in moved if "old=[0, 1, 2, 3] new=[0, 2, 3] state_lost=[]" in m]
+                back = [m for m in moved if "old=[0, 2, 3] new=[0, 1, 2, 3] state_lost=[]" in m]
+                assert len(lost) == 3 and len(back) == 4 and len(moved) == 7, moved
+            else:  # every rank's last re-home is over all four; only a lost rank's state may be lost
+                last: dict[int, tuple[int, str]] = {}  # rank: (step, new members) of its latest re-home
+                for m in re.finditer(r"rank=(\d+) step=(\d+) old=\S+(?: \S+)* new=(\[[^]]*\])", "\n".join(moved)):
+                    rank, at = int(m.group(1)), int(m.group(2))
+                    last[rank] = max(last.get(rank, (-1, "")), (at, m.group(3)))
+                assert {r: n for r, (_, n) in last.items()} == dict.fromkeys(range(4), "[0, 1, 2, 3]"), moved
+                for line in moved:
+                    gone = {int(q) for q in re.findall(r"\d+", line.split("state_lost=[")[1].split("]")[0])}
+                    assert gone <= {1} | also, line
+            assert all(regs.count(r) == 2 for r in {1} | also), regs
         done = _outcome(out, [0, 1, 2, 3] if stage else [0, 2, 3])
         assert {d["steps"] for d in done.values()} == {steps}, done
         assert len({d["digest"] for d in done.values()}) == 1, done

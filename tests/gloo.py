@@ -7,7 +7,6 @@ A rank script is called as ``python -W error FILE SCENARIO RANK OUT_DIR`` with `
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -86,10 +85,10 @@ def run_world(
             assert procs[rank].wait(max(1.0, deadline - time.monotonic())) == 0, tails(logs)
         return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in ranks}
     finally:
-        for proc in procs.values():  # each rank's session: a process a rank started goes too
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        for proc in procs.values():
+            if proc.poll() is None:  # not reaped: its pid, and so its session's id, is still its own
+                os.killpg(proc.pid, signal.SIGKILL)  # with whatever the rank started
+                proc.wait(10)
 
 
 def tails(logs: dict[int, Path]) -> str:

@@ -127,8 +127,8 @@ def job_store() -> TCPStore:
     return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False)
 
 
-def interrupted(rank: int, out_dir: Path) -> dict[str, Any] | None:
-    """The module docstring's third world, on a first-life rank (None: this rank does not report)."""
+def interrupted(rank: int, out_dir: Path) -> dict[str, Any]:
+    """The module docstring's third world, on a first-life rank (rank 1 ends with its relaunch)."""
     store = job_store()
     r = ReroutedAllReduce(world_size=WORLD, rank=rank, proxy_timeout_s=10.0, collective_timeout_s=60.0, store=store)
     engine = make_engine(rerouteable(1))
@@ -141,8 +141,8 @@ def interrupted(rank: int, out_dir: Path) -> dict[str, Any] | None:
     r.switch(plan(100, [0, 2, 3], excluded=[LOST]))
     if r.role == "excluded":  # rank 1: its node's agent relaunches it, in a world of one
         sys.stdout.flush()
-        subprocess.Popen([sys.executable, "-W", "error", __file__, "relaunched", str(rank), str(out_dir)])
-        return None
+        again = subprocess.Popen([sys.executable, "-W", "error", __file__, "relaunched", str(rank), str(out_dir)])
+        os._exit(again.wait())  # alive meanwhile, so that run_world's kill of this session reaches it
     members, group = r.live_group()
     assert group is not None
     if rank == 3:
@@ -217,9 +217,7 @@ def worker(name: str, rank: int, out_dir: Path) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
         deepspeed.init_distributed(dist_backend="gloo")
         if name == "interrupted":
-            result = interrupted(rank, out_dir)
-            if result is not None:
-                gloo.write_result(out_dir, rank, result)
+            gloo.write_result(out_dir, rank, interrupted(rank, out_dir))
         else:
             stages = {f"stage{stage}": scenario(rank, stage, 1 if name == "mirrored" else 0) for stage in (1, 2)}
             gloo.write_result(out_dir, rank, stages)

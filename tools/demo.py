@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -141,6 +142,10 @@ def _start(
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    # Ctrl-C, or SIGTERM, stops the demo and everything it started, whoever started it: a shell
+    # starts a background command with SIGINT ignored, and Python then keeps it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     workdir = Path(tempfile.mkdtemp(prefix="pulse-demo-"))
     procs: list[subprocess.Popen[bytes]] = []
     job: DemoJob | None = None

@@ -3,17 +3,20 @@ by default a job trains on 4 of the nodes and the PSU fault reroutes one of its 
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.support import PULSE, REDIS_URL, REPO, pulse_env
 from tools.demo_train import STEP_DELAY_S
+from tools.harness import kill_launched
 
 pytestmark = pytest.mark.e2e
 
@@ -62,6 +65,7 @@ def test_demo_trains_and_the_psu_fault_reroutes_a_rank(redis_url: str) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # a demo that does not stop is killed with everything it started
     )
     screens: queue.Queue[str] = queue.Queue()
     lines: list[str] = []
@@ -93,10 +97,19 @@ def test_demo_trains_and_the_psu_fault_reroutes_a_rank(redis_url: str) -> None:
                 seen["later step"] = step
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(60)
-        reader.join(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            # left running, its agents would publish into the next tests' Redis database
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for logs in re.findall(r"^  logs +(\S+)$", "".join(lines), re.M):
+                kill_launched(Path(logs) / "agents")  # the job's ranks and store: sessions of their own
+            raise AssertionError(f"the demo did not stop within 60 s of SIGINT: {''.join(lines)[-3000:]}") from None
+        finally:
+            reader.join(10)
+            assert proc.stdout is not None
+            proc.stdout.close()
     out = "".join(lines)
     assert {"step", "step rate", "rerouted", "later step", "first step after s"} <= set(seen), (seen, out[-3000:])
     assert "demo stopped" in out

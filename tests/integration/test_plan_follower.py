@@ -76,7 +76,7 @@ def test_a_published_plan_comes_into_force_at_the_next_boundary(follower: PlanFo
     assert follower.boundary() is None and follower.reroute.generation is None
     time.sleep(0.2)  # let the reader subscribe; the notification below must wake it, not the 30 s poll
     publish(client, only(generation=3))
-    wait_for(lambda: follower.latest is not None, timeout=5, what="the channel to wake the reader")
+    wait_for(lambda: follower.latest is not None, timeout=15, what="the channel to wake the reader")
     assert follower.reroute.generation is None  # read, but not in force before a boundary
     assert follower.boundary() == only(generation=3)
     assert follower.reroute.generation == 3 and follower.switches == 1
@@ -87,12 +87,12 @@ def test_a_published_plan_comes_into_force_at_the_next_boundary(follower: PlanFo
 def test_malformed_foreign_and_older_plans_are_counted_not_raised(follower: PlanFollower) -> None:
     client = redis.Redis.from_url(REDIS_URL)
     publish(client, only(generation=5))
-    wait_for(lambda: follower.latest is not None, timeout=5, what="generation 5")
+    wait_for(lambda: follower.latest is not None, timeout=15, what="generation 5")
     publish(client, b'{"job": "follow", "generation": "six"}')
-    wait_for(lambda: follower.rejected == 1, timeout=5, what="the malformed plan counted")
+    wait_for(lambda: follower.rejected == 1, timeout=15, what="the malformed plan counted")
     client.set(wire.job_plan_key(JOB), wire.encode(only(job="other", generation=9)))  # a copy under the wrong key
     client.publish(wire.PLAN_CHANNEL, JOB)
-    wait_for(lambda: follower.rejected == 2, timeout=5, what="the foreign plan counted")
+    wait_for(lambda: follower.rejected == 2, timeout=15, what="the foreign plan counted")
     publish(client, only(generation=4))  # older than what was read: ignored, not rejected
     time.sleep(0.3)
     latest = follower.latest
@@ -106,11 +106,11 @@ def test_an_unusable_plan_is_refused_once_and_the_old_one_stays(
 ) -> None:
     client = redis.Redis.from_url(REDIS_URL)
     publish(client, only(generation=1))
-    wait_for(lambda: follower.latest is not None, timeout=5, what="generation 1")
+    wait_for(lambda: follower.latest is not None, timeout=15, what="generation 1")
     assert follower.boundary() is not None
     bigger = wire.Plan(job=JOB, generation=2, participants=[0, 1], proxies={}, excluded=[], reason="world of 2")
     publish(client, bigger)
-    wait_for(lambda: (p := follower.latest) is not None and p.generation == 2, timeout=5, what="generation 2")
+    wait_for(lambda: (p := follower.latest) is not None and p.generation == 2, timeout=15, what="generation 2")
     with caplog.at_level(logging.ERROR, logger="pulse.trainer.follow"):
         assert follower.boundary() is None
         assert follower.boundary() is None

@@ -94,27 +94,9 @@ def scenario(rank: int, stage: int, mirror_every: int) -> dict[str, Any]:
     r.switch(plan(10 * stage, list(SURVIVORS), excluded=[LOST]))
     if r.role == "excluded":
         return {"role": r.role}
-    members, group = r.live_group()
-    assert group is not None
-    done = zero_repartition.repartition(engine, group=group, members=members, rank=rank, source=0, mirror=mirror)
-    reattach(engine, r)
-    after = whole_optimizer(engine, group, len(members))
-    at_switch = flat_params(engine).tolist()
-    spy = AllReduceSpy()
-    train(engine, rank, range(3, 5))
-    return {
-        "role": r.role,
-        "members": list(members),
-        "before": before,
-        "lost_positions": lost_positions,
-        "after": after,
-        "state_lost": list(done.state_lost),
-        "mirror_step": done.mirror_step,
-        "at_switch": at_switch,
-        "params": flat_params(engine).tolist(),
-        "ds_allreduced": spy.take(),
-        "dp_ranks": dist.get_process_group_ranks(engine.optimizer.dp_process_group),
-    }
+    return {"role": r.role, "before": before, "lost_positions": lost_positions} | rehome_and_train(
+        engine, r, rank, mirror
+    )
 
 
 RELAUNCHED = "test/relaunched"  # the relaunched rank 1 has its engine (the orchestrator's "registered")
@@ -172,21 +154,25 @@ def relaunched(rank: int) -> dict[str, Any]:
 
 
 def rehome_and_train(engine: Any, r: ReroutedAllReduce, rank: int, mirror: zero_repartition.Mirror) -> dict[str, Any]:
+    """Re-home over the plan's live ranks from rank 0's view, then two steps: what each saw."""
     members, group = r.live_group()
     assert group is not None
     done = zero_repartition.repartition(engine, group=group, members=members, rank=rank, source=0, mirror=mirror)
     reattach(engine, r)
     after = whole_optimizer(engine, group, len(members))
     at_switch = flat_params(engine).tolist()
+    spy = AllReduceSpy()
     train(engine, rank, range(3, 5))
     return {
-        "at_switch": at_switch,
         "members": list(members),
         "owners": list(done.owners),
+        "after": after,
         "state_lost": list(done.state_lost),
         "mirror_step": done.mirror_step,
-        "after": after,
+        "at_switch": at_switch,
         "params": flat_params(engine).tolist(),
+        "ds_allreduced": spy.take(),
+        "dp_ranks": dist.get_process_group_ranks(engine.optimizer.dp_process_group),
     }
 
 

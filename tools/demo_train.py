@@ -125,7 +125,7 @@ class DemoJob:
         first = (
             f"first step {self.first_step_at - self.since:.0f}s after the command started"
             if self.first_step_at is not None
-            else "first step: not yet (scripts/bootstrap compiled DeepSpeed's CPU ops, so seconds, not minutes)"
+            else "first step: not yet (scripts/bootstrap compiled DeepSpeed's CPU op, so seconds, not minutes)"
         )
         return [format_jobs([job]), plan_line(plan), first, fault]
 

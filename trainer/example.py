@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads(args.deepspeed_config.read_text()) if args.deepspeed_config else None
     config = config or {
         "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        # on CPU torch's AdamW: DeepSpeed's own CPU Adam is an op it compiles first (half a minute)
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": not cuda}},
         "zero_optimization": {"stage": 0},
         "steps_per_print": 1_000_000_000,
         **({"bf16": {"enabled": True}} if cuda and torch.cuda.is_bf16_supported() else {}),

@@ -315,7 +315,7 @@ def repartition(
             parts[i][name] = _slice(full, was, now, members.index(rank))
             if name == MASTER:
                 models.append(full)
-    _commit(group, members)
+    _commit(group)
     # From here on nothing crosses the network: every member has what it needs.
     new_opt = _rebuild(engine, group, members)
     _check(new_opt, new_layouts)
@@ -358,12 +358,10 @@ def _owners(
     return owners
 
 
-def _commit(group: dist.ProcessGroup, members: tuple[int, ...]) -> None:
-    """The last collective of a re-home: every member has assembled its new partitions."""
-    ready = torch.ones(1, dtype=torch.int64)
-    dist.all_reduce(ready, group=group)
-    if int(ready.item()) != len(members):
-        raise RepartitionError(f"{int(ready.item())} of {len(members)} members ready to re-home")
+def _commit(group: dist.ProcessGroup) -> None:
+    """The last collective of a re-home: it completes once every member has assembled its new
+    partitions, and raises (``RuntimeError``) on a member that died or timed out before that."""
+    dist.all_reduce(torch.ones(1, dtype=torch.int64), group=group)
 
 
 def _agree(engine: Any, *, rank: int, source: int, group: dist.ProcessGroup) -> dict[str, Any]:

@@ -152,10 +152,9 @@ def test_a_killed_ingest_process_loses_nothing_and_degrades_nobody(redis_url: st
         await _until(lambda: len(orch.cluster.nodes) == nodes)
         victim = orch.ingest_pool.pids[0]
         consumer = f"ingest-{socket.gethostname()}-{victim}"
+        # stop it where it holds entries it read and has not handed over
         held, deadline = 0, time.monotonic() + 60
-        while (
-            not held and time.monotonic() < deadline
-        ):  # stop it where it holds entries it read and has not handed over
+        while not held and time.monotonic() < deadline:
             os.kill(victim, signal.SIGSTOP)
             held = await asyncio.to_thread(_pending, raw, settings, consumer)
             if not held:

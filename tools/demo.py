@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -144,8 +145,15 @@ def _start(
 def run_demo(args: argparse.Namespace) -> int:
     # Ctrl-C, or SIGTERM, stops the demo and everything it started, whoever started it: a shell
     # starts a background command with SIGINT ignored, and Python then keeps it ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # The flag too: a KeyboardInterrupt raised while a __del__ runs is printed and ignored.
+    stopping = threading.Event()
+
+    def interrupted(signum: int, frame: object) -> None:
+        stopping.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
     workdir = Path(tempfile.mkdtemp(prefix="pulse-demo-"))
     procs: list[subprocess.Popen[bytes]] = []
     job: DemoJob | None = None
@@ -154,7 +162,7 @@ def run_demo(args: argparse.Namespace) -> int:
         api, job = _start(args, workdir, procs, since=time.monotonic())
         started = time.monotonic()
         last = 0.0
-        while not args.duration or time.monotonic() - started < args.duration:
+        while not stopping.is_set() and (not args.duration or time.monotonic() - started < args.duration):
             for p in [*procs, *(job.agents.values() if job else ())]:
                 if p.poll() is not None:
                     raise SystemExit(f"pulse demo: a child process exited ({p.args!r}); see {workdir}")

@@ -33,7 +33,7 @@ def test_a_checkpoint_reaches_the_rank_alone_and_its_exit_is_reported(redis_url:
     client = redis.Redis.from_url(redis_url)
     env = pulse_env(PULSE_REDIS_URL=redis_url, PULSE_JOB_ID=job, **SRUN)
     line = [sys.executable, "-m", "agent.slurm_rank", "--", sys.executable, SIGUSR2_RANK, "--out", str(tmp_path)]
-    proc = subprocess.Popen(line, env=env, cwd=REPO)
+    proc = subprocess.Popen(line, env=env, cwd=REPO, start_new_session=True)  # its rank and the rank's child too
     try:
         wait_for((tmp_path / f"{job}-1.ready").exists, timeout=30, what="the rank's handler in place")
         wait_for(lambda: _statuses(client, job), timeout=10, what="started reported")
@@ -50,8 +50,9 @@ def test_a_checkpoint_reaches_the_rank_alone_and_its_exit_is_reported(redis_url:
         assert proc.wait(timeout=30) == 143
         assert marks.read_text().split() == [str(rank_pid)]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # not reaped: its session's id is still its own
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     started, exited = _statuses(client, job)
     assert (started.state, started.rank, started.node, started.node_rank, started.pids) == (
         "started", 1, "sn2", 1, [rank_pid]

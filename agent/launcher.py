@@ -208,21 +208,34 @@ class Launcher:
         await self.reattach()
         key = wire.node_commands_key(self.node)
         last = self._cursor_file.read_text().strip() if self._cursor_file.exists() else "0"
-        while not stop.is_set():
-            try:
-                resp: Any = await self.redis.xread({key: last}, count=100, block=500)
-            except (ConnectionError, OSError, aioredis.ConnectionError, aioredis.TimeoutError) as exc:
-                log.warning("event=commands_unavailable error=%r", str(exc))
-                await asyncio.sleep(1.0)
-                continue
-            items = resp.items() if isinstance(resp, dict) else (resp or [])
-            for _, entries in items:
-                for entry_id, fields in entries[0] if entries and isinstance(entries[0], list) else entries:
-                    await self.handle(fields.get(wire.COMMAND_FIELD))
-                    last = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                    self._cursor_file.write_text(last)
-        for t in list(self._tasks):
-            t.cancel()
+        try:
+            while not stop.is_set():
+                try:
+                    resp: Any = await self.redis.xread({key: last}, count=100, block=500)
+                except (ConnectionError, OSError, aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+                    log.warning("event=commands_unavailable error=%r", str(exc))
+                    await asyncio.sleep(1.0)
+                    continue
+                items = resp.items() if isinstance(resp, dict) else (resp or [])
+                for _, entries in items:
+                    for entry_id, fields in entries[0] if entries and isinstance(entries[0], list) else entries:
+                        await self.handle(fields.get(wire.COMMAND_FIELD))
+                        last = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                        self._cursor_file.write_text(last)
+        finally:
+            await self.detach()
+
+    async def detach(self) -> None:
+        """Leave the ranks and the job stores running, as an agent that stops or dies does (a
+        restarted one re-attaches): end this launcher's own tasks (the watchers, a stop under way)
+        and wait for them, so that none uses the Redis client after its owner closed it (a
+        watcher's status sent then reconnected the client, and the open socket outlived the
+        event loop). Cancelled again until each ends: redis-py (8.2) now and then swallows a
+        cancellation that lands while a command is in flight (``services/orchestrator.py``)."""
+        while pending := [t for t in self._tasks if not t.done()]:
+            for t in pending:
+                t.cancel()
+            await asyncio.wait(pending, timeout=1.0)
 
     async def handle(self, payload: bytes | None) -> None:
         try:

@@ -62,8 +62,7 @@ def test_restarted_agent_reattaches_and_reads_the_exit_code(redis_url: str, tmp_
         assert [s.state for s in _statuses(redis_url)] == ["started"]
         pids = first.jobs["j1"].pids
         orphans = first.jobs["j1"].procs  # a dead agent's Popen objects: reaped below, not by GC
-        for t in list(first._tasks):  # the agent dies (its watcher with it); the ranks live on
-            t.cancel()
+        await first.detach()  # the agent dies (its watcher with it); the ranks live on
         assert json.loads((tmp_path / "jobs.json").read_text())["j1"]["pids"] == pids
         second = Launcher(node="n1", redis_client=client, state_dir=tmp_path, python=sys.executable)
         await second.reattach()
@@ -175,8 +174,9 @@ def test_an_agent_leaves_at_once_while_the_jobs_store_it_started_lives_on(redis_
         launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path)
         await launcher.launch(_cmd("j4", seconds=0.2))
         left["launcher"] = launcher
-        for t in list(launcher._tasks):  # the agent stops, as on SIGTERM
-            t.cancel()
+        await launcher.detach()  # the agent stops, as on SIGTERM
+        # its watcher has ended, not only been asked to: nothing uses the client once it is closed
+        assert asyncio.all_tasks() == {asyncio.current_task()}
         await client.aclose()
 
     started = time.monotonic()
@@ -232,8 +232,7 @@ def test_checkpoint_signals_each_rank_once_and_spares_their_children(redis_url: 
         assert all(alive(p) for p in [*ranks.values(), *children, *wrappers])
 
         orphans = first.jobs["ck"].procs
-        for t in list(first._tasks):  # the agent dies; the ranks live on
-            t.cancel()
+        await first.detach()  # the agent dies; the ranks live on
         second = Launcher(node="n1", redis_client=client, state_dir=state)
         await second.reattach()
         await second.handle(checkpoint("r1"))  # redelivered after the restart: still once

@@ -84,22 +84,77 @@ def session(request: pytest.FixtureRequest) -> Iterator[Session]:
 # and proxy timeouts of a few seconds. The suite runs on three workers (two cores) so that tests
 # that wait fill the cores; at most HEAVY_AT_ONCE of these run at once, as on two workers: three
 # at once on two cores starved survivors past their 3 s collective timeout in one run (4 failures).
+# The schedule (pytest_xdist_make_scheduler) keeps to that by running them in HEAVY_AT_ONCE
+# groups; the lock files (_heavy_slot) hold it under any other --dist too. Each module with its
+# tests' wall time in seconds (a two-worker run, 2026-12-05), what the groups are balanced by.
 HEAVY = {
-    "tests/e2e/test_any_script.py",
-    "tests/e2e/test_demo.py",
-    "tests/e2e/test_goodput.py",
-    "tests/e2e/test_reroute.py",
-    "tests/e2e/test_trainer_example.py",
-    "tests/integration/test_any_script_exact.py",
-    "tests/integration/test_check_reroute.py",
-    "tests/integration/test_collective_gloo.py",
-    "tests/integration/test_deepspeed_reroute.py",
-    "tests/integration/test_plan_follower.py",
-    "tests/integration/test_rejoin.py",
-    "tests/integration/test_slurm_jobs.py",
-    "tests/integration/test_zero_repartition.py",
+    "tests/e2e/test_any_script.py": 163,
+    "tests/e2e/test_demo.py": 59,
+    "tests/e2e/test_goodput.py": 90,
+    "tests/e2e/test_reroute.py": 24,
+    "tests/e2e/test_trainer_example.py": 14,
+    "tests/integration/test_any_script_exact.py": 80,
+    "tests/integration/test_check_reroute.py": 19,
+    "tests/integration/test_collective_gloo.py": 19,
+    "tests/integration/test_deepspeed_reroute.py": 50,
+    "tests/integration/test_plan_follower.py": 13,
+    "tests/integration/test_rejoin.py": 32,
+    "tests/integration/test_slurm_jobs.py": 148,
+    "tests/integration/test_zero_repartition.py": 41,
 }
 HEAVY_AT_ONCE = 2
+# After the heavy groups, the modules whose tests wait on processes and deadlines first; the many
+# short unit tests fill the end, so that no worker is left with a long module while others idle.
+WAITING_FIRST = ("tests/e2e/", "tests/faults/", "tests/integration/", "tests/deploy/", "tests/bench/")
+
+
+def heavy_groups(heavy: dict[str, float], slots: int) -> dict[str, str]:
+    """Each heavy module's group ("heavy-0" ... ): the longest first, each to the group with the
+    least time so far, so the groups take about equally long."""
+    load = [0.0] * slots
+    out: dict[str, str] = {}
+    for module, seconds in sorted(heavy.items(), key=lambda kv: (-kv[1], kv[0])):
+        i = load.index(min(load))
+        out[module] = f"heavy-{i}"
+        load[i] += seconds
+    return out
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadfile`` (``pyproject.toml``: each module is a unit that one worker runs whole,
+    its module fixtures set up once), but the HEAVY modules joined into HEAVY_AT_ONCE units, each
+    run by one worker from the start: at most HEAVY_AT_ONCE run at once and no worker waits for
+    a heavy slot. (``--dist loadgroup`` with ``xdist_group`` marks would say the same, but
+    pytest-xdist 3.8 names a group by rewriting ``item._nodeid``, which pytest 9.2 ignores.)"""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    groups = heavy_groups(HEAVY, HEAVY_AT_ONCE)
+
+    class HeavyGrouped(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return groups.get(module, module)
+
+    return HeavyGrouped(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker: the heavy groups' tests first (the scheduler above hands the units out
+    in this order, ``--no-loadscope-reorder``), then the other modules in the order of
+    WAITING_FIRST; a module's tests keep their order."""
+    if not hasattr(config, "workerinput"):
+        return
+    groups = heavy_groups(HEAVY, HEAVY_AT_ONCE)
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        module = str(item.path.relative_to(REPO))
+        if module in groups:
+            return (0, int(groups[module].split("-")[1]))
+        return (1, next((i for i, d in enumerate(WAITING_FIRST) if module.startswith(d)), len(WAITING_FIRST)))
+
+    items[:] = sorted(items, key=rank)
 
 
 @contextlib.contextmanager

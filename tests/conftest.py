@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -121,8 +122,8 @@ def heavy_groups(heavy: dict[str, float], slots: int) -> dict[str, str]:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``--dist loadfile`` (``pyproject.toml``: each module is a unit that one worker runs whole,
-    its module fixtures set up once), but the HEAVY modules joined into HEAVY_AT_ONCE units, each
+    """``-n 3 --dist loadfile --no-loadscope-reorder`` (README, Tests): each module is a unit that
+    one worker runs whole, its module fixtures set up once, but the HEAVY modules joined into HEAVY_AT_ONCE units, each
     run by one worker from the start: at most HEAVY_AT_ONCE run at once and no worker waits for
     a heavy slot. (``--dist loadgroup`` with ``xdist_group`` marks would say the same, but
     pytest-xdist 3.8 names a group by rewriting ``item._nodeid``, which pytest 9.2 ignores.)"""
@@ -140,11 +141,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return HeavyGrouped(config, log)
 
 
+def pytest_configure_node(node: Any) -> None:
+    """xdist, in the controller: tell each worker whether the schedule above is in use."""
+    node.workerinput["heavy_grouped"] = node.config.getoption("dist") == "loadfile"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In an xdist worker: the heavy groups' tests first (the scheduler above hands the units out
-    in this order, ``--no-loadscope-reorder``), then the other modules in the order of
+    """In an xdist worker under the schedule above: the heavy groups' tests first (it hands the
+    units out in this order, ``--no-loadscope-reorder``), then the other modules in the order of
     WAITING_FIRST; a module's tests keep their order."""
-    if not hasattr(config, "workerinput"):
+    if not getattr(config, "workerinput", {}).get("heavy_grouped"):
         return
     groups = heavy_groups(HEAVY, HEAVY_AT_ONCE)
 

@@ -109,16 +109,26 @@ HEAVY_AT_ONCE = 2
 WAITING_FIRST = ("tests/e2e/", "tests/faults/", "tests/integration/", "tests/deploy/", "tests/bench/")
 
 
-def heavy_groups(heavy: dict[str, float], slots: int) -> dict[str, str]:
-    """Each heavy module's group ("heavy-0" ... ): the longest first, each to the group with the
+def heavy_groups(heavy: dict[str, float], slots: int) -> dict[str, int]:
+    """Each heavy module's group (0 ... slots - 1): the longest first, each to the group with the
     least time so far, so the groups take about equally long."""
     load = [0.0] * slots
-    out: dict[str, str] = {}
+    out: dict[str, int] = {}
     for module, seconds in sorted(heavy.items(), key=lambda kv: (-kv[1], kv[0])):
         i = load.index(min(load))
-        out[module] = f"heavy-{i}"
+        out[module] = i
         load[i] += seconds
     return out
+
+
+def _module(item: pytest.Item) -> str:
+    """The test's module as HEAVY names it."""
+    return str(item.path.relative_to(REPO))
+
+
+def _heavy_grouped(config: pytest.Config) -> bool:
+    """The run (the controller's options) takes the schedule below."""
+    return bool(config.getoption("dist") == "loadfile")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
@@ -127,7 +137,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     run by one worker from the start: at most HEAVY_AT_ONCE run at once and no worker waits for
     a heavy slot. (``--dist loadgroup`` with ``xdist_group`` marks would say the same, but
     pytest-xdist 3.8 names a group by rewriting ``item._nodeid``, which pytest 9.2 ignores.)"""
-    if config.getoption("dist") != "loadfile":
+    if not _heavy_grouped(config):
         return None
     from xdist.scheduler import LoadFileScheduling
 
@@ -136,14 +146,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     class HeavyGrouped(LoadFileScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return groups.get(module, module)
+            return f"heavy-{groups[module]}" if module in groups else module
 
     return HeavyGrouped(config, log)
 
 
 def pytest_configure_node(node: Any) -> None:
     """xdist, in the controller: tell each worker whether the schedule above is in use."""
-    node.workerinput["heavy_grouped"] = node.config.getoption("dist") == "loadfile"
+    node.workerinput["heavy_grouped"] = _heavy_grouped(node.config)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -155,9 +165,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     groups = heavy_groups(HEAVY, HEAVY_AT_ONCE)
 
     def rank(item: pytest.Item) -> tuple[int, int]:
-        module = str(item.path.relative_to(REPO))
+        module = _module(item)
         if module in groups:
-            return (0, int(groups[module].split("-")[1]))
+            return (0, groups[module])
         return (1, next((i for i, d in enumerate(WAITING_FIRST) if module.startswith(d)), len(WAITING_FIRST)))
 
     items[:] = sorted(items, key=rank)
@@ -167,7 +177,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _heavy_slot(item: pytest.Item) -> Iterator[None]:
     """For a test of a HEAVY module, one of HEAVY_AT_ONCE lock files shared by this run's workers
     (xdist's run id names them), held while it runs; others pass straight through."""
-    if str(item.path.relative_to(REPO)) not in HEAVY:
+    if _module(item) not in HEAVY:
         yield
         return
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))

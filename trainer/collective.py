@@ -685,6 +685,15 @@ class PlanGroups:
                 raise RerouteError(f"rank {self.rank} got no agreement from its carrier {carrier}: {exc}") from exc
         return t
 
+    def flush(self) -> None:
+        """After the last step, before the process leaves or tears its groups down: wait for the
+        reduced buckets this rank (as carrier) still has on their way to its degraded ranks, at
+        most ``proxy_timeout_s`` per rank. A carrier's step returns before those sends complete
+        (the next step waits for them), so a carrier that left straight after its last step would
+        close the connection under its degraded rank's last receive. A send that fails loses its
+        rank (:attr:`missing`)."""
+        self._drain_sends(StepBudget(self.proxy_timeout_s))
+
     def _drain_sends(self, budget: StepBudget) -> None:
         """Wait for the carrier's sends of earlier steps; a send that fails loses its rank."""
         pending, self._pending_sends = self._pending_sends, []

@@ -503,6 +503,8 @@ class Resilience:
         if self._closed:
             return
         self._closed = True
+        if self.reroute is not None and self.reroute.role != "excluded":
+            self.reroute.flush()  # a degraded rank's last reduced buckets reach it before we leave
         if self.follower is not None:
             if success and self.reroute is not None and self.reroute.role != "excluded":
                 with contextlib.suppress(RuntimeError):

@@ -49,6 +49,7 @@ SWITCH_TO = plan(4, [0, 2, 3], {"1": 0})
 SWITCH_SEEN_AT = {0: 3, 1: 1, 2: 5, 3: 2}  # the step at which each rank first reads SWITCH_TO; rank 0's wins
 DDP_PLAN = plan(5, [0, 1, 3], {"2": 3})
 DDP_STEPS = 5
+LAST_NUMEL = 16 << 20  # 64 MB of float32: more than the sockets buffer, so the send outlasts the step
 AFTER_FAULT = plan(2, [0, 1, 3], excluded=[2])
 
 
@@ -162,6 +163,14 @@ def scenario_plans(rank: int) -> dict[str, Any]:
         "contributors": r.last_contributors,
         "missing": sorted(r.missing),
     }
+
+    # (f) the job's last step, a big bucket still on its way from the carrier when the step returns:
+    # flushed before the rank leaves (destroy_process_group closes the pair under the receive)
+    big = [torch.full((LAST_NUMEL,), float(rank))]
+    r.allreduce_(big)
+    r.flush()
+    # a sample: the bucket arrives whole or not at all, and the carrier must not linger here
+    out["last"] = {"err": float((big[0][::4099] - sum(ALL) / WORLD).abs().max()), "missing": sorted(r.missing)}
     return out
 
 
@@ -242,7 +251,11 @@ def worker(scenario: str, rank: int, out_dir: Path) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
     result = scenario_plans(rank) if scenario == "plans" else scenario_fault(rank, scenario)
     gloo.write_result(out_dir, rank, result)
-    dist.destroy_process_group()
+    # Leave at once, as trainer.run's ranks do (os._exit: no teardown, whose destructors would
+    # finish the sends still queued).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --- the tests ------------------------------------------------------------------------------------
@@ -306,6 +319,12 @@ def test_ddp_hook_with_a_degraded_rank_matches_stock_ddp(plans_world: dict[int, 
         assert out["ddp"]["err"] < 1e-5, (rank, out["ddp"])
         assert len(out["ddp"]["contributors"]) > 1, "expected several DDP buckets"
         assert set(out["ddp"]["contributors"]) == {WORLD}
+
+
+def test_a_carrier_delivers_the_last_steps_bucket_before_it_leaves(plans_world: dict[int, dict[str, Any]]) -> None:
+    """(f) The degraded rank gets the last step's average though its carrier leaves right after."""
+    for rank, out in plans_world.items():
+        assert out["last"] == {"err": 0.0, "missing": []}, rank
 
 
 def _assert_survived(results: dict[int, dict[str, Any]], *, lost_after_bucket: int) -> None:

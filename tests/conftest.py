@@ -95,6 +95,7 @@ HEAVY = {
     "tests/e2e/test_reroute.py": 24,
     "tests/e2e/test_trainer_example.py": 14,
     "tests/integration/test_any_script_exact.py": 80,
+    "tests/integration/test_any_script_rejoin.py": 25,
     "tests/integration/test_check_reroute.py": 19,
     "tests/integration/test_collective_gloo.py": 19,
     "tests/integration/test_deepspeed_reroute.py": 50,

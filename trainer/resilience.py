@@ -45,7 +45,9 @@ Exclusion
     boundary, as after a recovery.
 Rejoin (``PULSE_REJOIN=1``, set by the orchestrator when it relaunches an excluded node's share)
     :func:`trainer.run` gives the rank a world of one before DeepSpeed starts; :func:`attach`
-    waits until the live ranks take it back at a boundary, then it holds their state, including
+    waits until the live ranks take it back (at a boundary, or in a recovery from another rank's
+    failure meanwhile, which every live rank then ends as the rejoining rank ends its join:
+    :meth:`Resilience._settle`), then it holds their state, including
     ``engine.global_steps``. A script whose loop counts optimizer steps from
     ``engine.global_steps`` continues from the live ranks' step (the README shows that diff);
     one that counts from 0 runs on until the live ranks finish, then leaves with 0. Under ZeRO
@@ -53,7 +55,8 @@ Rejoin (``PULSE_REJOIN=1``, set by the orchestrator when it relaunches an exclud
 Emergency checkpoint
     SIGUSR2 (the agents deliver it for ``POST /v1/jobs/{id}/checkpoint``) asks for one; every live
     rank agrees at the next boundary (the request rides with the step's gradient reduction, or,
-    at stages 1-2 and after a switch that brought ranks back, a one-element rerouted all-reduce;
+    at stages 1-2, after a switch that brought ranks back and after a recovery, a one-element
+    rerouted all-reduce;
     :mod:`trainer.checkpoint`) and calls ``engine.save_checkpoint(PULSE_CHECKPOINT_DIR, tag="emergency-stepN")``
     together; each rank reports ``checkpoint_written <dir>`` at that step, then training goes on.
 The end
@@ -173,7 +176,7 @@ class Resilience:
         global _current
         s, engine = self.settings, self.engine
         if s.active:
-            self.reporter = self._make_reporter()
+            self.reporter = _reporter(engine, s, rank=self.rank, local_rank=self.local_rank, world=self.world_size)
             if s.reroute:
                 self._make_reroute()
         elif s.rejoin:
@@ -190,22 +193,6 @@ class Resilience:
         if self.rejoining:
             self._rejoin()
         self._timer.lap()
-
-    def _make_reporter(self) -> TrainerReporter:
-        s, engine = self.settings, self.engine
-        dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else None
-        peak = s.peak_flops
-        if peak is None and torch.cuda.is_available() and dtype is not None:
-            peak = peak_flops(torch.cuda.get_device_name(self.local_rank), dtype=dtype)
-        return TrainerReporter(
-            job=s.job_id,
-            rank=self.rank,
-            local_rank=self.local_rank,
-            world_size=self.world_size,
-            node=s.node or None,
-            redis_url=s.redis_url,
-            peak_flops_per_device=peak,
-        )
 
     def _make_reroute(self) -> None:
         s, engine = self.settings, self.engine
@@ -428,6 +415,7 @@ class Resilience:
         def report_missing(missing: list[int]) -> None:
             reporter.report(step=completed, loss=None, plan_generation=reroute.generation, unreachable_ranks=missing)
 
+        written: str | None = None
         for _ in range(5):  # another rank may die while the survivors recover
             # Every participant notices within about one collective timeout; a degraded rank
             # only when its carrier's answer does not come (peer_timeout_s).
@@ -439,6 +427,7 @@ class Resilience:
                 if reroute.role == "excluded":
                     self._leave("excluded")
                 self._take_state()
+                written = self._settle()
                 break
             except RecoveryError:
                 raise
@@ -447,6 +436,11 @@ class Resilience:
         else:
             raise error
         self.recoveries += 1
+        if written is not None:
+            reporter.report(
+                step=completed, loss=None, plan_generation=reroute.generation,
+                note=f"{wire.CHECKPOINT_WRITTEN} {written}",
+            )  # fmt: skip
         self._timer.lap()
 
     def _take_state(self) -> None:
@@ -473,8 +467,17 @@ class Resilience:
             self._leave("job_finished")
         self._take_state()
         log.warning("event=rejoined job=%s rank=%d step=%d", self.settings.job_id, self.rank, self.engine.global_steps)
-        self.partitions.boundary(self.reroute)  # the rest of the live ranks' boundary, in its order
-        self.checkpoint.boundary(self.reroute, leader=self.leader)
+        self._settle()
+
+    def _settle(self) -> str | None:
+        """After the live ranks changed and took the state, on every live rank in this order: the
+        partitions' boundary, then the checkpoint flag agreed (returns the directory written). A
+        restarted rank runs it after its join, its peers after the switch that invited it: a
+        boundary's (:meth:`_boundary`, same order) or a recovery's. Every recovery runs it, as a
+        survivor cannot tell whether its recovery brought a rank back (an adopted plan hides it)."""
+        assert self.reroute is not None
+        self.partitions.boundary(self.reroute)
+        return self.checkpoint.boundary(self.reroute, leader=self.leader)
 
     # --- the live ranks' view, and the end --------------------------------------------------------
 
@@ -528,6 +531,24 @@ class Resilience:
         sys.stderr.flush()
         logging.shutdown()
         os._exit(0)
+
+
+def _reporter(engine: Any, s: TrainerSettings, *, rank: int, local_rank: int, world: int) -> TrainerReporter:
+    """The rank's reporter; the device's peak FLOPs from its name and the engine's precision
+    unless ``PULSE_PEAK_FLOPS`` says."""
+    dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else None
+    peak = s.peak_flops
+    if peak is None and torch.cuda.is_available() and dtype is not None:
+        peak = peak_flops(torch.cuda.get_device_name(local_rank), dtype=dtype)
+    return TrainerReporter(
+        job=s.job_id,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        node=s.node or None,
+        redis_url=s.redis_url,
+        peak_flops_per_device=peak,
+    )
 
 
 def _watch_tensor_backward(r: Resilience) -> None:

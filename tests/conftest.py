@@ -133,11 +133,12 @@ def _heavy_grouped(config: pytest.Config) -> bool:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``-n 3 --dist loadfile --no-loadscope-reorder`` (README, Tests): each module is a unit that
-    one worker runs whole, its module fixtures set up once, but the HEAVY modules joined into HEAVY_AT_ONCE units, each
-    run by one worker from the start: at most HEAVY_AT_ONCE run at once and no worker waits for
-    a heavy slot. (``--dist loadgroup`` with ``xdist_group`` marks would say the same, but
-    pytest-xdist 3.8 names a group by rewriting ``item._nodeid``, which pytest 9.2 ignores.)"""
+    """``-n 3`` with ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml; README, Tests):
+    each module is a unit that one worker runs whole, its module fixtures set up once, but the
+    HEAVY modules joined into HEAVY_AT_ONCE units, each run by one worker from the start: at most
+    HEAVY_AT_ONCE run at once and no worker waits for a heavy slot. (``--dist loadgroup`` with
+    ``xdist_group`` marks would say the same, but pytest-xdist 3.8 names a group by rewriting
+    ``item._nodeid``, which pytest 9.2 ignores.)"""
     if not _heavy_grouped(config):
         return None
     from xdist.scheduler import LoadFileScheduling

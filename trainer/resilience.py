@@ -500,16 +500,16 @@ class Resilience:
         return self.world_size
 
     def close(self, *, success: bool = True) -> None:
-        """After the script's last step: with ``success``, a restarted rank still waiting to
-        rejoin learns there is nothing left and leaves with 0; the reports are flushed.
-        Idempotent (the runner and atexit both call it)."""
+        """After the script's last step: with ``success``, a carrier's last reduced buckets reach
+        its degraded ranks and a restarted rank still waiting to rejoin learns there is nothing
+        left and leaves with 0; the reports are flushed. Idempotent (the runner and atexit both
+        call it)."""
         if self._closed:
             return
         self._closed = True
-        if self.reroute is not None and self.reroute.role != "excluded":
-            self.reroute.flush()  # a degraded rank's last reduced buckets reach it before we leave
         if self.follower is not None:
             if success and self.reroute is not None and self.reroute.role != "excluded":
+                self.reroute.flush()  # at most proxy_timeout_s per degraded rank
                 with contextlib.suppress(RuntimeError):
                     self.follower.finish()
             self.follower.close()

@@ -141,6 +141,8 @@ class Cluster:
             )
             events.append(ClusterEvent(EventKind.PARTITION, self.partition_reason, now))
             log.warning("event=partition suspected=%s reason=%r", suspected, self.partition_reason)
+            if not suspected:
+                self.grace_start = health.grace_after_partition(self.grace_start, now=now)
         out: list[Transition] = []
         for view in self.nodes.values():
             t = health.evaluate(

@@ -21,7 +21,10 @@ What moves a node:
   gives every node one full ``degraded_after`` before it may degrade it for silence.
 - The partition brake: when more than ``partition_fraction`` of the (non-LOST) nodes are silent
   past ``suspect_after`` at once, the orchestrator assumes it is itself cut off and degrades nobody
-  for silence. Hard faults carried by fresh heartbeats still count.
+  for silence. Hard faults carried by fresh heartbeats still count. When it ends, the silence it
+  covered proves nothing either: every node gets one full ``degraded_after`` from its end
+  (:func:`grace_after_partition`), as after a restart. The nodes' heartbeats come back one by one,
+  and the first few end the partition while the rest are still on their way.
 
 Nothing here reads a clock or does I/O; ``now`` is an argument. The loops in
 ``services/cluster.py`` gather inputs, call these functions, persist and publish.
@@ -274,6 +277,13 @@ def silent_for(node: NodeHealth, *, now: float, grace_start: float) -> float:
     """Seconds of silence that count: never from before the orchestrator's start."""
     ref = grace_start if node.last_seen is None else max(node.last_seen, grace_start)
     return max(0.0, now - ref)
+
+
+def grace_after_partition(grace_start: float, *, now: float) -> float:
+    """The ``grace_start`` once a suspected partition ended at ``now``: silence is measured from
+    then, so a node whose first heartbeat after the partition is still on its way is not
+    degraded for the partition's silence."""
+    return max(grace_start, now)
 
 
 def partition_suspected(

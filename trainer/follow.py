@@ -27,7 +27,8 @@ Contract of :meth:`PlanFollower.boundary`:
   not try that generation again.
 - The thread never blocks the training loop: it only replaces one reference. Redis down: it
   backs off (:class:`clusterpulse.retry.Backoff`) and the plan in force stays in force. A
-  malformed plan in Redis is logged and counted in :attr:`PlanFollower.rejected`, never raised.
+  malformed plan in Redis is logged and counted in :attr:`PlanFollower.rejected` once (not at
+  every read of the same value), never raised.
 
 Recovery from a dead or hung *participant* (:meth:`PlanFollower.recover`). The rerouted
 collective isolates degraded ranks; a participant that dies (SIGKILL, a crash) or hangs (SIGSTOP,
@@ -148,6 +149,7 @@ class PlanFollower:
         self.poll_s = poll_s
         self.every = every
         self.rejected = 0
+        self._rejected_raw: bytes | str | None = None  # the stored plan last rejected, as read
         self.switches = 0
         self._latest: wire.Plan | None = None
         self._refused: set[int] = set()
@@ -482,18 +484,17 @@ class PlanFollower:
 
     def _fetch(self) -> None:
         raw = self._redis.get(wire.job_plan_key(self.job))
-        if raw is None:
-            return
+        if raw is None or raw == self._rejected_raw:
+            return  # a plan rejected already is counted and logged once, not at every read
         try:
             plan = wire.decode_plan(raw)
+            if plan.job != self.job:
+                raise wire.WireError("wrong_job", repr(plan.job))
         except wire.WireError as exc:
-            self.rejected += 1
+            self._rejected_raw, self.rejected = raw, self.rejected + 1
             log.warning("event=plan_rejected job=%s reason=%s detail=%s", self.job, exc.reason, exc)
             return
-        if plan.job != self.job:
-            self.rejected += 1
-            log.warning("event=plan_rejected job=%s reason=wrong_job detail=%r", self.job, plan.job)
-            return
+        self._rejected_raw = None
         latest = self._latest
         if latest is None or plan.generation > latest.generation:
             self._latest = plan

@@ -90,6 +90,10 @@ def test_malformed_foreign_and_older_plans_are_counted_not_raised(follower: Plan
     wait_for(lambda: follower.latest is not None, timeout=15, what="generation 5")
     publish(client, b'{"job": "follow", "generation": "six"}')
     wait_for(lambda: follower.rejected == 1, timeout=15, what="the malformed plan counted")
+    for _ in range(3):  # read again at each notification: the same value is not counted again
+        client.publish(wire.PLAN_CHANNEL, JOB)
+    time.sleep(0.3)
+    assert follower.rejected == 1
     client.set(wire.job_plan_key(JOB), wire.encode(only(job="other", generation=9)))  # a copy under the wrong key
     client.publish(wire.PLAN_CHANNEL, JOB)
     wait_for(lambda: follower.rejected == 2, timeout=15, what="the foreign plan counted")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from clusterpulse.settings import Settings
 from clusterpulse.states import EventKind
+from services import health
 from services.clock import RedisClock
 from services.cluster import ClusterEvent
 from services.ingest import Ingest
@@ -107,7 +108,7 @@ class Evaluator:
             cluster = shared.cluster
             assert cluster is not None
             now = self.clock.now()
-            cluster.grace_start = max(cluster.grace_start, now)
+            cluster.grace_start = health.grace_after_partition(cluster.grace_start, now=now)
             log.warning(
                 "event=redis_available down_s=%.1f grace_until=%.3f plans_republished=%d",
                 now - shared.redis_down_since,

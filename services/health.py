@@ -280,9 +280,9 @@ def silent_for(node: NodeHealth, *, now: float, grace_start: float) -> float:
 
 
 def grace_after_partition(grace_start: float, *, now: float) -> float:
-    """The ``grace_start`` once a suspected partition ended at ``now``: silence is measured from
-    then, so a node whose first heartbeat after the partition is still on its way is not
-    degraded for the partition's silence."""
+    """The ``grace_start`` once a suspected partition (or a Redis outage, held as one) ended at
+    ``now``: silence is measured from then, so a node whose first heartbeat after it is still on
+    its way is not degraded for its silence."""
     return max(grace_start, now)
 
 

@@ -517,7 +517,7 @@ class PlanGroups:
         route = None if plan is None else parse_plan(plan, self.world_size)
         if route == self.route:
             return
-        self._drain_sends(StepBudget(self.proxy_timeout_s))
+        self.flush()
         self.missing = {}
         gone = set() if route is None else set(route.excluded)
         joined = tuple(sorted(self.left - gone))

@@ -326,6 +326,7 @@ async def run_node_agent(
             node=node,
             redis_client=client,
             state_dir=agent_state_dir(settings, node),
+            store_ready_timeout_s=settings.job_store_ready_timeout_s,
             env={"PULSE_REDIS_URL": settings.redis_url},  # every rank reports (and so says it rendezvoused)
         )
         tasks.append(asyncio.create_task(launcher.run(stop)))

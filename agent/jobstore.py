@@ -9,6 +9,11 @@ every node gets ``TORCHELASTIC_USE_AGENT_STORE=True``, which makes torch's rende
 it as a client, rank 0 included (what ``torchrun``'s elastic agent does with its own store). Rank
 0 is then a rank like any other: it can die, be excluded and rejoin.
 
+A store that cannot listen (another process holds the port) exits at once, and the ranks must
+not go on to whatever holds the port (another job's store would take them in, and they would die
+with it): with ``--ready-file`` it writes its pid there once it listens, and the launcher starts
+the ranks only after it reads that.
+
 It lives until the job is over: the orchestrator sends every node a stop when the job reaches a
 terminal state (SUCCEEDED included, ``services/jobs.py``) and the agent ends it then; and the live
 ranks write ``pulse/<job>/done`` after their last step (``PlanFollower.finish``), after which it
@@ -21,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 from clusterpulse import wire
 
@@ -36,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", required=True)
     p.add_argument("--linger", type=float, default=30.0, help="seconds it stays after the job is done")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the done key")
+    p.add_argument("--ready-file", type=Path, help="where to write this process's pid once it listens")
     args = p.parse_args(argv)
     if not 0 < args.port < 65536:
         p.error(f"--port={args.port}: expected 1..65535")
@@ -44,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
     store = TCPStore("0.0.0.0", args.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     log.info("event=job_store_ready job=%s port=%d", args.job, args.port)
+    if args.ready_file is not None:  # the launcher starts the ranks only once it reads this
+        tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
+        tmp.write_text(str(os.getpid()))
+        tmp.replace(args.ready_file)
     key = wire.job_done_store_key(args.job)
     while not store.check([key]):
         time.sleep(args.poll)

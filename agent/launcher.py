@@ -22,7 +22,10 @@ commands are idempotent.
   rendezvous then connects to it, rank 0 included): rank 0 can die and rejoin like any rank. It
   outlives the node's ranks (their exit, a relaunch to rejoin) and ends with the job (the done
   key its ranks write, or the stop the orchestrator sends when the job is over);
-  ``state_dir/stores.json`` lets a restarted agent find it. Without torch on the node neither.
+  ``state_dir/stores.json`` lets a restarted agent find it. The ranks start only once it
+  listens: a store that cannot (another process holds the port) fails the node's launch (exit
+  127, the store's last words), where the ranks would have joined whatever holds the port.
+  Without torch on the node neither.
 - **stop**: SIGTERM to the whole process group, SIGKILL after ``grace_s``; the job's store too.
 - **checkpoint**: SIGUSR2 to each rank process itself, the wrapper shell's child (``agent/ranks.py``
   finds it), never to the process group: SIGUSR2's default action would kill the ranks' own
@@ -47,6 +50,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +59,7 @@ import redis.asyncio as aioredis
 
 from agent.ranks import rank_targets, read_process_table
 from clusterpulse import wire
-from clusterpulse.proc import alive
+from clusterpulse.proc import alive, is_job_store
 from clusterpulse.retry import Backoff
 
 log = logging.getLogger("pulse.agent.launcher")
@@ -127,6 +131,7 @@ class Launcher:
         poll_s: float = 0.2,
         python: str = sys.executable,
         store_linger_s: float = 30.0,
+        store_ready_timeout_s: float = 10.0,
         env: dict[str, str] | None = None,
     ) -> None:
         self.node = node
@@ -136,6 +141,7 @@ class Launcher:
         self.poll_s = poll_s
         self.python = python
         self.store_linger_s = store_linger_s
+        self.store_ready_timeout_s = store_ready_timeout_s
         self.hosts_store = importlib.util.find_spec("torch") is not None  # the store is torch's TCPStore
         self.jobs: dict[str, RunningJob] = {}
         self.stores: dict[str, int] = {}  # job -> pid of the job's store process (agent/jobstore.py)
@@ -282,11 +288,17 @@ class Launcher:
         """The job's store on its first node (module docstring); one per job, kept across relaunches.
 
         Started through a shell that leaves at once, so the store is nobody's child here: it
-        outlives this agent, init reaps it, and nothing in the agent waits for it."""
+        outlives this agent, init reaps it, and nothing in the agent waits for it. Returns once
+        the store listens (it writes its pid to its ready file then); raises :class:`StoreError`
+        when it exits first (the port is held: the ranks would join whatever holds it) or does not
+        listen within ``store_ready_timeout_s``."""
         pid = self.stores.get(cmd.job)
-        if pid is not None and alive(pid):
+        if pid is not None and is_job_store(pid, cmd.job):
             return
-        argv = [self.python, "-m", "agent.jobstore", f"--port={cmd.master_port}", f"--job={cmd.job}"]
+        ready = self.state_dir / f"{cmd.job}.store.ready"
+        ready.unlink(missing_ok=True)
+        argv = [self.python, "-m", "agent.jobstore", f"--port={cmd.master_port}", f"--job={cmd.job}",
+                f"--ready-file={ready}"]  # fmt: skip
         logf = self.state_dir / f"{cmd.job}.store.log"
         shell = subprocess.run(
             [
@@ -302,8 +314,19 @@ class Launcher:
             timeout=10,
             start_new_session=True,  # a session of its own: not in the ranks' process group
         )
-        self.stores[cmd.job] = int(shell.stdout.strip())
-        log.info("event=job_store_started job=%s port=%d pid=%d", cmd.job, cmd.master_port, self.stores[cmd.job])
+        pid = int(shell.stdout.strip())
+        deadline = time.monotonic() + self.store_ready_timeout_s
+        while not (ready.exists() and ready.read_text() == str(pid)):
+            if not alive(pid):
+                last = tail(logf).strip().splitlines()[-1:] or ["(no output)"]
+                raise StoreError(f"it exited before it listened at port {cmd.master_port}: {last[0]}")
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                raise StoreError(f"it did not listen at port {cmd.master_port} within {self.store_ready_timeout_s:g}s")
+            time.sleep(0.02)
+        self.stores[cmd.job] = pid
+        log.info("event=job_store_started job=%s port=%d pid=%d", cmd.job, cmd.master_port, pid)
 
     async def launch(self, cmd: wire.JobCommand) -> None:
         if cmd.job in self.jobs:
@@ -314,8 +337,8 @@ class Launcher:
             return
         if cmd.node_rank == 0 and self.hosts_store:
             try:
-                self._start_store(cmd)
-            except (OSError, ValueError, subprocess.SubprocessError) as exc:
+                await asyncio.to_thread(self._start_store, cmd)
+            except (OSError, ValueError, subprocess.SubprocessError, StoreError) as exc:
                 await self._status(cmd.job, 0, "exited", exit_code=127, detail=f"cannot start the job's store: {exc}")
                 return
         lines = self.argv(cmd)
@@ -395,7 +418,7 @@ class Launcher:
         """Stop the job's ranks here and, unless ``store_too`` is False (one of this node's ranks
         failed: the others go, the job's store stays for the rest of the job), its store."""
         store = self.stores.pop(job, None) if store_too else None
-        if store is not None:
+        if store is not None and is_job_store(store, job):  # not a process that has since taken its pid
             with contextlib.suppress(ProcessLookupError):
                 os.kill(store, signal.SIGKILL)  # holds nothing a stopped job needs
             self._save()
@@ -456,10 +479,18 @@ class Launcher:
             return None
 
     def _tail(self, job: str) -> str:
-        path = self.state_dir / f"{job}.log"
-        if not path.exists():
-            return ""
-        with path.open("rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - LOG_TAIL_BYTES))
-            return fh.read().decode(errors="replace")
+        return tail(self.state_dir / f"{job}.log")
+
+
+class StoreError(Exception):
+    """The job's store did not come to listen at the job's port (:meth:`Launcher._start_store`)."""
+
+
+def tail(path: Path) -> str:
+    """The last ``LOG_TAIL_BYTES`` of the log at ``path`` ("" when there is none)."""
+    if not path.exists():
+        return ""
+    with path.open("rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, fh.tell() - LOG_TAIL_BYTES))
+        return fh.read().decode(errors="replace")

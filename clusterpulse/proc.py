@@ -1,6 +1,6 @@
 """Whether a process of this host is alive: one answer for the agent's launcher (are a job's ranks
-still running?) and the orchestrator's leader lease (is the holder a dead process here?). And the
-one log line format of every ``pulse`` process and the processes they start."""
+still running?) and the orchestrator's leader lease (is the holder a dead process here?); whether a
+recorded pid is still a job's store (pids are reused). And the one log line format of every ``pulse`` process and the processes they start."""
 
 from __future__ import annotations
 
@@ -25,3 +25,16 @@ def alive(pid: int) -> bool:
         if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
             return False
     return True
+
+
+def is_job_store(pid: int, job: str) -> bool:
+    """``pid`` is alive and still ``job``'s rendezvous store (``agent/jobstore.py``, started with
+    ``--job=<job>``). A recorded store pid may since have been reused by any process, another
+    job's store included, so this is what a caller checks before it trusts or signals one."""
+    if not alive(pid):
+        return False
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(a.endswith(b"agent.jobstore") for a in args) and f"--job={job}".encode() in args

@@ -81,6 +81,13 @@ class Settings(BaseSettings):
     job_max_rejoins: int = Field(10, ge=0)  # relaunches per node and job of excluded ranks (0: never)
     agent_state_dir: str = ""  # <dir>/<node>; default $XDG_STATE_HOME or ~/.local/state, /clusterpulse/<node>
     job_master_addr_label: str = "addr"  # a node label that, when set, overrides the address its agent publishes
+    # A job's rendezvous port (its store's, on its first node): one of base ... base + span - 1 that
+    # no other active job at the same address holds (services/jobs.py, master_port)
+    job_port_base: int = Field(29500, ge=1, le=65535)
+    job_port_span: int = Field(500, ge=1)
+    # How long the first node's agent waits for the job's store to answer as the job's own
+    # before it fails the node's launch (agent/launcher.py)
+    job_store_ready_timeout_s: float = Field(10.0, gt=0)
     # The address this node's peers reach it at (the rendezvous of a job whose first node it is),
     # published in the heartbeat; empty: the agent finds it itself (agent/address.py)
     agent_addr: str = Field("", pattern=ADDR_PATTERN)
@@ -185,6 +192,11 @@ class Settings(BaseSettings):
         if self.lost_after_s < self.degraded_after_s:
             raise ValueError(
                 f"lost_after_s ({self.lost_after_s}s) must not be below degraded_after_s ({self.degraded_after_s}s)"
+            )
+        if self.job_port_base + self.job_port_span - 1 > 65535:
+            raise ValueError(
+                f"PULSE_JOB_PORT_BASE={self.job_port_base} with PULSE_JOB_PORT_SPAN={self.job_port_span} "
+                f"reaches port {self.job_port_base + self.job_port_span - 1}; the last port is 65535"
             )
         if self.job_backend == "slurm" and not self.slurm:
             raise ValueError("PULSE_JOB_BACKEND=slurm needs PULSE_SLURM=on (the Slurm commands and SLURM_CONF)")

@@ -189,6 +189,12 @@ def master_addr(first_node: str, label: str | None, published: str) -> str:
     return label or published or first_node
 
 
-def master_port(job_id: str, *, base: int = 29500, span: int = 500) -> int:
-    """A rendezvous port for the job, stable across orchestrator restarts."""
-    return base + zlib.crc32(job_id.encode()) % span
+def master_port(job_id: str, *, taken: Collection[int] = (), base: int = 29500, span: int = 500) -> int | None:
+    """The job's rendezvous port (its store's, on its first node) in ``base ... base + span - 1``:
+    the one the job's id hashes to, or the next one up (wrapping) that no active job at the same
+    rendezvous address holds (``taken``); ``None`` when every one is held. Two jobs at one address
+    on one port would share one store: the second store cannot bind, and the second job's ranks
+    join the first job's store and die with it (``agent/launcher.py`` refuses such a store). The
+    port is stored with the job, so it is stable across orchestrator restarts."""
+    start = zlib.crc32(job_id.encode()) % span
+    return next((base + (start + i) % span for i in range(span) if base + (start + i) % span not in taken), None)

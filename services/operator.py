@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -60,7 +61,6 @@ class OperatorActions:
         idempotency key returns the first job when the body is the same, else raises
         :class:`IdempotencyKeyReused`. Raises :class:`PlacementRefused` with the failed
         constraint; nothing is written then."""
-        from services.jobs import master_addr, master_port
         from services.placement import NodeCapacity, Placement, PlacementRequest, place
 
         assert self.shared.cluster is not None
@@ -80,7 +80,8 @@ class OperatorActions:
                             )
                         return prior.id, False, prior
                 used: dict[str, int] = {}
-                for j in db.list_jobs(s, states=ACTIVE_JOB_STATES):
+                active = db.list_jobs(s, states=ACTIVE_JOB_STATES)
+                for j in active:
                     for n in j.assigned_nodes:
                         used[n] = used.get(n, 0) + int(j.spec.get("gpus_per_node", 0))
                 caps = [
@@ -107,9 +108,7 @@ class OperatorActions:
                 if not isinstance(result, Placement):
                     raise PlacementRefused(result.reason)
                 job_id = uuid.uuid4().hex[:12]
-                first = cluster.nodes[result.nodes[0]]
-                published = first.latest.addr if first.latest is not None else ""
-                addr = master_addr(result.nodes[0], first.labels.get(self.settings.job_master_addr_label), published)
+                addr, port = self._rendezvous(job_id, result.nodes[0], active)
                 row = db.create_job(
                     s,
                     job_id=job_id,
@@ -117,7 +116,7 @@ class OperatorActions:
                     spec=spec,
                     assigned_nodes=list(result.nodes),
                     master_addr=addr,
-                    master_port=master_port(job_id),
+                    master_port=port,
                     idempotency_key=idempotency_key,
                     at=self.clock.now(),
                     actor=actor,
@@ -126,6 +125,25 @@ class OperatorActions:
 
         async with self.writer.lock:
             return await in_thread(write)
+
+    def _rendezvous(self, job_id: str, first_node: str, active: Sequence[Any]) -> tuple[str, int]:
+        """The new job's rendezvous address and port: a port no ``active`` job at that address
+        holds (services/jobs.py master_port); :class:`PlacementRefused` when they hold all."""
+        from services.jobs import master_addr, master_port
+
+        assert self.shared.cluster is not None
+        cfg = self.settings
+        first = self.shared.cluster.nodes[first_node]
+        published = first.latest.addr if first.latest is not None else ""
+        addr = master_addr(first_node, first.labels.get(cfg.job_master_addr_label), published)
+        taken = {j.master_port for j in active if j.master_addr == addr}
+        port = master_port(job_id, taken=taken, base=cfg.job_port_base, span=cfg.job_port_span)
+        if port is None:
+            raise PlacementRefused(
+                f"no free rendezvous port at {addr}: active jobs there hold all {cfg.job_port_span} of "
+                f"PULSE_JOB_PORT_BASE={cfg.job_port_base} ... {cfg.job_port_base + cfg.job_port_span - 1}"
+            )
+        return addr, port
 
     async def stop_job(self, job_id: str, *, actor: str) -> bool:
         """Ask a job to stop: STOPPING and a stop command to every assigned node. Idempotent;

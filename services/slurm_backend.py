@@ -294,7 +294,7 @@ class SlurmJobs:
             entrypoint=list(job.spec["entrypoint"]), master_port=job.master_port, addrs=addrs,
             exclude=excluded(self.slurm_nodes() | set(nodes), usable), gres=s.slurm_gres,
             partition=s.slurm_partition, workdir=s.slurm_workdir, output=s.slurm_output_dir,
-            python=s.slurm_python or sys.executable,
+            python=s.slurm_python or sys.executable, store_ready_timeout_s=s.job_store_ready_timeout_s,
         )  # fmt: skip
 
     def environment(self, job: Job) -> dict[str, str]:

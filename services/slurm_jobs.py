@@ -63,6 +63,7 @@ refusal means nothing is submitted), then handed to Slurm by the leader's Slurm 
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -208,6 +209,7 @@ class Submission:
     output: str = ""  # a folder for the batch output, "" for Slurm's default
     python: str = "python3"
     store_linger_s: float = 30.0
+    store_ready_timeout_s: float = 10.0
     env: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -240,7 +242,14 @@ def batch_script(sub: Submission) -> str:
     q = shlex.quote
     per = max(1, sub.gpus_per_node)
     cases = "".join(f"  {q(n)}) export MASTER_ADDR={q(a)} ;;\n" for n, a in sub.addrs.items() if a)
-    store = [q(sub.python), "-m", "agent.jobstore", '--port="$MASTER_PORT"', f"--job={q(sub.job_id)}"]
+    store = [
+        q(sub.python),
+        "-m",
+        "agent.jobstore",
+        '--port="$MASTER_PORT"',
+        f"--job={q(sub.job_id)}",
+        '--ready-file="$ready"',
+    ]
     rank = [q(sub.python), "-m", "agent.slurm_rank", "--", q(sub.python), "-u", "-m", "trainer.run"]
     rank += [q(a) for a in sub.entrypoint]
     rejoin = [q(sub.python), "-m", "agent.slurm_rejoin", f"--per={per}", "--", *rank]
@@ -253,8 +262,20 @@ def batch_script(sub: Submission) -> str:
         f"export LOCAL_WORLD_SIZE={per} LOCAL_SIZE={per} WORLD_SIZE={per * len(sub.nodes)} CROSS_SIZE={len(sub.nodes)}\n"
         "store=\n"
         f"if {q(sub.python)} -c 'import importlib.util as u, sys; sys.exit(u.find_spec(\"torch\") is None)'; then\n"
+        '  ready="${TMPDIR:-/tmp}/clusterpulse-store-$SLURM_JOB_ID.ready"; rm -f "$ready"\n'
         f"  {' '.join(store)} --linger={sub.store_linger_s:g} &\n"
         "  store=$!\n"
+        # the ranks start once it listens: one that cannot (the port is held) would send them into
+        # whatever holds the port (agent/jobstore.py)
+        f"  deadline=$((SECONDS + {math.ceil(sub.store_ready_timeout_s)}))\n"
+        '  until [ -s "$ready" ]; do\n'
+        '    if ! kill -0 "$store" 2>/dev/null || [ "$SECONDS" -ge "$deadline" ]; then\n'
+        '      echo "clusterpulse: the job\'s store did not listen at port $MASTER_PORT" >&2\n'
+        '      kill "$store" 2>/dev/null; exit 127\n'
+        "    fi\n"
+        "    sleep 0.05\n"
+        "  done\n"
+        '  rm -f "$ready"\n'
         "  export TORCHELASTIC_USE_AGENT_STORE=True\n"
         "fi\n"
         f"{' '.join(rejoin)} &\n"

@@ -27,7 +27,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from services import db
-from tests.support import REDIS_URL, REPO, fresh_database
+from tests.support import JOB_PORT_BASE, REDIS_URL, REPO, fresh_database
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
@@ -151,6 +151,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return f"heavy-{groups[module]}" if module in groups else module
 
     return HeavyGrouped(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """This process's jobs (and what it starts: ``harness.child_env`` keeps the setting) take
+    their rendezvous ports from this worker's own range (tests/support.py JOB_PORT_BASE)."""
+    os.environ["PULSE_JOB_PORT_BASE"] = str(JOB_PORT_BASE)
 
 
 def pytest_configure_node(node: Any) -> None:

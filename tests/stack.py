@@ -115,7 +115,10 @@ class Stack:
         kill_launched(self.tmp / "agents")
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
+        """The tail of every process's log: the orchestrator's and agents' and, under
+        ``agents/<node>/``, the ranks' (``<job>.log``) and the rendezvous stores'."""
+        found = [*self.tmp.glob("*.log"), *sorted(self.tmp.glob("agents/*/*.log"))]
+        return "\n".join(f"--- {p.relative_to(self.tmp)}\n{p.read_text(errors='replace')[-3000:]}" for p in found)
 
 
 class _StreamReader:
@@ -199,12 +202,12 @@ def publish_heartbeat(client: redis.Redis, node: str, *, gpus: int) -> None:
 
 
 @contextlib.contextmanager
-def live_orchestrator(tmp: Path, database_url: str, *, gpus: int) -> Iterator[Stack]:
+def live_orchestrator(tmp: Path, database_url: str, *, gpus: int, **env: str) -> Iterator[Stack]:
     """A real ``pulse orchestrator`` process on a free port (development mode, bootstrap token)
-    on ``database_url``, with one HEALTHY node ``NODE`` of ``gpus`` GPUs."""
+    on ``database_url``, with one HEALTHY node ``NODE`` of ``gpus`` GPUs; ``env``: more settings."""
     r = redis.Redis.from_url(REDIS_URL)
     r.flushdb()
-    stack = Stack(tmp, PULSE_DATABASE_URL=database_url, **QUIET)
+    stack = Stack(tmp, PULSE_DATABASE_URL=database_url, **{**QUIET, **env})
     try:
         stack.orchestrator()
         publish_heartbeat(r, NODE, gpus=gpus)

@@ -17,6 +17,9 @@ from tools import harness
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 REDIS_DB = int(os.environ.get("PULSE_TEST_REDIS_DB", "9")) + _WORKER
 REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
+# ... and 500 rendezvous ports of its own (PULSE_JOB_PORT_BASE, set for the whole process by
+# conftest.py): two workers' jobs must not meet on one port of this host (services/jobs.py).
+JOB_PORT_BASE = harness.JOB_PORTS_FROM + 600 * (_WORKER % 5)
 PG_URL = os.environ.get("PULSE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REPO = Path(__file__).resolve().parent.parent
 PULSE = [sys.executable, "-m", "tools.cli"]
@@ -30,10 +33,7 @@ def wait_for(cond: Callable[[], object], *, timeout: float, what: str, every: fl
 
 
 def pulse_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PULSE_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
+    return harness.child_env(PYTHONUNBUFFERED="1", **extra)
 
 
 def spawn(args: list[str], *, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

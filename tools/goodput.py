@@ -110,7 +110,7 @@ import redis
 
 from clusterpulse import wire
 from clusterpulse.states import TERMINAL_JOB_STATES, EventKind, JobState, NodeState
-from tools.harness import HarnessError, PrivateRedis, free_port, http, kill_launched, wait_for
+from tools.harness import HarnessError, PrivateRedis, child_env, free_port, http, kill_launched, wait_for
 
 log = logging.getLogger("pulse.goodput")
 
@@ -215,7 +215,7 @@ class Stack:
         self.api_port = free_port()
         self.api = f"http://127.0.0.1:{self.api_port}"
         self.redis_url = self.redis_server.url
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("PULSE_")}
+        self.env = child_env()
         self.env.update(
             STACK_ENV,
             PYTHONUNBUFFERED="1",

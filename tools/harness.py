@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import redis
 
+from clusterpulse.proc import is_job_store
+
 
 class HarnessError(RuntimeError):
     """A server of the harness could not start (its binary missing, or it never answered)."""
@@ -37,6 +39,12 @@ def http() -> httpx.Client:
 
 
 _PORTS_FROM = 20000  # below this, the well-known and registered ports of services a machine may run
+# From here up to the ephemeral range: the jobs' rendezvous ports (PULSE_JOB_PORT_BASE, 29500 by
+# default, and the ranges tests give their workers). A job's store binds its port when the job
+# starts; a server of ours on it would make the store fail, and the ranks would join whatever
+# holds the port (a clean-clone CI run lost a job that way, to a concurrent test's TCPStore).
+JOB_PORTS_FROM = 29500
+KEPT_SETTINGS = ("PULSE_JOB_PORT_BASE", "PULSE_JOB_PORT_SPAN")
 _handed: set[int] = set()
 _rng = random.Random()  # its own: a test that seeds the module's generator must not make two processes agree
 
@@ -54,8 +62,10 @@ def free_port() -> int:
     before by this process. It is taken below the kernel's ephemeral range: a port from ``bind(0)``
     is an ephemeral one, which any outgoing connection on the machine may take as its source port
     before our server binds it (uvicorn then exits 3, "address already in use": a soak failed so
-    under a parallel suite). Where the range cannot be read, ``bind(0)``."""
+    under a parallel suite); and below :data:`JOB_PORTS_FROM`. Where the range cannot be read,
+    ``bind(0)``."""
     low = _ephemeral_low()
+    low = None if low is None else min(low, JOB_PORTS_FROM)
     if low is None or low <= _PORTS_FROM + 1000:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -73,6 +83,15 @@ def free_port() -> int:
         _handed.add(port)
         return port
     raise HarnessError(f"no free port in {_PORTS_FROM}-{low - 1} after 1000 tries")
+
+
+def child_env(**settings: str) -> dict[str, str]:
+    """The environment of a process a harness starts: this one's without its ``PULSE_*`` settings
+    (the harness's stack takes only the ``settings`` it names) but for :data:`KEPT_SETTINGS`, the
+    host's rendezvous port range, which whatever else runs on the host shares."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PULSE_") or k in KEPT_SETTINGS}
+    env.update(settings)
+    return env
 
 
 def wait_for(
@@ -179,7 +198,7 @@ def kill_launched(state_dir: Path) -> int:
     ranks (the process groups ``<node>/jobs.json`` records) and each job's rendezvous store
     (``<node>/stores.json``: a process in a session of its own that outlives its agent by design,
     ``agent/jobstore.py``, and ends only with its job). For tests, benchmarks and the demo, after
-    their agents are gone; a store pid is killed only while it is still a job store. Returns how
+    their agents are gone; a store pid is killed only while it is still that job's store. Returns how
     many were signalled."""
     killed = 0
     for record in state_dir.glob("*/jobs.json"):
@@ -190,9 +209,9 @@ def kill_launched(state_dir: Path) -> int:
                     killed += 1
     for record in state_dir.glob("*/stores.json"):
         with contextlib.suppress(OSError, ValueError):
-            for pid in json.loads(record.read_text()).values():
+            for job, pid in json.loads(record.read_text()).items():
                 with contextlib.suppress(OSError, TypeError, ValueError):
-                    if b"agent.jobstore" in Path(f"/proc/{int(pid)}/cmdline").read_bytes():
+                    if is_job_store(int(pid), job):
                         os.kill(int(pid), signal.SIGKILL)
                         killed += 1
     return killed

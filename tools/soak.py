@@ -65,7 +65,7 @@ from sqlalchemy.exc import OperationalError
 from agent.simulated import FAULT_KINDS, PERMANENT_FAULTS, THROTTLE_OF
 from clusterpulse.states import EventKind, NodeState
 from services.health import SUSTAINED_THROTTLE
-from tools.harness import HarnessError, PrivateRedis, free_port
+from tools.harness import HarnessError, PrivateRedis, child_env, free_port
 
 if TYPE_CHECKING:
     import psutil
@@ -242,7 +242,7 @@ class _Orchestrator:
 
         db_url = f"sqlite:///{workdir / 'soak.db'}"
         port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PULSE_")}
+        env = child_env()
         env.update(
             PULSE_REDIS_URL=redis_url,
             PULSE_DATABASE_URL=db_url,

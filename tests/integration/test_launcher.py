@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -187,6 +188,58 @@ def test_an_agent_leaves_at_once_while_the_jobs_store_it_started_lives_on(redis_
         p.wait(10)
     assert alive(launcher.stores["j4"])
     _end_stores(launcher)
+
+
+def test_a_store_that_cannot_listen_fails_the_launch_and_no_rank_joins_the_ports_holder(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Another job's store holds the port: this job's store exits (EADDRINUSE), and its ranks must
+    not start, for they would join the other job's store and die with it (a clean-clone CI run
+    lost a job that way: its store could not bind, its ranks rendezvoused in a concurrent test's
+    store, and all died when that job ended). The launch fails with the store's last words."""
+
+    async def body() -> None:
+        client = aioredis.from_url(redis_url)
+        cmd = _cmd("j6", seconds=30)
+        held = TCPStore("0.0.0.0", cmd.master_port, is_master=True, wait_for_workers=False)
+        held.set("theirs", "1")
+        keys = held.num_keys()
+        launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path, store_ready_timeout_s=30)
+        await launcher.launch(cmd)
+        [status] = _statuses(redis_url)
+        assert (status.state, status.exit_code) == ("exited", 127), status
+        assert "cannot start the job's store" in status.detail and "address already in use" in status.detail, status
+        assert launcher.jobs == {} and launcher.stores == {}
+        assert held.num_keys() == keys  # no rank wrote into it
+        await client.aclose()
+
+    asyncio.run(body())
+
+
+def test_stop_signals_a_recorded_store_pid_only_while_it_is_still_that_jobs_store(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A store that ended leaves its pid in the record, and pids are reused: a stop must not kill
+    whatever has taken it since, another job's store least of all."""
+    port = free_port()
+    other = subprocess.Popen([sys.executable, "-m", "agent.jobstore", f"--port={port}", "--job=other"], cwd=REPO)
+    bystander = subprocess.Popen(["sleep", "60"])
+
+    async def body() -> None:
+        client = aioredis.from_url(redis_url)
+        launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path)
+        launcher.stores = {"gone-1": other.pid, "gone-2": bystander.pid}  # as if those pids were reused
+        await launcher.stop("gone-1", grace_s=0)
+        await launcher.stop("gone-2", grace_s=0)
+        await client.aclose()
+
+    try:
+        asyncio.run(body())
+        assert other.poll() is None and bystander.poll() is None
+    finally:
+        for p in (other, bystander):
+            p.kill()
+            p.wait()
 
 
 SIG_RANK = str(REPO / "tests" / "fixtures" / "jobs" / "sigusr2_rank.py")

@@ -123,7 +123,21 @@ def test_decisions_are_level_triggered() -> None:
 
 def test_master_port_is_stable_and_in_range() -> None:
     assert master_port("abc") == master_port("abc")
-    assert all(29500 <= master_port(str(i)) < 30000 for i in range(1000))
+    assert all(29500 <= (master_port(str(i)) or 0) < 30000 for i in range(1000))
+    assert all(31000 <= (master_port(str(i), base=31000, span=7) or 0) < 31007 for i in range(100))
+
+
+def test_master_port_skips_the_ports_active_jobs_at_the_address_hold() -> None:
+    """Two jobs at one address on one port would share one store (services/jobs.py)."""
+    own = master_port("abc", base=100, span=5)
+    assert own is not None
+    assert master_port("abc", taken={own}, base=100, span=5) == 100 + (own - 100 + 1) % 5  # the next one up
+    last = 104
+    wrapped = master_port("abc", taken=set(range(100, 105)) - {100}, base=100, span=5)
+    assert (
+        wrapped == 100 and master_port("abc", taken={p for p in range(100, 105) if p != last}, span=5, base=100) == last
+    )
+    assert master_port("abc", taken=set(range(100, 105)), base=100, span=5) is None
 
 
 def test_a_node_whose_ranks_the_plan_excluded_no_longer_counts_once_running() -> None:

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
     store = TCPStore("0.0.0.0", args.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store.set(wire.job_store_owner_key(), args.job)  # the ranks read it first (trainer/job_store.py)
     log.info("event=job_store_ready job=%s port=%d", args.job, args.port)
     if args.ready_file is not None:  # the launcher starts the ranks only once it reads this
         tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")

@@ -347,8 +347,8 @@ class Launcher:
         try:
             for i, line in enumerate(lines):
                 env = {**os.environ, **self.env, **cmd.env, "PULSE_JOB_ID": cmd.job, "PULSE_NODE": self.node}
-                if self.hosts_store:
-                    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the first node's agent hosts the store
+                if self.hosts_store:  # the first node's agent hosts the store; each rank checks it is the job's
+                    env.update(TORCHELASTIC_USE_AGENT_STORE="True", PULSE_JOB_STORE="1")
                 env.update(self.rank_env(cmd, i))
                 # A shell records the exit code in a file, so a restarted agent that re-attaches
                 # (and so is no longer the parent) can still read how the ranks ended.

@@ -236,6 +236,13 @@ def job_done_store_key(job: str) -> str:
     return f"pulse/{job}/done"
 
 
+def job_store_owner_key() -> str:
+    """Not Redis: the key in which a job's TCPStore (``agent/jobstore.py``) names the job it
+    serves, written as soon as it listens; each rank reads it before torch's rendezvous writes
+    into the store (``trainer/job_store.py``)."""
+    return "pulse/store/job"
+
+
 PLAN_CHANNEL = "pulse:plans"
 """Pub/sub channel announcing ``job`` ids whose plan changed."""
 

@@ -276,7 +276,7 @@ def batch_script(sub: Submission) -> str:
         "    sleep 0.05\n"
         "  done\n"
         '  rm -f "$ready"\n'
-        "  export TORCHELASTIC_USE_AGENT_STORE=True\n"
+        "  export TORCHELASTIC_USE_AGENT_STORE=True PULSE_JOB_STORE=1\n"
         "fi\n"
         f"{' '.join(rejoin)} &\n"
         "rejoin=$!\n"

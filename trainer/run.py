@@ -17,6 +17,10 @@ installed into site-packages or loaded into every Python process of the node.
 
 What the runner does to the script's world, before it runs:
 
+- ``PULSE_JOB_STORE=1`` (the agents and the Slurm batch script set it): the store at
+  ``MASTER_ADDR:MASTER_PORT`` must name ``PULSE_JOB_ID`` (:mod:`trainer.job_store`), or the rank
+  leaves with exit code 1 and the reason, before torch's rendezvous writes into a stranger's store.
+
 - ``deepspeed.initialize`` is wrapped (when DeepSpeed is imported; nothing is imported early): the
   job's DeepSpeed config (``PULSE_DEEPSPEED_CONFIG``) replaces the script's, and the engine it
   returns gets :func:`trainer.resilience.attach`. Only the first engine is attached (a second one,
@@ -52,6 +56,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from trainer import job_store
 from trainer.settings import TrainerSettings, load_trainer_settings
 
 log = logging.getLogger("pulse.trainer.run")
@@ -76,6 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"trainer settings (PULSE_*): {exc}", file=sys.stderr)
         return 2
+    try:
+        job_store.verify(settings)
+    except job_store.ForeignStore as exc:
+        print(f"python -m trainer.run: {exc}", file=sys.stderr)
+        return 1
     if settings.active:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
         install(settings)
@@ -265,4 +275,4 @@ def _finish(code: int) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -50,6 +50,11 @@ What each one does (the README's integration section has the same table):
     ``6 x parameters`` when tokens are counted). Absent means absent: no MFU is invented.
 ``PULSE_CHECKPOINT_DIR`` (``./pulse-checkpoints``)
     Where an emergency checkpoint (SIGUSR2, ``POST /v1/jobs/{id}/checkpoint``) is written.
+``PULSE_JOB_STORE`` (false), ``PULSE_STORE_CONNECT_TIMEOUT_S`` (1800), ``PULSE_STORE_OWNER_WAIT_S`` (10)
+    Set by the agents and the Slurm batch script: the store at ``MASTER_ADDR:MASTER_PORT`` is a
+    ClusterPulse job store, and ``python -m trainer.run`` checks that it names ``PULSE_JOB_ID``
+    before the script runs (:mod:`trainer.job_store`), waiting this long for something to listen
+    there (torch's own rendezvous waits 30 minutes) and then for the name.
 ``PULSE_DEEPSPEED_CONFIG``
     The job's DeepSpeed config as JSON (set by the agents from ``POST /v1/jobs``); when set and
     not empty it is the config ``deepspeed.initialize`` gets, whatever the script passes.
@@ -86,6 +91,9 @@ class TrainerSettings(BaseSettings):
     model_flops_per_token: float | None = Field(None, ge=0)
     checkpoint_dir: Path = Path("pulse-checkpoints")
     deepspeed_config: Json[dict[str, Any]] | None = None
+    job_store: bool = False
+    store_connect_timeout_s: float = Field(1800.0, gt=0)
+    store_owner_wait_s: float = Field(10.0, gt=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:

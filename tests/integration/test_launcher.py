@@ -122,6 +122,9 @@ def test_a_node_starts_each_rank_with_the_distributed_environment(redis_url: str
         launcher = Launcher(node="n2", redis_client=client, state_dir=tmp_path, python=sys.executable)
         argv = [RANK, "--seconds", "60", "--exit-code", "3", "--fail-rank", "3", "--fail-after", "1"]
         cmd = msgspec.structs.replace(_cmd("j5", seconds=60), nodes=2, node_rank=1, gpus_per_node=2, argv=argv)
+        # the job's store, as node 0's agent hosts it: each rank checks that it names the job (trainer/job_store.py)
+        store = TCPStore("0.0.0.0", cmd.master_port, is_master=True, wait_for_workers=False)
+        store.set(wire.job_store_owner_key(), "j5")
         started = time.monotonic()
         await launcher.launch(cmd)
         assert len(launcher.jobs["j5"].pids) == 2

@@ -166,7 +166,7 @@ class Launcher:
             j.job: {"node_rank": j.node_rank, "pids": j.pids, "pgid": j.pgid, "checkpoints": j.checkpoints}
             for j in self.jobs.values()
         }
-        self.stores = {job: pid for job, pid in self.stores.items() if alive(pid)}
+        self.stores = {job: pid for job, pid in self.stores.items() if is_job_store(pid, job)}
         for path, content in ((self._jobs_file, data), (self._stores_file, self.stores)):
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(content))
@@ -189,7 +189,8 @@ class Launcher:
         """After a restart: watch ranks still alive, report the ones that died meanwhile; keep
         the job stores still running."""
         if self._stores_file.exists():
-            self.stores = {job: pid for job, pid in json.loads(self._stores_file.read_text()).items() if alive(pid)}
+            recorded = json.loads(self._stores_file.read_text()).items()
+            self.stores = {job: pid for job, pid in recorded if is_job_store(pid, job)}  # pids are reused
         if not self._jobs_file.exists():
             return
         for job, rec in json.loads(self._jobs_file.read_text()).items():

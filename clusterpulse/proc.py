@@ -1,6 +1,7 @@
 """Whether a process of this host is alive: one answer for the agent's launcher (are a job's ranks
 still running?) and the orchestrator's leader lease (is the holder a dead process here?); whether a
-recorded pid is still a job's store (pids are reused). And the one log line format of every ``pulse`` process and the processes they start."""
+recorded pid is still a job's store (pids are reused). And the one log line format of every
+``pulse`` process and the processes they start."""
 
 from __future__ import annotations
 

@@ -85,8 +85,8 @@ class Settings(BaseSettings):
     # no other active job at the same address holds (services/jobs.py, master_port)
     job_port_base: int = Field(29500, ge=1, le=65535)
     job_port_span: int = Field(500, ge=1)
-    # How long the first node's agent waits for the job's store to answer as the job's own
-    # before it fails the node's launch (agent/launcher.py)
+    # How long the first node's agent (and the Slurm batch script) waits for the job's store to
+    # listen at the job's port before it fails the node's launch (agent/launcher.py)
     job_store_ready_timeout_s: float = Field(10.0, gt=0)
     # The address this node's peers reach it at (the rendezvous of a job whose first node it is),
     # published in the heartbeat; empty: the agent finds it itself (agent/address.py)

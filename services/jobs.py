@@ -197,4 +197,5 @@ def master_port(job_id: str, *, taken: Collection[int] = (), base: int = 29500, 
     join the first job's store and die with it (``agent/launcher.py`` refuses such a store). The
     port is stored with the job, so it is stable across orchestrator restarts."""
     start = zlib.crc32(job_id.encode()) % span
-    return next((base + (start + i) % span for i in range(span) if base + (start + i) % span not in taken), None)
+    candidates = (base + (start + i) % span for i in range(span))
+    return next((port for port in candidates if port not in taken), None)

@@ -33,11 +33,9 @@ def verdict(owner: bytes | None, job: str, *, where: str) -> str | None:
             f"the store at {where} names no job: it is not a ClusterPulse job store (another program holds the "
             f"port, and job {job}'s store could not bind it)"
         )
-    if owner.decode(errors="replace") != job:
-        return (
-            f"the store at {where} is job {owner.decode(errors='replace')}'s, not job {job}'s (its store could not "
-            f"bind the port)"
-        )
+    name = owner.decode(errors="replace")
+    if name != job:
+        return f"the store at {where} is job {name}'s, not job {job}'s (its store could not bind the port)"
     return None
 
 
@@ -62,9 +60,8 @@ def verify(settings: TrainerSettings) -> None:
         raise ForeignStore(f"job {settings.job_id}: no store answered at {where}: {first}") from None
     key = wire.job_store_owner_key()
     deadline = time.monotonic() + settings.store_owner_wait_s
-    while not store.check([key]) and time.monotonic() < deadline:
+    while not (named := store.check([key])) and time.monotonic() < deadline:
         time.sleep(0.05)
-    owner = store.get(key) if store.check([key]) else None
-    reason = verdict(owner, settings.job_id, where=where)
+    reason = verdict(store.get(key) if named else None, settings.job_id, where=where)
     if reason is not None:
         raise ForeignStore(reason)

@@ -223,7 +223,8 @@ def test_stop_signals_a_recorded_store_pid_only_while_it_is_still_that_jobs_stor
     redis_url: str, tmp_path: Path
 ) -> None:
     """A store that ended leaves its pid in the record, and pids are reused: a stop must not kill
-    whatever has taken it since, another job's store least of all."""
+    whatever has taken it since, another job's store least of all, and a restarted agent must not
+    take it for the job's store."""
     port = free_port()
     other = subprocess.Popen([sys.executable, "-m", "agent.jobstore", f"--port={port}", "--job=other"], cwd=REPO)
     bystander = subprocess.Popen(["sleep", "60"])
@@ -234,6 +235,10 @@ def test_stop_signals_a_recorded_store_pid_only_while_it_is_still_that_jobs_stor
         launcher.stores = {"gone-1": other.pid, "gone-2": bystander.pid}  # as if those pids were reused
         await launcher.stop("gone-1", grace_s=0)
         await launcher.stop("gone-2", grace_s=0)
+        (tmp_path / "stores.json").write_text(json.dumps({"gone-1": other.pid, "gone-2": bystander.pid}))
+        restarted = Launcher(node="n1", redis_client=client, state_dir=tmp_path)
+        await restarted.reattach()
+        assert restarted.stores == {}  # neither is taken for the job's store it replaced
         await client.aclose()
 
     try:

@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 import redis.asyncio as aioredis
 
 from agent.publisher import HeartbeatPublisher
+from agent.server_time import ServerTime
 from agent.simulated import FaultSpec, SimulatedNode
 from clusterpulse import wire
 from clusterpulse.retry import Backoff
@@ -234,9 +235,10 @@ def _redis(settings: Settings) -> aioredis.Redis:
     )
 
 
-def _publisher(settings: Settings, client: aioredis.Redis) -> HeartbeatPublisher:
+def _publisher(settings: Settings, client: aioredis.Redis, server_time: ServerTime | None = None) -> HeartbeatPublisher:
     return HeartbeatPublisher(
         client,
+        server_time=server_time,
         shards=settings.heartbeat_stream_shards,
         maxlen=settings.heartbeat_stream_maxlen,
         ttl_s=settings.heartbeat_ttl,
@@ -305,6 +307,7 @@ async def run_node_agent(
         clock_offset_s=settings.agent_clock_offset_s,
     )
     client = _redis(settings)
+    server_time = ServerTime()  # learned from the heartbeats' entry ids; job commands' deadlines use it
     tasks: list[asyncio.Task[None]] = []
     if parts.sim is None:
         from agent.ipmi import IpmiSource
@@ -327,12 +330,18 @@ async def run_node_agent(
             redis_client=client,
             state_dir=agent_state_dir(settings, node),
             store_ready_timeout_s=settings.job_store_ready_timeout_s,
+            store_orphan_grace_s=settings.job_store_orphan_grace_s,
+            store_poll_s=settings.job_store_poll_s,
             env={"PULSE_REDIS_URL": settings.redis_url},  # every rank reports (and so says it rendezvoused)
+            server_time=server_time,
+            command_ttl_s=settings.job_command_ttl_s,
+            server_time_wait_s=settings.redis_timeout_s,  # the first heartbeat goes out at once
         )
         tasks.append(asyncio.create_task(launcher.run(stop)))
     log.info("event=agent_started node=%s source=%s interval_s=%g labels=%s", node, desc, interval_s, labels)
     try:
-        await run_agents([agent], _publisher(settings, client), interval_s=interval_s, stop=stop, faults=faults)
+        publisher = _publisher(settings, client, server_time)
+        await run_agents([agent], publisher, interval_s=interval_s, stop=stop, faults=faults)
     finally:
         stop.set()
         for t in tasks:

@@ -1,43 +1,20 @@
 """Power supplies and fans from the BMC: parse ``ipmitool`` output, run it under a timeout.
 
-Two output formats are understood, and :func:`parse` tells them apart by their columns:
+:func:`parse` reads ``ipmitool sdr elist`` (the default; it carries the entity, ``10.N`` is PSU
+N) and ``ipmitool sensor`` (discrete states as a bitmask), telling them apart by their columns.
+What the caller may assume:
 
-``ipmitool sdr elist`` (the default command)
-    ``Name | ID | status | entity | reading``, e.g. ``Current 1 | 6Ah | ok | 10.1 | 0.80 Amps`` or
-    ``Status | 63h | ok | 10.2 | Presence detected, Power Supply AC lost``. It carries the entity
-    (``10.N`` is power supply N), which is how Dell's unnumbered ``Status``/``Current 1``/``Voltage 1``
-    are tied to their PSU, and it spells discrete states out in words.
-``ipmitool sensor``
-    ``Name | value | unit | status | lnr | lcr | lnc | unc | ucr | unr``. No entity; discrete
-    sensors show a state bitmask (``PS1 Status | 0xb | discrete | 0x0b00``), decoded here with the
-    IPMI power-supply offsets (presence, failure, predictive failure, AC lost, ...).
+* a sensor belongs to PSU *n* when its name carries the number, or (``sdr elist``) its entity
+  is ``10.N``; PSU names keep the vendor's numbering;
+* Amps, Volts and Watts are the input side unless the name says output; output power, standby
+  rails, percentages and temperatures are dropped, PSU fans become fans;
+* a PSU's ``ok`` is ``False`` on any critical reading or asserted failure, ``True`` when present
+  and healthy, ``None`` when nothing says (an empty slot); ``status`` says it in words;
+* a reading the BMC does not have is ``None``, never zero; negative readings are dropped;
+* a line that fits neither layout is skipped and counted (:attr:`IpmiReading.skipped`); only
+  text with no sensor line at all raises :class:`IpmiParseError`.
 
-Mapping (what the caller may assume):
-
-* A sensor belongs to PSU *n* when its name carries the number (``PS1 ...``, ``PSU2_VIn``,
-  ``Power Supply 1``, ``PS 1 Output``) or, in ``sdr elist`` only, when a generic name (``Status``,
-  ``Current N``, ``Voltage N``) sits on entity ``10.N``. In ``sensor`` output a generic
-  ``Current N``/``Voltage N`` takes N from its name; a generic ``Status`` cannot be placed and is
-  ignored. PSU names keep the vendor's numbering: ``PSU0``/``PSU1`` stay as they are, ``PS1``,
-  ``Power Supply 1`` and Dell's entity 10.1 become ``PS1``.
-* Amps, Volts and Watts go to the input side unless the name says output (``out``: ``COut``,
-  ``Output Current``, ``Curr Out``); output power has no field in the wire contract and is dropped,
-  as are standby rails (``STBIOUT``), percentages, temperatures and PSU fans' RPM (those become fans).
-  Unmarked PSU readings, Dell's ``Current N``/``Voltage N`` among them, are the input side, which
-  is all many BMCs report. System-level readings (``Pwr Consumption``, ``Power Meter``,
-  redundancy sensors) are not any PSU's.
-* ``ok`` of a PSU: ``False`` if any of its sensors is critical (``cr``/``nr``/``lcr``/``ucr``/
-  ``lnr``/``unr``) or asserts a failure (``Failure detected``, ``Predictive failure``, ``AC lost``,
-  out of range, config error, a ``... Fail``/``Fault`` sensor ``State Asserted``). Otherwise, when
-  it has a status sensor, ``True`` if that says ``Presence detected`` and ``None`` if it has no
-  reading or asserts nothing (an empty slot). Without a status sensor, ``True`` if any reading is
-  ``ok`` or only non-critical (``nc``: a warning, kept in ``status``) and ``None`` when every one is
-  ``ns``/``na``. ``status`` says in words what the BMC said.
-* A reading the BMC does not have (``ns``, ``na``, ``No Reading``, ``Disabled``) is ``None``, never
-  zero. Negative readings (which the wire contract rejects) are dropped too.
-* A line that fits neither layout (ipmitool's own ``Unable to send command`` chatter, a truncated
-  line) is skipped and counted in :attr:`IpmiReading.skipped`; parsing never raises on a bad line.
-  Only text with no sensor line at all raises :class:`IpmiParseError`.
+Every rule, with the vendors' spellings: docs/design/ipmi.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """The job's rendezvous store, hosted by the agent of the job's first node, outside every rank.
 
-``torch.distributed``'s ``env://`` rendezvous makes rank 0 host the job's TCPStore, so a job
-whose rank 0 dies has no store left: its survivors can agree on nothing and make no group
-(``trainer/follow.py``), and the job can only restart. The agent of the job's first node
-(``node_rank`` 0) therefore starts this process at ``MASTER_ADDR:MASTER_PORT`` before the ranks,
-in a session of its own (the ranks' process group can be killed without it), and every rank of
-every node gets ``TORCHELASTIC_USE_AGENT_STORE=True``, which makes torch's rendezvous connect to
-it as a client, rank 0 included (what ``torchrun``'s elastic agent does with its own store). Rank
-0 is then a rank like any other: it can die, be excluded and rejoin.
+``torch.distributed``'s ``env://`` rendezvous makes rank 0 host the job's TCPStore, so a job whose
+rank 0 dies would have no store left. The first node's agent therefore starts this process at
+``MASTER_ADDR:MASTER_PORT`` before the ranks, in a session of its own, and every rank gets
+``TORCHELASTIC_USE_AGENT_STORE=True`` (torch's rendezvous is then its client, rank 0 included).
 
-A store that cannot listen (another process holds the port) exits at once, and the ranks must
-not go on to whatever holds the port (another job's store would take them in, and they would die
-with it): with ``--ready-file`` it writes its pid there once it listens, and the launcher starts
-the ranks only after it reads that.
+It names its job under ``wire.job_store_owner_key()`` (``trainer/job_store.py``); with
+``--ready-file`` it writes its pid there once it listens, and the ranks start only then (one that
+cannot listen exits at once: the ranks must not join whatever holds the port).
 
-It lives until the job is over: the orchestrator sends every node a stop when the job reaches a
-terminal state (SUCCEEDED included, ``services/jobs.py``) and the agent ends it then; and the live
-ranks write ``pulse/<job>/done`` after their last step (``PlanFollower.finish``), after which it
-leaves by itself ``--linger`` seconds later (a rank still waiting to rejoin reads that key and
-leaves with success), so a lost stop leaves nothing behind for a trainer that follows plans. It
-dies with its host: a job whose first node is lost must still restart.
+It ends with the job: the agent kills it on the job's stop; ``--linger`` seconds after the ranks
+write ``pulse/<job>/done``; and, with ``--keeper-file``, once no live agent has kept it for
+``--orphan-grace`` seconds (``agent/store_keeper.py``: its agent died for good). The reasons for
+each: docs/design/launcher.md.
 """
 
 from __future__ import annotations
@@ -32,6 +25,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from agent import store_keeper
 from clusterpulse import wire
 
 log = logging.getLogger("pulse.agent.jobstore")
@@ -42,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True, help="the job's MASTER_PORT")
     p.add_argument("--job", required=True)
     p.add_argument("--linger", type=float, default=30.0, help="seconds it stays after the job is done")
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the done key")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the done key and the keeper")
+    p.add_argument("--keeper-file", type=Path, help="names the agent that keeps it (agent/store_keeper.py)")
+    p.add_argument("--orphan-grace", type=float, default=300.0, help="seconds it stays without a live keeper")
     p.add_argument("--ready-file", type=Path, help="where to write this process's pid once it listens")
     args = p.parse_args(argv)
     if not 0 < args.port < 65536:
@@ -58,7 +54,20 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(str(os.getpid()))
         tmp.replace(args.ready_file)
     key = wire.job_done_store_key(args.job)
+    orphaned: float | None = None
+    seen: tuple[store_keeper.Keeper | None, bool] | None = None
     while not store.check([key]):
+        if args.keeper_file is not None:
+            keeper = store_keeper.read(args.keeper_file)
+            kept = store_keeper.alive(keeper)
+            if (keeper, kept) != seen:  # logged when it changes: started, died, adopted
+                log.info("event=job_store_keeper job=%s keeper=%s alive=%s", args.job, keeper, kept)
+                seen = (keeper, kept)
+            w = store_keeper.watch(orphaned, kept=kept, now=time.monotonic(), grace_s=args.orphan_grace)
+            if w.leave:
+                log.warning("event=job_store_orphaned job=%s keeper=%s after_s=%g", args.job, keeper, args.orphan_grace)
+                return 0
+            orphaned = w.orphaned_since
         time.sleep(args.poll)
     log.info("event=job_store_done job=%s linger_s=%g", args.job, args.linger)
     time.sleep(args.linger)

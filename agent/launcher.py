@@ -1,42 +1,21 @@
 """The agent's job launcher: start, supervise and stop this node's share of a training job.
 
-Commands come from the node's command stream (``wire.node_commands_key``); the id of the last
-one handled is kept in ``state_dir`` so a restarted agent neither replays nor misses any. Both
-commands are idempotent.
+Commands come from the node's command stream (``wire.node_commands_key``); only those still
+current are acted on (``agent/current.py``: not for a job that is over, not replaced, not past
+their deadline), and the last one handled is kept in ``state_dir``. Each is idempotent:
 
-- **launch**: a preflight of the node's GPUs (NVML: every GPU answers and none is lost; a quick
-  matmul on each CUDA device when torch sees one; on a machine without GPUs it says it checked
-  nothing), then ``gpus_per_node`` (at least one) rank processes, all in one new process group,
-  each ``python -u <entrypoint>`` with the environment DeepSpeed's per-node launcher
-  (``deepspeed.launcher.launch``, what ``deepspeed --no_ssh`` runs on each node) would give it:
-  ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``/``LOCAL_SIZE``, ``CROSS_RANK``
-  (the node's rank), ``CROSS_SIZE`` (nodes), ``MASTER_ADDR``, ``MASTER_PORT``. The agent is the
-  per-node launcher, as torchrun's elastic agent is, rather than starting DeepSpeed's: that one
-  would import torch and DeepSpeed (about 2.5 s of CPU) before the ranks import them again, on
-  every launch and every relaunch of a rank that rejoins. When one rank fails the node's others
-  are stopped (they would hang in a collective) and the first failure's exit code is reported.
-  Output goes to ``state_dir/<job>.log``.
-- **the job's store**: on the job's first node (``node_rank`` 0) the agent starts the job's
-  rendezvous TCPStore (``agent/jobstore.py``) at ``master_port`` before the ranks, in a session
-  of its own, and every node's ranks get ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch's
-  rendezvous then connects to it, rank 0 included): rank 0 can die and rejoin like any rank. It
-  outlives the node's ranks (their exit, a relaunch to rejoin) and ends with the job (the done
-  key its ranks write, or the stop the orchestrator sends when the job is over);
-  ``state_dir/stores.json`` lets a restarted agent find it. The ranks start only once it
-  listens: a store that cannot (another process holds the port) fails the node's launch (exit
-  127, the store's last words), where the ranks would have joined whatever holds the port.
-  Without torch on the node neither.
-- **stop**: SIGTERM to the whole process group, SIGKILL after ``grace_s``; the job's store too.
-- **checkpoint**: SIGUSR2 to each rank process itself, the wrapper shell's child (``agent/ranks.py``
-  finds it), never to the process group: SIGUSR2's default action would kill the ranks' own
-  children (DataLoader workers). A rank that does not catch SIGUSR2 yet is left alone for the
-  same reason. Once per request id (kept in ``jobs.json``, so across a restart too); the id is
-  recorded after the signals, so an agent killed in between signals again rather than never.
-- **exit**: when every rank has exited, a ``JobStatus(exited)`` with the first non-zero exit code
-  (or 0) and the tail of the log.
-- **restart**: the running jobs are recorded in ``state_dir/jobs.json``; a restarted agent
-  re-attaches to ranks that are still alive (watching their pids) and reports ranks that died
-  while it was away as ``lost``. It never orphans ranks silently.
+- **launch**: a GPU preflight, then ``gpus_per_node`` rank processes in one new process group,
+  with the environment DeepSpeed's per-node launcher would give them; on the job's first node the
+  job's TCPStore (``agent/jobstore.py``) first, so that rank 0 can die and rejoin like any rank.
+  One failed rank stops the node's others; output goes to ``state_dir/<job>.log``;
+- **stop**: SIGTERM to the process group, SIGKILL after ``grace_s``; the job's store too;
+- **checkpoint**: SIGUSR2 to each rank process that catches it, once per request id.
+
+When every rank has exited it reports a ``JobStatus(exited)`` with the first non-zero exit code.
+Running jobs are recorded in ``state_dir/jobs.json``: a restarted agent re-attaches to live ranks
+and reports the ones that died meanwhile as ``lost``; it adopts the stores of the jobs it
+re-attached and ends the others of its state directory (``agent/store_keeper.py``). Why the agent
+is the per-node launcher, the store's life, and the signals: docs/design/launcher.md.
 """
 
 from __future__ import annotations
@@ -57,7 +36,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from agent import store_keeper
+from agent.job_commands import DEFAULT_TTL_S
+from agent.node_commands import NodeCommands
 from agent.ranks import rank_targets, read_process_table
+from agent.server_time import ServerTime
 from clusterpulse import wire
 from clusterpulse.proc import alive, is_job_store
 from clusterpulse.retry import Backoff
@@ -132,9 +115,17 @@ class Launcher:
         python: str = sys.executable,
         store_linger_s: float = 30.0,
         store_ready_timeout_s: float = 10.0,
+        store_orphan_grace_s: float = 300.0,
+        store_poll_s: float = 1.0,
         env: dict[str, str] | None = None,
+        server_time: ServerTime | None = None,
+        command_ttl_s: float = DEFAULT_TTL_S,
+        server_time_wait_s: float = 0.0,
     ) -> None:
         self.node = node
+        self.server_time = server_time or ServerTime()  # what a command's not_after is compared with
+        self.command_ttl_s = command_ttl_s  # how long a command without a not_after stays current
+        self.server_time_wait_s = server_time_wait_s  # at start, for the first heartbeat to tell the server's time
         self.env = env or {}  # added to every rank's environment, under the job's own
         self.redis = redis_client
         self.state_dir = state_dir
@@ -142,9 +133,12 @@ class Launcher:
         self.python = python
         self.store_linger_s = store_linger_s
         self.store_ready_timeout_s = store_ready_timeout_s
+        self.store_orphan_grace_s = store_orphan_grace_s  # a store without a live keeper leaves after it
+        self.store_poll_s = store_poll_s
         self.hosts_store = importlib.util.find_spec("torch") is not None  # the store is torch's TCPStore
         self.jobs: dict[str, RunningJob] = {}
         self.stores: dict[str, int] = {}  # job -> pid of the job's store process (agent/jobstore.py)
+        self._adopted: set[str] = set()  # jobs whose stores this agent started or adopted
         self._tasks: set[asyncio.Task[None]] = set()
         state_dir.mkdir(parents=True, exist_ok=True)
 
@@ -160,6 +154,11 @@ class Launcher:
     @property
     def _stores_file(self) -> Path:
         return self.state_dir / "stores.json"
+
+    def _adopt(self, job: str) -> None:
+        """Keep ``job``'s store: name this process in its keeper file (agent/store_keeper.py)."""
+        store_keeper.write(store_keeper.path(self.state_dir, job), store_keeper.me())
+        self._adopted.add(job)
 
     def _save(self) -> None:
         data = {
@@ -177,7 +176,10 @@ class Launcher:
         backoff = Backoff()
         while True:  # a status lost to a Redis outage would leave its job RUNNING for ever
             try:
-                await self.redis.xadd(wire.JOB_STATUS_STREAM, {wire.JOB_STATUS_FIELD: wire.encode(st)}, maxlen=100_000)
+                entry = await self.redis.xadd(
+                    wire.JOB_STATUS_STREAM, {wire.JOB_STATUS_FIELD: wire.encode(st)}, maxlen=100_000
+                )
+                self.server_time.observe(entry)
                 break
             except (ConnectionError, OSError, aioredis.ConnectionError, aioredis.TimeoutError) as exc:
                 delay = backoff.next_delay()
@@ -186,49 +188,62 @@ class Launcher:
         log.info("event=job_status job=%s node=%s state=%s %s", job, self.node, state, kw.get("exit_code", ""))
 
     async def reattach(self) -> None:
-        """After a restart: watch ranks still alive, report the ones that died meanwhile; keep
-        the job stores still running."""
+        """After a restart: watch ranks still alive, report the ones that died meanwhile; find
+        the job stores still running (recorded, or started from this state directory) and adopt
+        those of the jobs re-attached (:meth:`end_unowned` ends the others)."""
+        found = store_keeper.stores_of(self.state_dir.resolve())
         if self._stores_file.exists():
-            recorded = json.loads(self._stores_file.read_text()).items()
-            self.stores = {job: pid for job, pid in recorded if is_job_store(pid, job)}  # pids are reused
-        if not self._jobs_file.exists():
-            return
-        for job, rec in json.loads(self._jobs_file.read_text()).items():
+            found |= json.loads(self._stores_file.read_text())
+        self.stores = {job: pid for job, pid in found.items() if is_job_store(pid, job)}  # pids are reused
+        recorded = json.loads(self._jobs_file.read_text()) if self._jobs_file.exists() else {}
+        lost = []
+        for job, rec in recorded.items():
             pids = [p for p in rec["pids"] if alive(p)]
-            if pids:
-                rj = RunningJob(job, rec["node_rank"], rec["pids"], rec["pgid"], checkpoints=rec.get("checkpoints", []))
-                self.jobs[job] = rj
-                self._spawn(self._watch(rj))
-                log.info("event=job_reattached job=%s pids=%s", job, pids)
-            else:
-                await self._status(
-                    job,
-                    rec["node_rank"],
-                    "lost",
-                    detail="the ranks exited while the agent was down",
-                    log_tail=self._tail(job),
-                )
+            if not pids:
+                lost.append((job, rec["node_rank"]))
+                continue
+            rj = RunningJob(job, rec["node_rank"], rec["pids"], rec["pgid"], checkpoints=rec.get("checkpoints", []))
+            self.jobs[job] = rj
+            self._spawn(self._watch(rj))
+            log.info("event=job_reattached job=%s pids=%s", job, pids)
+            if job in self.stores:  # adopted before any call to Redis: an outage now must not orphan it
+                self._adopt(job)
+                log.info("event=job_store_adopted job=%s pid=%d", job, self.stores[job])
+        for job, node_rank in lost:
+            detail = "the ranks exited while the agent was down"
+            await self._status(job, node_rank, "lost", detail=detail, log_tail=self._tail(job))
+        self._save()
+
+    async def end_unowned(self) -> None:
+        """Once the command backlog is handled: end each store :meth:`reattach` found that this
+        agent no longer owns (``store_keeper.unowned``)."""
+        for job, reason in store_keeper.unowned(self.stores, running=self.jobs, adopted=self._adopted).items():
+            pid = self.stores.pop(job)
+            if is_job_store(pid, job):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                log.warning("event=job_store_ended job=%s pid=%d reason=%r", job, pid, reason)
+            store_keeper.path(self.state_dir, job).unlink(missing_ok=True)
         self._save()
 
     # --- commands -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
+        """Re-attach, then act on the node's current commands until ``stop``; the backlog's
+        deadlines are judged on the server's time once the first heartbeat told it (at most
+        ``server_time_wait_s``; then on this node's clock)."""
         await self.reattach()
-        key = wire.node_commands_key(self.node)
-        last = self._cursor_file.read_text().strip() if self._cursor_file.exists() else "0"
+        known = asyncio.Event()
+        if self.server_time.known:
+            known.set()
+        self.server_time.on_first = known.set
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(known.wait(), timeout=self.server_time_wait_s)
+        commands = NodeCommands(
+            self.redis, node=self.node, cursor_file=self._cursor_file, now=self.server_time.now,
+            ttl_s=self.command_ttl_s,
+        )  # fmt: skip
         try:
-            while not stop.is_set():
-                try:
-                    resp: Any = await self.redis.xread({key: last}, count=100, block=500)
-                except (ConnectionError, OSError, aioredis.ConnectionError, aioredis.TimeoutError) as exc:
-                    log.warning("event=commands_unavailable error=%r", str(exc))
-                    await asyncio.sleep(1.0)
-                    continue
-                items = resp.items() if isinstance(resp, dict) else (resp or [])
-                for _, entries in items:
-                    for entry_id, fields in entries[0] if entries and isinstance(entries[0], list) else entries:
-                        await self.handle(fields.get(wire.COMMAND_FIELD))
-                        last = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                        self._cursor_file.write_text(last)
+            await commands.run(stop, self.act, caught_up=self.end_unowned)
         finally:
             await self.detach()
 
@@ -244,12 +259,8 @@ class Launcher:
                 t.cancel()
             await asyncio.wait(pending, timeout=1.0)
 
-    async def handle(self, payload: bytes | None) -> None:
-        try:
-            cmd = wire.decode_job_command(payload or b"")
-        except wire.WireError as exc:
-            log.warning("event=command_rejected reason=%s detail=%s", exc.reason, exc)
-            return
+    async def act(self, cmd: wire.JobCommand) -> None:
+        """One current command (the reader checked it is: ``agent/node_commands.py``)."""
         if cmd.kind == "launch":
             await self.launch(cmd)
         elif cmd.kind == "checkpoint":
@@ -286,7 +297,7 @@ class Launcher:
         }
 
     def _start_store(self, cmd: wire.JobCommand) -> None:
-        """The job's store on its first node (module docstring); one per job, kept across relaunches.
+        """The job's store on its first node (docs/design/launcher.md); one per job, kept across relaunches.
 
         Started through a shell that leaves at once, so the store is nobody's child here: it
         outlives this agent, init reaps it, and nothing in the agent waits for it. Returns once
@@ -295,11 +306,14 @@ class Launcher:
         listen within ``store_ready_timeout_s``."""
         pid = self.stores.get(cmd.job)
         if pid is not None and is_job_store(pid, cmd.job):
+            self._adopt(cmd.job)  # a restarted agent's launch (a relaunch to rejoin) keeps it
             return
+        self._adopt(cmd.job)  # named before the store starts: its first look finds its keeper
         ready = self.state_dir / f"{cmd.job}.store.ready"
         ready.unlink(missing_ok=True)
         argv = [self.python, "-m", "agent.jobstore", f"--port={cmd.master_port}", f"--job={cmd.job}",
-                f"--ready-file={ready}"]  # fmt: skip
+                f"--ready-file={ready}", f"--keeper-file={store_keeper.path(self.state_dir, cmd.job)}",
+                f"--orphan-grace={self.store_orphan_grace_s:g}", f"--poll={self.store_poll_s:g}"]  # fmt: skip
         logf = self.state_dir / f"{cmd.job}.store.log"
         shell = subprocess.run(
             [
@@ -340,6 +354,8 @@ class Launcher:
             try:
                 await asyncio.to_thread(self._start_store, cmd)
             except (OSError, ValueError, subprocess.SubprocessError, StoreError) as exc:
+                self._adopted.discard(cmd.job)
+                store_keeper.path(self.state_dir, cmd.job).unlink(missing_ok=True)
                 await self._status(cmd.job, 0, "exited", exit_code=127, detail=f"cannot start the job's store: {exc}")
                 return
         lines = self.argv(cmd)
@@ -423,6 +439,9 @@ class Launcher:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(store, signal.SIGKILL)  # holds nothing a stopped job needs
             self._save()
+        if store_too:
+            self._adopted.discard(job)
+            store_keeper.path(self.state_dir, job).unlink(missing_ok=True)
         rj = self.jobs.get(job)
         if rj is None or rj.stopping:
             return
@@ -441,7 +460,7 @@ class Launcher:
                 os.killpg(rj.pgid, signal.SIGKILL)
 
     async def checkpoint(self, job: str, *, request: str) -> list[int]:
-        """SIGUSR2 to each of the job's rank processes here (module docstring); the pids signalled.
+        """SIGUSR2 to each of the job's rank processes here (docs/design/launcher.md); the pids signalled.
         Nothing when the job does not run here, is stopping, or this request was signalled."""
         rj = self.jobs.get(job)
         if rj is None or rj.stopping:

@@ -1,33 +1,19 @@
 """The NVML GPU source: reads every GPU of the node through nvidia-ml-py (``pynvml``).
 
-Contract of :class:`NvmlSource` (the agent's GPU source interface: ``name``, ``open``,
-``sample``, ``close``):
+:class:`NvmlSource` (the agent's GPU source interface: ``name``, ``open``, ``sample``, ``close``):
 
-* Importing this module, and constructing the source, touch no hardware and do not import
-  ``pynvml``; :meth:`NvmlSource.open` does both and raises :class:`NvmlUnavailable` (with a
-  message that says what is missing) when the library, the driver or the permission is absent.
-* :meth:`NvmlSource.sample` never raises an NVML error. It returns one :class:`GpuSample` per GPU
-  that ``nvmlDeviceGetCount`` reported at ``open``, in index order:
+* importing this module and constructing the source touch no hardware and do not import
+  ``pynvml``; :meth:`NvmlSource.open` does, and raises :class:`NvmlUnavailable` saying what is
+  missing (the library, the driver, the permission);
+* :meth:`NvmlSource.sample` never raises an NVML error: one :class:`GpuSample` per GPU, in index
+  order; an unsupported field is ``None`` (no error), a failed one ``None`` and named in
+  ``error``, a lost GPU ``lost=True``; the other GPUs are read regardless;
+* XIDs come from NVML's critical-XID events, drained at each sample: ``xid_counts`` cumulative,
+  ``xids_recent`` those seen within ``xid_window_s``;
+* handles and static fields are cached, and fetched again after a failure.
 
-  - a field whose NVML call answers ``NOT_SUPPORTED`` (or ``FUNCTION_NOT_FOUND``: an older
-    driver) is ``None``, never zero, and is no error;
-  - a field whose call fails otherwise is ``None`` and the call and error are named in
-    ``error`` while the other fields are still read (a partial sample);
-  - ``NVML_ERROR_GPU_IS_LOST`` on any call of a GPU, getting its handle included, yields
-    ``GpuSample(index=i, lost=True, error=...)`` (with the cached uuid, name and XID counts);
-  - any other error getting the GPU's handle yields ``GpuSample(index=i, error=...)``;
-  - the other GPUs are read regardless.
-* XIDs arrive as NVML critical-XID events. Each ``sample`` first drains the event set
-  (``nvmlEventSetWait_v2`` with a 0 ms timeout until ``NVML_ERROR_TIMEOUT``) and attributes each
-  event to its GPU. ``xid_counts`` is cumulative per XID for the life of the source;
-  ``xids_recent`` lists the distinct XIDs last seen less than ``xid_window_s`` ago by ``clock``.
-  Where the platform has no event sets (``xid_events_supported`` is false) or a GPU refuses
-  registration (logged), no XIDs are reported for it.
-* Calls are kept cheap: handles, uuid, name, maximum PCIe width/generation and the number of
-  NVLink links are read once and cached; a handle that failed (or whose GPU was lost) is fetched
-  again at the next sample, and a cached field that failed with a real error is read again.
-* The PCIe *generation* legitimately drops at idle (link power saving); the *width* does not,
-  which is why health compares ``pcie_link_width`` with ``pcie_link_width_max``.
+Each outcome in detail, and why health compares the PCIe width and not the generation:
+docs/design/nvml.md.
 """
 
 from __future__ import annotations
@@ -120,7 +106,7 @@ def _clip(text: str, limit: int) -> str:
 
 class _FieldReader:
     """The per-field NVML readers: which call reads each field of a :class:`GpuSample`, in which
-    units, and what each call's errors mean (see the module docstring): 'not supported' is
+    units, and what each call's errors mean (docs/design/nvml.md): 'not supported' is
     ``None``; another error is ``None`` and named in ``errors``; ``GPU_IS_LOST`` raises
     :class:`_GpuLost`. Fields that never change are read once into the GPU's cache, and the
     clock-reasons call falls back once, for good, to its pre-R535 name.
@@ -295,10 +281,10 @@ class _FieldReader:
 
 
 class NvmlSource:
-    """The node's GPUs through NVML. See the module docstring for the full contract.
+    """The node's GPUs through NVML. The contract: docs/design/nvml.md.
 
     ``nvml`` is a module-like object with the pynvml API (the real ``pynvml`` when ``None``,
-    imported by :meth:`open`; :class:`agent.fake_nvml.FakeNvml` in tests). ``clock`` times the
+    imported by :meth:`open`; :class:`tests.fake_nvml.FakeNvml` in tests). ``clock`` times the
     XID window only (monotonic seconds). Not thread-safe: one agent loop owns it.
 
     It owns NVML's lifecycle, the per-GPU sampling loop (attaching, lost GPUs, errors, logging) and
@@ -427,7 +413,7 @@ class NvmlSource:
     # --- sampling -----------------------------------------------------------------------------
 
     def sample(self) -> list[GpuSample]:
-        """Read every GPU once; see the module docstring for what each outcome looks like."""
+        """Read every GPU once; what each outcome looks like: docs/design/nvml.md."""
         if not self._open:
             raise RuntimeError("NvmlSource.sample() called before open() or after close()")
         now = self._clock()

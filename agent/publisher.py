@@ -3,7 +3,8 @@
 Per heartbeat, two commands: ``SET`` of the node's latest key with a TTL (for reads and
 debugging) and ``XADD`` to the node's heartbeat stream shard, trimmed approximately to
 ``maxlen`` (the orchestrator's consumer group reads it, also after its own restart). The stream
-entry id is stamped by the Redis server: that is the one clock health uses.
+entry id is stamped by the Redis server: that is the one clock health uses, and the agent's
+idea of the server's time (``agent/server_time.py``).
 
 Redis down: :meth:`HeartbeatPublisher.publish` returns False and backs off; the caller keeps
 sampling and hands the newest heartbeats to the next call, so the latest state goes out as soon
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
+from agent.server_time import ServerTime
 from clusterpulse import wire
 from clusterpulse.retry import Backoff, is_transient
 
@@ -33,8 +35,10 @@ class HeartbeatPublisher:
         maxlen: int,
         ttl_s: float,
         backoff: Backoff | None = None,
+        server_time: ServerTime | None = None,
     ) -> None:
         self._redis = client
+        self.server_time = server_time or ServerTime()  # learned from each heartbeat's entry id
         self._shards = shards
         self._maxlen = maxlen
         self._ttl_ms = max(1, int(ttl_s * 1000))
@@ -62,7 +66,7 @@ class HeartbeatPublisher:
                 approximate=True,
             )
         try:
-            await pipe.execute()
+            replies = await pipe.execute()
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -77,5 +81,6 @@ class HeartbeatPublisher:
             log.info("event=redis_reconnected after_failures=%d", self._backoff.failures)
             self._down_logged = False
         self._backoff.reset()
+        self.server_time.observe(replies[-1])  # the last XADD's id: the server's time now
         self.published += len(heartbeats)
         return True

@@ -30,7 +30,7 @@ from clusterpulse.wire import FanSample, GpuSample, PsuSample
 
 FAULT_KINDS = ("thermal", "power_brake", "psu_imbalance", "pcie_x8", "xid", "ecc", "gpu_lost", "silent")
 # The throttle reason each throttling fault sets on every GPU (the orchestrator's health model
-# decides which reasons count as sustained throttling: services/health.py SUSTAINED_THROTTLE).
+# decides which reasons count as sustained throttling: services/health/decide.py SUSTAINED_THROTTLE).
 THROTTLE_OF = {"thermal": "thermal", "power_brake": "power_brake"}
 # Faults that never clear by themselves: the volatile ECC counter stays up until a GPU reset.
 PERMANENT_FAULTS = frozenset({"ecc"})

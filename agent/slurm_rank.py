@@ -1,29 +1,17 @@
-"""One rank of a job that runs in Slurm: ``python -m agent.slurm_rank [--report-timeout S] -- PYTHON -u -m
-trainer.run ENTRYPOINT...``, what the Slurm job backend's batch script runs as each ``srun`` task
-(``services/slurm_jobs.py``). It is to a rank what the agent's wrapper shell is under the agents'
-launcher (``agent/launcher.py``): the rank's parent, which outlives it.
+"""One rank of a job that runs in Slurm: ``python -m agent.slurm_rank [--report-timeout S] --
+PYTHON -u -m trainer.run ENTRYPOINT...``, what the Slurm job backend's batch script runs as each
+``srun`` task (``services/slurm/jobs/decide.py``); the rank's parent, which outlives it, as the agent's
+wrapper shell is under ``agent/launcher.py``.
 
-- **Environment.** The rank gets what ``Launcher.rank_env`` gives an agent's rank, from srun's
-  variables (:func:`rank_env`): ``CROSS_RANK`` (``PULSE_SLURM_CROSS_RANK`` when set: a rank
-  relaunched alone on its node to rejoin keeps its node's place in the job; else ``SLURM_NODEID``),
-  ``LOCAL_RANK`` (``SLURM_LOCALID``), ``RANK`` (``CROSS_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK``,
-  srun's block distribution), ``PULSE_NODE`` (``SLURMD_NODENAME``), ``MASTER_ADDR`` (else
-  ``SLURM_LAUNCH_NODE_IPADDR``); the batch script sets ``WORLD_SIZE``, ``CROSS_SIZE``,
-  ``LOCAL_WORLD_SIZE`` and ``MASTER_PORT``.
-- **Its exit.** ``started``, then ``exited`` with the rank's code (128 + N after signal N, as a
-  shell says) go to ``wire.JOB_STATUS_STREAM`` as a ``JobStatus`` of this one rank (``rank``
-  set), and the code becomes this process's own. Slurm knows only the step's highest exit code;
-  these tell the orchestrator which rank ended how, so an excluded rank's death does not fail a
-  job whose other ranks finished (``services/slurm_jobs.py``), and when an excluded rank is gone
-  and may be relaunched to rejoin.
-- **Checkpoint.** It reads the job's command stream (``wire.job_commands_key``); a ``checkpoint``
-  is SIGUSR2 to the rank process alone, once per request id, and only when the rank catches it
-  (``agent/ranks.py``: the default action would kill it). ``scancel --signal=USR2`` would reach
-  every process of the step, DataLoader workers included, which SIGUSR2 kills.
-- **SIGTERM, SIGINT** (a stop: ``scancel --signal=TERM`` reaches every process of the step, the
-  rank included) do not end it: it waits for the rank and reports its exit. SIGKILL ends both.
+- It gives the rank the environment an agent's rank gets, from srun's variables (:func:`rank_env`).
+- It reports ``started`` and ``exited`` (with the rank's code, which becomes its own) as a
+  ``JobStatus`` of this one rank to ``wire.JOB_STATUS_STREAM``.
+- A ``checkpoint`` on the job's command stream, still current, is SIGUSR2 to the rank alone,
+  once per request id.
+- SIGTERM and SIGINT do not end it: it waits for the rank and reports its exit.
 
 Without ``PULSE_REDIS_URL`` and ``PULSE_JOB_ID`` it only sets the environment and runs the rank.
+Each variable and why the signals go where they go: docs/design/slurm-rank.md.
 """
 
 from __future__ import annotations
@@ -43,6 +31,7 @@ import redis
 
 from agent import job_commands
 from agent.ranks import catches, read_process
+from agent.server_time import ServerTime
 from clusterpulse import wire
 from clusterpulse.retry import Backoff
 
@@ -50,7 +39,7 @@ log = logging.getLogger("pulse.agent.slurm_rank")
 
 
 def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The torch.distributed variables of this srun task's rank (module docstring)."""
+    """The torch.distributed variables of this srun task's rank (docs/design/slurm-rank.md)."""
     per = int(environ.get("LOCAL_WORLD_SIZE") or 1)
     local = int(environ.get("SLURM_LOCALID") or 0)
     cross = int(environ.get("PULSE_SLURM_CROSS_RANK") or environ.get("SLURM_NODEID") or 0)
@@ -71,7 +60,7 @@ def exit_code(returncode: int) -> int:
 
 
 class Supervisor:
-    """The rank's parent (module docstring)."""
+    """The rank's parent (docs/design/slurm-rank.md)."""
 
     def __init__(self, client: redis.Redis, *, job: str, env: Mapping[str, str], report_timeout_s: float) -> None:
         self.redis = client
@@ -82,6 +71,7 @@ class Supervisor:
         self.report_timeout_s = report_timeout_s
         self.stop = threading.Event()
         self.signalled: set[str] = set()  # checkpoint request ids
+        self.server_time = ServerTime()  # learned from its own statuses' entry ids: checkpoints' deadlines
 
     def report(self, state: str, **kw: Any) -> None:
         """One status of this rank, retried with backoff for at most ``report_timeout_s``."""
@@ -92,7 +82,10 @@ class Supervisor:
         backoff, deadline = Backoff(), time.monotonic() + self.report_timeout_s
         while True:
             try:
-                self.redis.xadd(wire.JOB_STATUS_STREAM, {wire.JOB_STATUS_FIELD: wire.encode(st)}, maxlen=100_000)
+                entry = self.redis.xadd(
+                    wire.JOB_STATUS_STREAM, {wire.JOB_STATUS_FIELD: wire.encode(st)}, maxlen=100_000
+                )
+                self.server_time.observe(entry)
                 return
             except redis.RedisError as exc:
                 if time.monotonic() >= deadline:
@@ -112,21 +105,18 @@ class Supervisor:
 
     def listen(self, rank_pid: int, last: str) -> None:
         """The job's command stream after ``last`` (taken before ``started`` was reported, so a
-        command sent after that report reaches this rank): checkpoint requests."""
+        command sent after that report reaches this rank): checkpoint requests still current
+        (``agent/current.py``: one past its deadline is refused and logged)."""
         job_commands.follow(
             self.redis,
             self.job,
             start=lambda: last or self.newest() or "",
             stop=self.stop,
-            handle=lambda payload: self.handle(payload, rank_pid),
+            handle=lambda cmd: self.handle(cmd, rank_pid),
+            now=self.server_time.now,
         )
 
-    def handle(self, payload: bytes, rank_pid: int) -> None:
-        try:
-            cmd = wire.decode_job_command(payload)
-        except wire.WireError as exc:
-            log.warning("event=command_rejected job=%s reason=%s", self.job, exc.reason)
-            return
+    def handle(self, cmd: wire.JobCommand, rank_pid: int) -> None:
         if cmd.kind != "checkpoint" or cmd.job != self.job or cmd.request in self.signalled:
             return
         self.signalled.add(cmd.request)
@@ -154,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     env = {**os.environ, **rank_env(os.environ)}
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)  # the rank got it too: wait for its exit (module docstring)
+        signal.signal(sig, lambda *_: None)  # the rank got it too: wait for its exit (docs/design/slurm-rank.md)
     signal.signal(signal.SIGUSR2, lambda *_: None)  # not SIG_IGN, which the rank would inherit through exec
     proc = subprocess.Popen(line, env=env, stdin=subprocess.DEVNULL)
     url, job = env.get("PULSE_REDIS_URL"), env.get("PULSE_JOB_ID")

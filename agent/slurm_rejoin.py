@@ -1,16 +1,19 @@
 """A Slurm job's relauncher, inside its allocation: ``python -m agent.slurm_rejoin --per G -- RANK
-COMMAND...``, which the batch script (``services/slurm_jobs.py``) starts beside its ranks' step.
+COMMAND...``, which the batch script (``services/slurm/jobs/decide.py``) starts beside its ranks' step.
 
-It reads the job's command stream (``wire.job_commands_key``) from its beginning. A ``launch``
-(the leader's Slurm job loop sends one for a node whose ranks the plan excluded, that exited and
-that is HEALTHY again: ``services/slurm_jobs.py``, :func:`relaunch`) starts that node's ranks
-again as a **new step of the same allocation**: ``srun --overlap --nodes=1 --ntasks-per-node=G
---nodelist=NODE``, the same rank command line (the supervisor, ``agent/slurm_rank.py``, then
-``trainer.run``) and environment as the first step, plus ``PULSE_SLURM_CROSS_RANK`` (the node's
-place in the job, so the ranks keep their numbers) and the command's ``env`` (``PULSE_REJOIN=1``:
-the ranks take the live ranks' state at a step boundary, ``trainer/follow.py``). ``--overlap``:
-the first step keeps the node's CPUs until all of it ends. One step per node at a time: a launch
-for a node whose relaunched step still runs is ignored (a resend).
+It reads the job's command stream (``wire.job_commands_key``) from its beginning, but acts only
+on what is current (``agent/current.py``): a launch that a later launch for the same node
+replaced, or that is past its deadline (logged, ``event=command_refused``), starts nothing. A
+current ``launch`` (the leader's Slurm job loop sends one for a node whose ranks the plan
+excluded, that exited and that is HEALTHY again: ``services/slurm/jobs/decide.py``, :func:`relaunch`)
+starts that node's ranks again as a **new step of the same allocation**: ``srun --overlap
+--nodes=1 --ntasks-per-node=G --nodelist=NODE``, the same rank command line (the supervisor,
+``agent/slurm_rank.py``, then ``trainer.run``) and environment as the first step, plus
+``PULSE_SLURM_CROSS_RANK`` (the node's place in the job, so the ranks keep their numbers) and the
+command's ``env`` (``PULSE_REJOIN=1``: the ranks take the live ranks' state at a step boundary,
+``trainer/follow.py``). ``--overlap``: the first step keeps the node's CPUs until all of it ends.
+One step per node at a time: a launch for a node whose relaunched step still runs is ignored (a
+resend).
 
 SIGTERM (the batch script, once its first step ended) stops the reading; it waits for the steps
 it started (their ranks leave once the job is done) and exits 0. Without ``PULSE_REDIS_URL`` and
@@ -27,7 +30,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import redis
 
@@ -52,18 +56,16 @@ class Relauncher:
         self.srun = list(srun)
         self.steps: dict[str, subprocess.Popen[bytes]] = {}  # node -> its relaunched step's srun
         self.stop = threading.Event()
+        # It writes nothing to Redis to learn the server's time from (agent/server_time.py): its
+        # node's clock decides its commands' deadlines.
+        self.now: Callable[[], float] = time.time
 
     def run(self) -> None:
-        job_commands.follow(self.redis, self.job, start=lambda: "0-0", stop=self.stop, handle=self.handle)
+        job_commands.follow(self.redis, self.job, start=lambda: "0-0", stop=self.stop, handle=self.handle, now=self.now)
         for step in self.steps.values():
             step.wait()
 
-    def handle(self, payload: bytes) -> None:
-        try:
-            cmd = wire.decode_job_command(payload)
-        except wire.WireError as exc:
-            log.warning("event=command_rejected job=%s reason=%s", self.job, exc.reason)
-            return
+    def handle(self, cmd: wire.JobCommand) -> None:
         if cmd.kind != "launch" or cmd.job != self.job or not cmd.node:
             return
         running = self.steps.get(cmd.node)

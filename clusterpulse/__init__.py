@@ -1,1 +1,2 @@
-"""Shared pieces of ClusterPulse: the wire contract, settings, retry policy and the `pulse` CLI."""
+"""The contract every program of ClusterPulse imports: the wire schemas and Redis keys, settings,
+the retry policy, the Redis ACL rules and the job and node states."""

@@ -1,30 +1,12 @@
 """Redis credentials: one ACL user per node and one for the orchestrator.
 
-**Users.** ``pulse-node-NAME`` is what a node's agent and the training ranks it launches use
-(they run on that node and inherit its ``PULSE_REDIS_URL``); ``pulse-orchestrator`` is what the
-orchestrator (and its REST API) uses. Each gets only the commands its code sends, each command
-only on the keys and channels it sends it to, using Redis 7 ACL selectors so that a command
-allowed on one key is not allowed on another (``SET`` on the node's latest key must not become
-``SET`` over a shared stream). A node user may:
-
-- ``SET`` its own latest-heartbeat key (``pulse:{node:NAME}:latest``; agent/publisher.py);
-- ``XADD`` to its own heartbeat stream shard only (``wire.node_heartbeat_stream_key``, so the
-  rules depend on ``heartbeat_stream_shards``: change it and re-apply every node's rules), to the
-  job-status stream (agent/launcher.py) and to the trainer report and registration streams
-  (trainer/report.py);
-- ``XREAD`` its own command stream (``pulse:{node:NAME}:commands``) and, for the supervisors of
-  a Slurm job's ranks on it (agent/slurm_rank.py), ``XREAD``/``XREVRANGE`` jobs' command streams
-  (``pulse:{job:ID}:commands``); ``GET`` job plans and ``SUBSCRIBE`` to the plan channel
-  (trainer/follow.py);
-- ``PING`` and ``SELECT`` (what redis-py sends on connecting; its ``CLIENT SETINFO`` is refused
-  and ignored).
-
-Nothing else: not another node's keys, not ``KEYS``/``SCAN``/``FLUSHALL``/``CONFIG``/``ACL``, not
-reading any stream. Rules start with ``reset``, so applying them again is safe and replaces
-whatever the user had (level-triggered); passwords go in as SHA-256 (``#...``), never in clear.
-
-Who sent a heartbeat, and what these users let the orchestrator conclude about it, is the
-orchestrator's ingest logic: ``services/sender.py``.
+``pulse-node-NAME`` is what a node's agent and the ranks it launches use; ``pulse-orchestrator``
+is the orchestrator's. Each may send only the commands its code sends, each only to the keys and
+channels it sends it to (Redis 7 ACL selectors): a node user writes its own latest key and
+heartbeat stream shard (so the rules depend on ``heartbeat_stream_shards``), the job-status and
+trainer streams, and reads its own and jobs' command streams and the plans. Rules start with
+``reset``, so applying them again replaces whatever the user had; passwords go in as SHA-256.
+The whole list: docs/design/acl.md.
 """
 
 from __future__ import annotations
@@ -102,7 +84,7 @@ def node_acl(node: str, *, shards: int, password: str, user: str | None = None) 
 def orchestrator_acl(*, password: str, user: str = ORCHESTRATOR_USER) -> list[str]:
     """The arguments of ``ACL SETUSER`` for the orchestrator (services/orchestrator.py, api.py):
     the consumer group over every stream it reads, plans (key and channel), job commands to any
-    node or Slurm job, reading any node's latest key (the sender check), ``TIME`` (the one clock), claiming a
+    node or Slurm job (and trimming their streams), reading any node's latest key (the sender check), ``TIME`` (the one clock), claiming a
     previous leader's pending entries and the fencing scripts (``EVAL`` over the leader's epoch
     key and the plans or commands it writes). Every heartbeat shard, whatever their number."""
     esc = wire.glob_escape
@@ -124,6 +106,8 @@ def orchestrator_acl(*, password: str, user: str = ORCHESTRATOR_USER) -> list[st
         "(+xreadgroup +xack +xautoclaim +xgroup|create " + " ".join(_key(s) for s in streams) + ")",
         f"(+set +get {_key(wire.key_glob(wire.job_plan_key))})",
         f"(+xadd {_key(wire.key_glob(wire.node_commands_key), 'W')} {_key(wire.key_glob(wire.job_commands_key), 'W')})",
+        # the commands script trims each stream it writes, keeping every current command
+        f"(+xtrim +xlen +xrange {_key(wire.key_glob(wire.node_commands_key))} {_key(wire.key_glob(wire.job_commands_key))})",
         # the fencing scripts (services/leader.py): the epoch key, then the plans or commands
         f"(+get +set {_key(esc(wire.LEADER_KEY))})",
         f"(+eval {_key(esc(wire.LEADER_KEY))} {_key(wire.key_glob(wire.job_plan_key))} "

@@ -21,7 +21,7 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     database_url: str = "sqlite:///clusterpulse.db"
     api_url: str = "http://127.0.0.1:8000"
-    api_token: str = ""  # the bootstrap admin token, named "env" (services/tokens.py)
+    api_token: str = ""  # the bootstrap admin token, named "env" (services/api/tokens.py)
     # Which reads need a viewer token: GET /v1/... (default: in production only), /metrics, and
     # /healthz + /readyz (default open, for Prometheus and probes that carry no token).
     auth_reads: bool | None = None
@@ -32,7 +32,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(256 * 1024, ge=1024)
     # Mutating calls (POST) per caller (token name + client address): a token bucket refilled at
     # rate_limit_per_s holding at most rate_limit_burst; either at 0 switches limiting off
-    # (services/ratelimit.py).
+    # (services/api/ratelimit.py).
     rate_limit_per_s: float = Field(10.0, ge=0)
     rate_limit_burst: int = Field(100, ge=0)
 
@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     # (``sent_at``), a node whose clock is off. Health never reads that time; it is only reported.
     agent_clock_offset_s: float = 0.0
 
-    # Health policy (see services/health.py)
+    # Health policy (see services/health/decide.py)
     suspect_after_s: float | None = Field(None, gt=0)  # default 2 x heartbeat interval
     degraded_after_s: float = Field(120.0, gt=0)
     lost_after_s: float = Field(300.0, gt=0)
@@ -65,29 +65,41 @@ class Settings(BaseSettings):
     psu_input_imbalance_amperes: float = Field(1.5, gt=0)
     gpu_power_peer_gap_ratio: float = Field(0.05, gt=0, lt=1)
 
-    # Gradient aggregation plans (services/planner.py)
+    # Gradient aggregation plans (services/plans/decide.py)
     max_proxied_per_rank: int = Field(1, ge=1)
 
-    # Training progress (services/progress.py)
+    # Training progress (services/jobs/progress.py)
     straggler_factor: float = Field(1.5, gt=1)
     job_stale_after_s: float = Field(300.0, gt=0)
 
-    # Jobs (services/jobs.py, agent/launcher.py)
-    # Launch sent -> every rank rendezvoused (registered or reported a step, services/jobs.py);
+    # Jobs (services/jobs/decide.py, agent/launcher.py)
+    # Launch sent -> every rank rendezvoused (registered or reported a step, services/jobs/decide.py);
     # a job still short of that after this long FAILS and its ranks are stopped.
     job_start_timeout_s: float = Field(300.0, gt=0)
     job_stop_grace_s: float = Field(10.0, ge=0)
     job_resend_s: float = Field(5.0, gt=0)
     job_max_rejoins: int = Field(10, ge=0)  # relaunches per node and job of excluded ranks (0: never)
+    # Job commands (wire.JobCommand, agent/current.py): a launch or checkpoint is acted on only for
+    # this long after it was sent (its not_after; launches are resent while a job starts); a
+    # restarted agent starts nothing older. A command stream keeps at most job_commands_maxlen
+    # entries and none older than job_commands_max_age_s, except that a command still current
+    # (younger than job_command_ttl_s) is never trimmed (services/leader.py, FENCED_COMMANDS).
+    job_command_ttl_s: float = Field(120.0, gt=0)
+    job_commands_maxlen: int = Field(10_000, ge=1)
+    job_commands_max_age_s: float = Field(86_400.0, gt=0)
     agent_state_dir: str = ""  # <dir>/<node>; default $XDG_STATE_HOME or ~/.local/state, /clusterpulse/<node>
     job_master_addr_label: str = "addr"  # a node label that, when set, overrides the address its agent publishes
     # A job's rendezvous port (its store's, on its first node): one of base ... base + span - 1 that
-    # no other active job at the same address holds (services/jobs.py, master_port)
+    # no other active job at the same address holds (services/jobs/decide.py, master_port)
     job_port_base: int = Field(29500, ge=1, le=65535)
     job_port_span: int = Field(500, ge=1)
     # How long the first node's agent (and the Slurm batch script) waits for the job's store to
     # listen at the job's port before it fails the node's launch (agent/launcher.py)
     job_store_ready_timeout_s: float = Field(10.0, gt=0)
+    # A job's store outlives its agent (a restarted one adopts it) but not for good: it leaves once no
+    # live agent has kept it for this long (agent/store_keeper.py); it looks every job_store_poll_s.
+    job_store_orphan_grace_s: float = Field(300.0, gt=0)
+    job_store_poll_s: float = Field(1.0, gt=0)
     # The address this node's peers reach it at (the rendezvous of a job whose first node it is),
     # published in the heartbeat; empty: the agent finds it itself (agent/address.py)
     agent_addr: str = Field("", pattern=ADDR_PATTERN)
@@ -96,23 +108,26 @@ class Settings(BaseSettings):
     evaluate_interval_s: float = Field(0.5, gt=0)
     ingest_block_s: float = Field(0.2, gt=0)
     ingest_batch: int = Field(2000, ge=1)
-    # Ingest processes (services/ingest_worker.py) per replica: 0 (the default) has the leader read
+    # Ingest processes (services/ingest/worker.py) per replica: 0 (the default) has the leader read
     # the heartbeat streams itself; N > 0 starts N processes that read them and hand the leader
-    # observations, for clusters one process cannot follow (services/observations.py).
+    # observations, for clusters one process cannot follow (services/ingest/observations.py).
     ingest_processes: int = Field(0, ge=0, le=64)
     # An entry an ingest process read and did not hand over within this long (killed, hung) is
     # claimed by another; also how long a dead process's entries wait.
     ingest_claim_s: float = Field(5.0, gt=0)
     persist_interval_s: float = Field(5.0, gt=0)  # the outbox written, stream entries acknowledged
-    # The compact summary (services/summary.py): when each node was last seen, identities changed.
+    # The compact summary (services/persist/decide.py): when each node was last seen, identities changed.
     summary_interval_s: float = Field(30.0, gt=0)
     retry_backoff_s: float = Field(0.2, gt=0)
     retry_backoff_max_s: float = Field(5.0, gt=0)
-    # The event stream GET /v1/stream (services/routes/stream.py): how often it polls the events
+    # The event stream GET /v1/stream (services/api/routes/stream.py): how often it polls the events
     # table for new rows, and how long a quiet stream waits before a ": keepalive" comment.
     stream_poll_s: float = Field(0.5, gt=0)
     stream_keepalive_s: float = Field(15.0, gt=0)
-    # The status page GET / (services/routes/status_page.py): how often it re-reads the API.
+    # How often an open stream checks its token in the database (a revoke on another replica
+    # ends it within this; one on the stream's own replica at once).
+    stream_token_check_s: float = Field(1.0, gt=0)
+    # The status page GET / (services/api/routes/status_page.py): how often it re-reads the API.
     status_refresh_s: float = Field(3.0, ge=0.2)
 
     # Retention (services/retention.py): events, finished jobs, superseded plans and stored GPU rows
@@ -121,9 +136,9 @@ class Settings(BaseSettings):
     retention_interval_s: float = Field(3600.0, gt=0)  # how often the leader prunes
     retention_batch: int = Field(1000, ge=1)  # rows per transaction
 
-    # Slurm node sync (services/slurm_sync.py, services/slurm.py): the leader drains in Slurm the
-    # nodes that are DEGRADED, LOST or cordoned here, and resumes the drains it made once they are
-    # HEALTHY again. Off unless PULSE_SLURM=on.
+    # Slurm node sync (services/slurm/nodes/decide.py, services/slurm/nodes/loop.py): the leader
+    # drains in Slurm the nodes that are DEGRADED, LOST or cordoned here, and resumes the drains it
+    # made once they are HEALTHY again. Off unless PULSE_SLURM=on.
     slurm: bool = False
     slurm_max_drain_fraction: float = Field(0.1, gt=0, le=1)  # drains within the window, of the nodes
     slurm_drain_window_s: float = Field(3600.0, gt=0)
@@ -133,9 +148,10 @@ class Settings(BaseSettings):
     slurm_conf: str = ""  # SLURM_CONF for the commands; empty: Slurm's own default
     slurm_sinfo: str = "sinfo"  # the commands (a path, or a command line such as "sudo -n sinfo")
     slurm_scontrol: str = "scontrol"
-    # The Slurm job backend (services/slurm_jobs.py, services/slurm_backend.py), with PULSE_SLURM=on:
-    # a job created with "backend": "slurm" (or any job, with PULSE_JOB_BACKEND=slurm) is submitted
-    # with sbatch and its state follows Slurm's. The agents' launcher stays the default.
+    # The Slurm job backend (services/slurm/jobs/decide.py, services/slurm/jobs/loop.py), with
+    # PULSE_SLURM=on: a job created with "backend": "slurm" (or any job, with
+    # PULSE_JOB_BACKEND=slurm) is submitted with sbatch and its state follows Slurm's. The agents'
+    # launcher stays the default.
     job_backend: Literal["agents", "slurm"] = "agents"
     slurm_sbatch: str = "sbatch"
     slurm_scancel: str = "scancel"
@@ -197,6 +213,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"PULSE_JOB_PORT_BASE={self.job_port_base} with PULSE_JOB_PORT_SPAN={self.job_port_span} "
                 f"reaches port {self.job_port_base + self.job_port_span - 1}; the last port is 65535"
+            )
+        if self.job_commands_max_age_s < self.job_command_ttl_s:
+            raise ValueError(
+                f"PULSE_JOB_COMMANDS_MAX_AGE_S={self.job_commands_max_age_s:g} is below "
+                f"PULSE_JOB_COMMAND_TTL_S={self.job_command_ttl_s:g}: a command stream must keep its current commands"
             )
         if self.job_backend == "slurm" and not self.slurm:
             raise ValueError("PULSE_JOB_BACKEND=slurm needs PULSE_SLURM=on (the Slurm commands and SLURM_CONF)")

@@ -11,7 +11,7 @@ from enum import StrEnum
 
 
 class NodeState(StrEnum):
-    """A node's health (services/health.py decides it)."""
+    """A node's health (services/health/decide.py decides it)."""
 
     HEALTHY = "HEALTHY"
     SUSPECT = "SUSPECT"
@@ -20,7 +20,7 @@ class NodeState(StrEnum):
 
 
 class JobState(StrEnum):
-    """A job's life (services/jobs.py decides it)."""
+    """A job's life (services/jobs/decide.py decides it)."""
 
     PENDING = "PENDING"
     STARTING = "STARTING"
@@ -57,7 +57,7 @@ class EventKind(StrEnum):
     CHECKPOINT_WRITTEN = "checkpoint_written"
     TOKEN_CREATED = "token_created"
     TOKEN_REVOKED = "token_revoked"
-    # the Slurm node sync (services/slurm.py), actor "slurm"
+    # the Slurm node sync (services/slurm/nodes/loop.py), actor "slurm"
     SLURM_DRAIN = "slurm_drain"
     SLURM_DRAIN_CORDON = "slurm_drain_cordon"
     SLURM_RESUME = "slurm_resume"

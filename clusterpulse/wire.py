@@ -315,6 +315,15 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     SIGUSR2's default action would kill a data loader worker), which asks the rank to save at the
     next step boundary. ``request`` names the request: the agent signals once per request id, so a
     command delivered again (an agent restarted before it moved its cursor) signals nobody twice.
+
+    **Current.** ``issued_at`` and ``not_after`` are Redis server time (seconds, the
+    orchestrator's clock, ``services/clock.py``). A ``launch`` or ``checkpoint`` is acted on only
+    until ``not_after`` and only while no later command of its job on the same stream replaced it
+    (a ``stop``, a newer ``launch``): ``agent/current.py``. A command without them (from an
+    orchestrator that predates them) is current for ``PULSE_JOB_COMMAND_TTL_S`` after its stream
+    entry was written. A ``stop`` is acted on whatever its age (it starts nothing). Added without
+    a version bump: decoders on both sides ignore fields they do not know and default those they
+    miss.
     """
 
     v: int
@@ -330,6 +339,8 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     env: dict[str, str] = {}
     grace_s: NonNegFloat = 10.0
     node: str = ""  # on a job's stream (wire.job_commands_key): the node a launch is for; "" on a node's own
+    issued_at: NonNegFloat | None = None  # Redis server time it was sent at; None: an older orchestrator's
+    not_after: NonNegFloat | None = None  # Redis server time after which it starts or signals nothing
 
 
 class JobStatus(msgspec.Struct, kw_only=True, frozen=True):
@@ -399,7 +410,14 @@ class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
     # ``checkpoint_written DIR``: this rank saved its part of a checkpoint at this step into DIR
     # (CHECKPOINT_WRITTEN; every rank that saved reports it, the orchestrator records it once).
     event: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+    # The rank's last report: its process is leaving with this exit code (``trainer.run``). The
+    # orchestrator ends a job by these when a node's agent cannot say how its ranks ended.
+    exit_code: int | None = None
 
+
+REJOIN_REFUSED_EXIT = 3
+"""The exit code of a relaunched rank that cannot be taken back (``trainer.run``: under a framework
+loop that counts its own steps); the orchestrator does not relaunch that node again."""
 
 CHECKPOINT_WRITTEN = "checkpoint_written"
 """The kind (first word) of a :attr:`TrainerReport.event` saying the rank saved a checkpoint; the

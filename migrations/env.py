@@ -1,4 +1,4 @@
-"""Alembic environment: the URL comes from the caller's config (services/db.py), never a file."""
+"""Alembic environment: the URL comes from the caller's config (services/db/engine.py), never a file."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ decides anything."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
@@ -17,21 +18,23 @@ class RedisClock:
     a loaded machine) holds ``now`` until the clock catches up, so what happened later is never
     stamped earlier (events, transitions)."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, *, monotonic: Callable[[], float] = time.monotonic) -> None:
+        """``monotonic``: what extrapolates between syncs (a test makes it run ahead)."""
         self._redis = client
+        self._monotonic = monotonic
         self._base = time.time()
-        self._mono = time.monotonic()
+        self._mono = monotonic()
         self._last = 0.0
         self.synced = False
 
     async def sync(self) -> None:
-        sent = time.monotonic()
+        sent = self._monotonic()
         secs, micros = await self._redis.time()
         # the server read its clock somewhere in the round trip: take the middle
-        self._base, self._mono, self.synced = secs + micros / 1e6, (sent + time.monotonic()) / 2, True
+        self._base, self._mono, self.synced = secs + micros / 1e6, (sent + self._monotonic()) / 2, True
 
     def now(self) -> float:
-        self._last = max(self._last, self._base + (time.monotonic() - self._mono))
+        self._last = max(self._last, self._base + (self._monotonic() - self._mono))
         return self._last
 
 

@@ -1,7 +1,7 @@
 """The orchestrator's in-memory view of the cluster: the snapshot REST and /metrics read.
 
 :class:`Cluster` folds heartbeats (:meth:`Cluster.ingest`) and evaluates health
-(:meth:`Cluster.evaluate`) by calling the pure functions of ``services/health.py``; it does no
+(:meth:`Cluster.evaluate`) by calling the pure functions of ``services/health/decide.py``; it does no
 I/O and reads no clock. It is owned by the orchestrator's event loop: every mutation happens on
 that one thread, so routes that run on the loop see a consistent snapshot without locks.
 """
@@ -14,9 +14,11 @@ from dataclasses import dataclass, field, replace
 
 from clusterpulse import wire
 from clusterpulse.states import EventKind, NodeState
-from services import health, observations, summary
-from services.health import NodeHealth, Policy, Transition
-from services.slurm_sync import SlurmNode
+from services.health import decide as health
+from services.health.decide import NodeHealth, Policy, Transition
+from services.ingest import observations
+from services.persist import decide as summary
+from services.slurm.nodes.decide import SlurmNode
 
 log = logging.getLogger("pulse.orchestrator.cluster")
 
@@ -31,15 +33,15 @@ class NodeView:
     clock_skew_s: float | None = None
     schedulable: bool = True
     labels: dict[str, str] = field(default_factory=dict)
-    dirty: bool = False  # seen since the last summary written to the database (services/persist.py)
-    stored: summary.Key | None = None  # the identity the database holds (services/summary.py)
+    dirty: bool = False  # seen since the last summary written to the database (services/persist/loop.py)
+    stored: summary.Key | None = None  # the identity the database holds (services/persist/decide.py)
     scheduler: SlurmNode | None = None  # Slurm's view at the last sync (PULSE_SLURM=on), else None
 
     @property
     def latest(self) -> wire.Heartbeat | None:
         """The newest heartbeat. One an ingest process handed over is decoded here, when something
         (a scrape, a REST read, the summary) first asks, not at each fold: a node heartbeats every
-        second, a scrape comes every 15 (services/observations.py)."""
+        second, a scrape comes every 15 (services/ingest/observations.py)."""
         if self.payload is not None:
             payload, self.payload = self.payload, None
             try:

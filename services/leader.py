@@ -1,86 +1,28 @@
 """High availability: one leader among the orchestrator replicas, under a lease with a fencing token.
 
-Two or more replicas run on the same Redis and database. Exactly one of them, the **leader**,
-evaluates health, plans and launches (the ingest, evaluate, persist and jobs loops that
-services/orchestrator.py composes); the others are **followers**: they serve reads from a snapshot they
-refresh from the database every ``persist_interval_s``, and answer mutations (cordon, jobs) with
-503 naming the leader. Token management (services/tokens.py) works on any replica: it writes only
-the ``tokens`` table, which no loop touches.
+Exactly one replica, the **leader**, runs the ingest, evaluate, persist and jobs loops; the
+others are **followers**: they serve reads from a snapshot of the database and answer
+mutations with 503 naming the leader (token management works on any replica).
 
-**The lease** is one database row (table ``leader_lease``: holder, epoch, expires_at), judged on
-the **database's clock** (``clock_timestamp()`` on PostgreSQL, ``julianday('now')`` on SQLite),
-never on a replica's: the conditional UPDATE that takes or extends it compares ``expires_at`` with
-the database's ``now`` in the same statement, so replicas whose clocks disagree still agree on who
-holds it. A replica ticks every ``leader_renew_s`` (default lease / 3), counted from the start of
-one tick to the start of the next, so a slow tick does not push the next one later:
+- **The lease** is one database row, judged on the database's clock: a conditional UPDATE takes
+  or renews it (the pure :func:`decide` says which), every ``leader_renew_s``.
+- **The fencing token** is the lease's ``epoch``, one more at every change of holder. Every
+  database write transaction checks it before it commits (``db.fence_epoch``); Redis writes go
+  through Lua scripts (:data:`FENCED_PLANS`, :data:`FENCED_COMMANDS`) that refuse a lower epoch
+  than ``wire.LEADER_KEY``. A refused write ends leadership at once.
+- The leader steps down ``leader_margin_s`` before any follower may see the lease expire, on its
+  own monotonic clock; while the database is down it goes on leading as long as Redis's epoch
+  key vouches for it.
+- **Failover** takes at most one lease plus one renew tick; the new leader reloads its state,
+  gives every node one full ``degraded_after``, raises the Redis epoch and republishes the plans.
 
-- the leader renews: ``UPDATE ... SET expires_at = now + lease WHERE epoch = :mine AND holder = :me``,
-  also when its own deadline (below) passed while the renewal waited on a busy database (SQLite
-  holds one writer at a time): the row unchanged proves nobody else acted, so it goes on under the
-  same epoch, its loops having only paused. A replica that stepped down (it dropped its state)
-  takes the lease back under a new epoch instead, so that a write it still had in flight is refused;
-- a follower takes it when it ran out (``expires_at <= now``), when it holds it under its own
-  replica id (a restarted process with a fixed ``PULSE_REPLICA_ID``), or when the holder is a
-  process of this host that no longer runs (the default id is ``<hostname>-<pid>``: a replica
-  restarted after a SIGKILL need not wait out its predecessor's lease): ``UPDATE ... SET holder =
-  :me, epoch = epoch + 1 WHERE epoch = :seen AND (expired OR ...)``. The decision is the pure
-  :func:`decide`; the ``WHERE`` makes it atomic.
-
-**The fencing token** is the lease's ``epoch``; it grows by one on every change of holder. Every
-write a leader makes carries it and is refused when it is not the current one:
-
-- database: every write transaction (events and health states, telemetry, plans, rank
-  registrations, jobs) reads the lease's epoch just before it commits (``db.fence_epoch``:
-  ``SELECT ... FOR SHARE`` on PostgreSQL, so a takeover waits for the transaction to end) and
-  rolls back on a mismatch. Each event and plan row stores the epoch it was written under
-  (column ``epoch``), so "nothing of a stale leader landed" can be checked in the tables.
-- Redis: plan keys + ``PUBLISH`` and job commands go through small Lua scripts (:data:`FENCED_PLANS`,
-  :data:`FENCED_COMMANDS`) that compare the writer's epoch with the ``wire.LEADER_KEY`` string and
-  refuse a lower one; a higher one raises the key (so a Redis that restarted empty is re-fenced
-  by the leader's next write, and by the renewal that raises it every tick). A new leader raises
-  the key before it writes anything. Command stream entries carry an ``epoch`` field. The script
-  touches the leader key and the written keys in one ``EVAL``: fine on one Redis (the
-  orchestrator's client is not a cluster client); on Redis Cluster those keys would need one slot.
-
-A refused write is logged (``event=write_refused_stale_epoch``), counted
-(``pulse_leader_fenced_writes_total{what}``) and ends leadership at once; the follower that
-leads recomputes everything from its own view, so the refused write is simply dropped.
-
-**Stepping down before others may take over.** A renewal attempt started at monotonic time
-``t0`` grants leadership until ``t0 + lease - margin`` on this replica's monotonic clock
-(``leader_margin_s``, default lease / 10). The database set ``expires_at`` no earlier than ``t0``
-plus one lease, so the leader stops acting before any follower can see the lease as expired,
-whatever its wall clock does; renewal every lease / 3 leaves two more tries before that.
-Fencing is the backstop for what no clock can see: a process paused between its check and its
-write (GC, SIGSTOP, a VM migration). PostgreSQL sessions end after ``lease / 3`` idle inside a
-transaction, so a paused leader cannot hold the lease row's lock and block the takeover.
-
-**The database down** does not stop health: a leader whose renewal fails for a transient
-database error keeps leading, each Redis check counting as a renewal, while Redis's epoch key still
-holds its epoch (:meth:`LeaderLease._redis_vouches`). No other replica can have taken over then:
-taking over means the database lease first, then raising that key before acting. When the
-database answers again the same leader renews the same epoch and its outbox is written. If a
-successor did take over (the database was unreachable from this replica only), the raised key
-ends this replica's leadership at its next tick, and whatever it wrote in between was refused.
-
-**Failover** takes at most one lease (the old lease runs out) plus one renew tick (a follower
-notices). A new leader reloads nodes, plans and ranks from the database, gives every node one
-full ``degraded_after`` (as after a restart), raises the Redis epoch, republishes the plans,
-claims every stream entry its predecessor read but never acknowledged (``XAUTOCLAIM``), and
-writes a ``leader`` event. A leader stopped cleanly releases the lease: its successor takes over
-at its next tick. With one replica (the default, SQLite) it leads from its first tick, as before.
-
-Known limits: followers show no training progress figures (trainer reports are folded by the
-leader only) and their node's last-seen time is as fresh as the leader's last summary (their
-telemetry is read from the nodes' latest heartbeats in Redis at each refresh); a stream entry
-a stale leader read in the instant between its last check and its pause stays pending under its
-consumer name until the next takeover claims it; each process leaves its consumer name in the
-group (harmless, visible in ``XINFO CONSUMERS``).
+Why each step is safe, and the known limits: docs/design/leader.md.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -198,14 +140,29 @@ return 0
 FENCED_COMMANDS = (
     _FENCE
     + """
+local maxlen, keep_ms, age_ms = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 for i = 2, #KEYS do
-  redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[i + 2], 'EPOCH_FIELD', ARGV[1])
+  local id = redis.call('XADD', KEYS[i], '*', ARGV[5], ARGV[i + 4], 'EPOCH_FIELD', ARGV[1])
+  local ms = tonumber(string.match(id, '^%d+'))
+  redis.call('XTRIM', KEYS[i], 'MINID', string.format('%.0f', math.max(0, ms - age_ms)))
+  local excess = redis.call('XLEN', KEYS[i]) - maxlen
+  if excess > 0 then
+    local oldest = redis.call('XRANGE', KEYS[i], '-', '+', 'COUNT', excess + 1)
+    local cut = oldest[#oldest][1]
+    local floor = math.max(0, ms - keep_ms)
+    if tonumber(string.match(cut, '^%d+')) > floor then cut = string.format('%.0f', floor) end
+    redis.call('XTRIM', KEYS[i], 'MINID', cut)
+  end
 end
 return 0
 """
 ).replace("EPOCH_FIELD", wire.COMMAND_EPOCH_FIELD.decode())
-"""KEYS: leader key, command stream per command. ARGV: epoch, maxlen, field, then one payload per
-stream. Each entry carries the epoch it was written under (``wire.COMMAND_EPOCH_FIELD``)."""
+"""KEYS: leader key, command stream per command. ARGV: epoch, maxlen, keep_ms, max_age_ms, field,
+then one payload per stream. Each entry carries the epoch it was written under
+(``wire.COMMAND_EPOCH_FIELD``). Each stream is then trimmed, in Redis server time (the new entry's
+id): entries older than ``max_age_ms`` go, then the oldest beyond ``maxlen`` entries, but never
+one younger than ``keep_ms`` (a command still current, ``PULSE_JOB_COMMAND_TTL_S``), so a burst of
+current commands may hold the stream above ``maxlen`` until they expire."""
 
 
 def plans_args(epoch: int, plans: Iterable[tuple[str, bytes]]) -> tuple[list[str], list[str | bytes | int]]:
@@ -219,12 +176,18 @@ def plans_args(epoch: int, plans: Iterable[tuple[str, bytes]]) -> tuple[list[str
 
 
 def commands_args(
-    epoch: int, commands: Iterable[tuple[str, bytes]], *, maxlen: int
+    epoch: int, commands: Iterable[tuple[str, bytes]], *, maxlen: int, keep_s: float, max_age_s: float
 ) -> tuple[list[str], list[str | bytes | int]]:
     """KEYS and ARGV of :data:`FENCED_COMMANDS` for (command stream key, encoded command) pairs:
     a node's (``wire.node_commands_key``) or a Slurm job's (``wire.job_commands_key``)."""
     keys: list[str] = [wire.LEADER_KEY]
-    args: list[str | bytes | int] = [epoch, maxlen, wire.COMMAND_FIELD]
+    args: list[str | bytes | int] = [
+        epoch,
+        maxlen,
+        math.ceil(keep_s * 1000),
+        math.ceil(max_age_s * 1000),
+        wire.COMMAND_FIELD,
+    ]
     for key, payload in commands:
         keys.append(key)
         args.append(payload)

@@ -31,8 +31,8 @@ from typing import Any
 from clusterpulse import wire
 from clusterpulse.wire import THROTTLE_REASONS
 from services.cluster import Cluster, NodeView
-from services.health import STATES
-from services.progress import Progress
+from services.health.decide import STATES
+from services.jobs.progress import Progress
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -432,7 +432,7 @@ JOB_GAUGES = (
 
 
 def render_jobs(progress: Progress) -> list[str]:
-    """The per-job training series, from the trainer reports (``services/progress.py``)."""
+    """The per-job training series, from the trainer reports (``services/jobs/progress.py``)."""
     out = ["# HELP pulse_job_step Optimizer step every rank of the job has reached.", "# TYPE pulse_job_step gauge"]
     jobs = sorted(progress.jobs.items())
     out += [f'pulse_job_step{{job="{escape(j)}"}} {p.step}' for j, p in jobs]
@@ -468,7 +468,7 @@ def render_jobs(progress: Progress) -> list[str]:
 
 def job_state_lines(states: dict[str, tuple[str, float]]) -> list[str]:
     """``pulse_job_state{job,state}``: 1 for the job's state, 0 for the others."""
-    from services.jobs import JOB_STATES
+    from services.jobs.decide import JOB_STATES
 
     out = ["# HELP pulse_job_state 1 for the job's current state, 0 for the others.", "# TYPE pulse_job_state gauge"]
     for job, (state, _) in sorted(states.items()):

@@ -120,7 +120,7 @@ class PlanRow(Base):
 
 
 class TokenRow(Base):
-    """An API token (services/tokens.py). The secret itself is never stored: only its SHA-256
+    """An API token (services/api/tokens.py). The secret itself is never stored: only its SHA-256
     digest. Rows are never deleted: a revoked token keeps its name, so every event's ``actor``
     names exactly one token for ever."""
 
@@ -152,7 +152,7 @@ class LeaseRow(Base):
 
 
 class SlurmDrainRow(Base):
-    """A Slurm drain ClusterPulse made and still owns (services/slurm_sync.py): the exact reason it
+    """A Slurm drain ClusterPulse made and still owns (services/slurm/nodes/decide.py): the exact reason it
     set, so that it resumes only a drain nobody changed since. Deleted when resumed or disowned."""
 
     __tablename__ = "slurm_drains"

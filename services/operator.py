@@ -15,12 +15,13 @@ from sqlalchemy.orm import Session
 
 from clusterpulse.settings import Settings
 from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState
-from services import checkpoints, db
+from services import db
 from services.clock import RedisClock
-from services.reconcile import JobReconciler, Send
+from services.jobs import checkpoints
+from services.jobs.loop import JobReconciler, Send
 from services.shared import Shared, Writer
-from services.slurm import SlurmSync
-from services.slurm_jobs import is_slurm
+from services.slurm.jobs.decide import is_slurm
+from services.slurm.nodes.loop import SlurmSync
 from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator")
@@ -61,7 +62,7 @@ class OperatorActions:
         idempotency key returns the first job when the body is the same, else raises
         :class:`IdempotencyKeyReused`. Raises :class:`PlacementRefused` with the failed
         constraint; nothing is written then."""
-        from services.placement import NodeCapacity, Placement, PlacementRequest, place
+        from services.jobs.placement import NodeCapacity, Placement, PlacementRequest, place
 
         assert self.shared.cluster is not None
         cluster = self.shared.cluster
@@ -128,8 +129,8 @@ class OperatorActions:
 
     def _rendezvous(self, job_id: str, first_node: str, active: Sequence[Any]) -> tuple[str, int]:
         """The new job's rendezvous address and port: a port no ``active`` job at that address
-        holds (services/jobs.py master_port); :class:`PlacementRefused` when they hold all."""
-        from services.jobs import master_addr, master_port
+        holds (services/jobs/decide.py master_port); :class:`PlacementRefused` when they hold all."""
+        from services.jobs.decide import master_addr, master_port
 
         assert self.shared.cluster is not None
         cfg = self.settings
@@ -149,7 +150,7 @@ class OperatorActions:
         """Ask a job to stop: STOPPING and a stop command to every assigned node. Idempotent;
         a job already finished stays as it is. Raises KeyError for an unknown job. A send Redis
         fails is not the caller's error: the job loop resends a STOPPING job's stop every
-        ``PULSE_JOB_RESEND_S`` (services/reconcile.py)."""
+        ``PULSE_JOB_RESEND_S`` (services/jobs/loop.py)."""
 
         def write(s: Session) -> tuple[bool, list[str], dict[str, Any], str, int]:
             job = db.get_job(s, job_id=job_id)
@@ -169,7 +170,7 @@ class OperatorActions:
 
         changed, nodes, spec, addr, port = await self.writer.run("job stop", write)
         if changed and is_slurm(spec):
-            return True  # the Slurm job loop scancels it (services/slurm_jobs.py: SIGTERM, the grace, SIGKILL)
+            return True  # the Slurm job loop scancels it (services/slurm/jobs/decide.py: SIGTERM, the grace, SIGKILL)
         if changed:
             self.jobs.last_send[(job_id, "stop")] = self.clock.now()
             try:
@@ -179,38 +180,62 @@ class OperatorActions:
         return changed
 
     async def request_checkpoint(self, job_id: str, *, actor: str, reason: str) -> tuple[str, list[str]]:
-        """An emergency checkpoint of every rank of a RUNNING job (services/checkpoints.py): a
-        ``checkpoint_requested`` event, then a checkpoint command to every assigned node (a Slurm
-        job: one on the job's command stream, which every rank's supervisor reads). Returns
-        (request id, nodes). Raises KeyError for an unknown job, CheckpointRefused when it is not
-        RUNNING (nothing written or sent then), CheckpointUndelivered when Redis fails the send
-        (the event stands: the request was made, and a second one is a new request)."""
+        """An emergency checkpoint of every rank of a RUNNING job (services/jobs/checkpoints.py): a
+        checkpoint command to every assigned node (a Slurm job: one on the job's command stream,
+        which every rank's supervisor reads), then one ``checkpoint_requested`` event that says
+        whether it was delivered. Returns (request id, nodes). Raises KeyError for an unknown job,
+        CheckpointRefused when it is not RUNNING (nothing written or sent then),
+        CheckpointUndelivered when Redis fails the send (the event says so; nothing was sent, and
+        a retry is a new request, delivered once).
+
+        Recording and sending are one outcome: the send comes first and the event records what
+        became of it, both under the writer's lock, so the event's id comes before any
+        ``checkpoint_written`` of the ranks (the outbox writes under that lock too). Only a
+        database failure between the two leaves a sent request unrecorded (logged, and the
+        caller gets the error)."""
         request = uuid.uuid4().hex[:16]
 
-        def write(s: Session) -> tuple[list[str], dict[str, Any], str, int]:
-            job = db.get_job(s, job_id=job_id)
-            if job is None:
-                raise KeyError(job_id)
-            if (why := checkpoints.refusal(job_id, job.state)) is not None:
-                raise checkpoints.CheckpointRefused(why)
-            nodes = list(job.assigned_nodes)
-            text = checkpoints.requested_reason(actor=actor, reason=reason, nodes=nodes)
-            db.record_event(
-                s, kind=checkpoints.REQUESTED, job=job_id, reason=f"{text} [request {request}]",
-                at=self.clock.now(), actor=actor,
-            )  # fmt: skip
-            return nodes, dict(job.spec), job.master_addr, job.master_port
+        def read() -> tuple[list[str], dict[str, Any], str, int]:
+            with self.writer.tx("job checkpoint") as s:
+                job = db.get_job(s, job_id=job_id)
+                if job is None:
+                    raise KeyError(job_id)
+                if (why := checkpoints.refusal(job_id, job.state)) is not None:
+                    raise checkpoints.CheckpointRefused(why)
+                return list(job.assigned_nodes), dict(job.spec), job.master_addr, job.master_port
 
-        nodes, spec, addr, port = await self.writer.run("job checkpoint", write)
-        # a Slurm job's ranks' supervisors read the job's own stream (agent/slurm_rank.py), not the nodes' agents
-        slurm = is_slurm(spec)
-        try:
-            await self.jobs.send(Send("checkpoint", job_id, nodes, spec, addr, port, request=request, job_stream=slurm))
-        except redis.RedisError as exc:
+        async with self.writer.lock:
+            nodes, spec, addr, port = await in_thread(read)
+            # a Slurm job's ranks' supervisors read the job's own stream (agent/slurm_rank.py), not the nodes' agents
+            send = Send("checkpoint", job_id, nodes, spec, addr, port, request=request, job_stream=is_slurm(spec))
+            failed: Exception | None = None
+            try:
+                await self.jobs.send(send)
+            except (redis.RedisError, OSError) as exc:
+                failed = exc
+            text = checkpoints.requested_reason(
+                actor=actor, reason=reason, nodes=nodes, undelivered=None if failed is None else f"Redis: {failed}"
+            )
+
+            def record() -> None:
+                with self.writer.tx("job checkpoint") as s:
+                    db.record_event(
+                        s, kind=checkpoints.REQUESTED, job=job_id, reason=f"{text} [request {request}]",
+                        at=self.clock.now(), actor=actor,
+                    )  # fmt: skip
+
+            try:
+                await in_thread(record)
+            except Exception as exc:
+                if failed is None:
+                    log.error("event=checkpoint_sent_unrecorded job=%s request=%s error=%r", job_id, request, str(exc))
+                raise
+        if failed is not None:
+            log.warning("event=checkpoint_undelivered job=%s request=%s error=%r", job_id, request, str(failed))
             raise checkpoints.CheckpointUndelivered(
-                f"checkpoint request {request} of job {job_id} is recorded but did not reach its ranks "
-                f"(Redis: {exc}); ask again once Redis answers"
-            ) from exc
+                f"checkpoint request {request} of job {job_id} was not delivered (Redis: {failed}): nothing was "
+                "sent to its ranks and its event says so; ask again once Redis answers"
+            ) from failed
         return request, nodes
 
     async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:

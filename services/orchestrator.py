@@ -1,40 +1,14 @@
 """The orchestrator: leadership, and the composer of the small loops that do the work.
 
-Each concern is a module with one small class, built here around the shared state
-(services/shared.py: the cluster snapshot, the plans, the trainers' progress and the job states,
-replaced whole at a take-over) and started as a supervised loop:
-
-- **ingest** (services/ingest.py) reads the heartbeat, trainer, job-status and registration
-  streams with a consumer group and folds them; entries are acknowledged only after what they
-  carried was persisted, so an orchestrator killed at any point re-reads them. An entry claiming a
-  node whose own latest key does not vouch for it is refused (services/sender.py).
-  With ``PULSE_INGEST_PROCESSES`` above 0, the heartbeat streams are read by that many
-  processes per replica instead (services/ingest_pool.py, services/ingest_worker.py), which hand
-  the leader screened, read observations (services/observations.py); the leader's ingest reads
-  those.
-- **evaluate** (services/evaluate.py) ticks on the one clock (services/clock.py: Redis ``TIME``),
-  applies transitions in memory at once and queues them in the **outbox** (services/outbox.py),
-  written to the database in order and retried while it is down: health never waits on the
-  database. While Redis does not answer, health is held and the partition is said. A transition
-  or a rank change replans (services/plan_loop.py: outbox first, then Redis; newer generations
-  found in Redis at a take-over are adopted).
-- **persist** (services/persist.py) flushes the outbox every ``persist_interval_s``, and the
-  compact summary (services/summary.py: last seen, identities; never a measurement) every
-  ``summary_interval_s``, then acknowledges the stream entries. A take-over and a follower's
-  refresh read the nodes' latest heartbeats back from Redis.
-- **jobs** (services/reconcile.py) moves every active job on (services/jobs.py decides) and sends
-  the agents their commands; operator actions (services/operator.py) write first, then act.
-- **slurm** (``PULSE_SLURM=on`` only): the node sync with Slurm, its own loop so that a Slurm
-  that does not answer never delays health (services/slurm.py, services/slurm_sync.py).
-
-Each loop catches transient errors, backs off and goes on; no loop ever stops on bad input.
-
-Only the **leader** among the replicas runs ingest, evaluate, persist, jobs and slurm
-(services/leader.py says how it is elected and how a stale leader's writes are refused): the
-``lease`` loop renews or acquires the lease and takes over (:meth:`Orchestrator._lead`) or steps
-down; a follower's ``follow`` loop refreshes its read snapshot from the database. Every database
-write goes through :class:`services.shared.Writer` (under the epoch), every Redis write through
-the leader's fencing scripts.
+Each concern is a folder whose ``loop.py`` holds one :class:`services.runner.Tick` beside its
+pure ``decide.py``, built here around the shared state (services/shared.py: the cluster
+snapshot, the plans, the trainers' progress and the job states, replaced whole at a take-over).
+One :class:`services.runner.Runner` runs them all (:attr:`Orchestrator.ticks`): it sleeps, gates
+the leader's ticks on leadership, backs off on errors and stops them together. Only the leader
+among the replicas runs ingest, evaluate, persist, jobs, retention and slurm (services/leader.py);
+a follower refreshes its read snapshot from the database. Every database write goes through
+:class:`services.shared.Writer` (under the epoch), every Redis write through the leader's
+fencing scripts. What each loop does and in which order: docs/design/orchestrator.md.
 """
 
 from __future__ import annotations
@@ -42,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,19 +29,20 @@ from clusterpulse.states import EventKind
 from services import db
 from services.clock import RedisClock
 from services.cluster import Cluster, ClusterEvent
-from services.evaluate import Evaluator
-from services.health import Policy
-from services.ingest import Ingest
-from services.ingest_pool import IngestPool
+from services.health.decide import Policy
+from services.health.loop import Evaluator
+from services.ingest.loop import Ingest
+from services.ingest.pool import IngestPool
+from services.jobs.loop import JobReconciler
+from services.jobs.progress import Progress
 from services.leader import LeaderLease, NotLeader
 from services.operator import OperatorActions
-from services.outbox import Outbox
-from services.persist import Persister
-from services.plan_loop import PlanPublisher
-from services.plans import PlanKeeper
-from services.progress import Progress
-from services.reconcile import JobReconciler
+from services.persist.loop import Persister
+from services.persist.outbox import Outbox
+from services.plans.keeper import PlanKeeper
+from services.plans.loop import PlanPublisher
 from services.retention import Retention
+from services.runner import Retry, Runner, Tick
 from services.shared import (
     CrashPoints,
     Shared,
@@ -76,11 +50,10 @@ from services.shared import (
     new_plans,
     new_progress,
     read_latest,
-    supervised,
     until_ok,
 )
-from services.slurm import SlurmClient, SlurmSync
-from services.slurm_backend import SlurmJobs
+from services.slurm.jobs.loop import SlurmJobs
+from services.slurm.nodes.loop import SlurmClient, SlurmSync
 
 log = logging.getLogger("pulse.orchestrator")
 
@@ -108,15 +81,9 @@ class Orchestrator:
         self.shared = Shared.empty(settings)
         self.writer = Writer(self.sessions, self.leader)
         crash = CrashPoints(settings.crash_at)
-        lead = lambda: self.leading  # noqa: E731  (read at each tick: leadership moves)
         self.outbox = Outbox(shared=self.shared, writer=self.writer)
         self.ingest = Ingest(
-            settings,
-            redis_client=redis_client,
-            consumer=self.consumer,
-            shared=self.shared,
-            outbox=self.outbox,
-            leading=lead,
+            settings, redis_client=redis_client, consumer=self.consumer, shared=self.shared, outbox=self.outbox
         )
         self.plan_publisher = PlanPublisher(
             redis_client=redis_client, leader=self.leader, shared=self.shared, outbox=self.outbox, crash_point=crash
@@ -129,7 +96,6 @@ class Orchestrator:
             ingest=self.ingest,
             plans=self.plan_publisher,
             crash_point=crash,
-            leading=lead,
         )
         self.persister = Persister(
             settings,
@@ -139,14 +105,20 @@ class Orchestrator:
             outbox=self.outbox,
             ingest=self.ingest,
             clock=self.clock,
-            leading=lead,
         )
         self.jobs = JobReconciler(
-            settings, shared=self.shared, writer=self.writer, leader=self.leader, clock=self.clock, leading=lead
+            settings, shared=self.shared, writer=self.writer, leader=self.leader, clock=self.clock
         )
-        # Slurm node sync (services/slurm.py), leader only, off unless PULSE_SLURM=on
-        self.slurm = SlurmSync(settings, SlurmClient.from_settings(settings)) if settings.slurm else None
-        # The Slurm job backend (services/slurm_backend.py): jobs with "backend": "slurm"
+        # Slurm node sync (services/slurm/nodes/loop.py), leader only, off unless PULSE_SLURM=on
+        self.slurm = (
+            SlurmSync(
+                settings, SlurmClient.from_settings(settings), cluster=lambda: self.shared.cluster,
+                write=self._slurm_write,
+            )
+            if settings.slurm
+            else None
+        )  # fmt: skip
+        # The Slurm job backend (services/slurm/jobs/loop.py): jobs with "backend": "slurm"
         self.slurm_jobs = (
             SlurmJobs(
                 settings, self.slurm.client, shared=self.shared, writer=self.writer, clock=self.clock,
@@ -161,9 +133,20 @@ class Orchestrator:
         )
         # PULSE_INGEST_PROCESSES > 0: processes that read the heartbeat streams for the leader
         self.ingest_pool = IngestPool(settings) if settings.ingest_processes else None
-        self.retention = Retention(self.sessions, days=settings.retention_days, batch=settings.retention_batch)
-        self._tasks: list[asyncio.Task[None]] = []
-        self._stop = asyncio.Event()
+        self.retention = Retention(
+            self.sessions, days=settings.retention_days, batch=settings.retention_batch,
+            interval_s=settings.retention_interval_s,
+        )  # fmt: skip
+        self.ticks = self._ticks()
+        self.runner: Runner | None = None  # while started
+
+    def _ticks(self) -> list[Tick]:
+        """Every loop this replica runs, each a tick of the one runner (services/runner.py)."""
+        ticks: list[Tick | None] = [
+            LeaseTick(self), FollowTick(self), self.ingest, self.evaluator, self.persister, self.jobs,
+            self.retention, self.ingest_pool, self.slurm, self.slurm_jobs,
+        ]  # fmt: skip
+        return [t for t in ticks if t is not None]
 
     # --- the shared state, as REST, /metrics and the tools read it -------------------------------
     @property
@@ -200,44 +183,22 @@ class Orchestrator:
         if self.leader.leading():
             await self._until_ok("leadership", self._lead_once)
         if not self.leading:
-            await self._until_ok("read snapshot", self._refresh_snapshot)
+            await self._until_ok("read snapshot", self.refresh_snapshot)
             log.info(
                 "event=orchestrator_started role=follower replica=%s reason=%r", self.leader.me, self.leader.reason
             )
-        stop = self._stop
-        loops: list[tuple[str, Callable[[], Any]]] = [
-            ("lease", self._lease_loop),
-            ("follow", self._follow_loop),
-            ("ingest", lambda: self.ingest.loop(stop)),
-            ("evaluate", lambda: self.evaluator.loop(stop)),
-            ("persist", lambda: self.persister.loop(stop)),
-            ("jobs", lambda: self.jobs.loop(stop)),
-            (
-                "retention",
-                lambda: self.retention.loop(
-                    stop,
-                    leading=lambda: self.leading,
-                    now=self.clock.now,
-                    interval_s=self.settings.retention_interval_s,
-                ),
-            ),
-        ]
         if self.ingest_pool is not None:
             self.ingest_pool.start()
-            loops.append(("ingest_pool", lambda: self.ingest_pool.loop(stop)))  # type: ignore[union-attr]
-        if self.slurm is not None:
-            loops.append(("slurm", self._slurm_loop))
-        if self.slurm_jobs is not None:
-            loops.append(("slurm_jobs", lambda: self.slurm_jobs.loop(stop, lambda: self.leading)))  # type: ignore[union-attr]
-        for name, loop in loops:
-            self._tasks.append(asyncio.create_task(supervised(self.settings, stop, name, loop), name=name))
+        self.runner = Runner(
+            self.ticks, now=self.clock.now, leading=lambda: self.leading, retry=Retry.from_settings(self.settings)
+        )
+        self.runner.start()
 
     async def pause(self) -> None:
         """End every loop and wait for them, without the clean shutdown's flush or releasing
         the lease: what a paused or killed process leaves behind (tests). A later :meth:`start`
         runs them again."""
         await self._end_loops()
-        self._stop = asyncio.Event()
 
     async def stop(self) -> None:
         await self._end_loops()
@@ -250,18 +211,9 @@ class Orchestrator:
             await self.leader.release()
 
     async def _end_loops(self) -> None:
-        """Set the stop event every loop checks at each turn, then cancel them and wait. The
-        cancel alone is not enough: redis-py (8.2) swallows a cancellation that lands while a
-        command is in flight now and then (a task cancelled in ``XREADGROUP BLOCK``: the call
-        returns normally, about 1 cancel in 17 here), and a loop that only got the cancel ran on
-        forever, so that ``pause()`` never returned (the stale-leader test's hang in CI: an idle
-        event loop, the ingest loop reading on). With the event set, such a loop ends at its next
-        turn."""
-        self._stop.set()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        if self.runner is not None:
+            await self.runner.stop()
+            self.runner = None
 
     async def _until_ok(self, what: str, fn: Callable[[], Any]) -> None:
         await until_ok(self.settings, what, fn)
@@ -341,36 +293,26 @@ class Orchestrator:
         self.shared.job_statuses = []
         self.ingest.drop_unacked()
 
-    async def _lease_loop(self) -> None:
-        """Renew or acquire every ``leader_renew_s``; take over or step down when that changed."""
-        while not self._stop.is_set():
-            started = time.monotonic()
+    async def lease_tick(self) -> None:
+        """Renew or acquire the lease; take over or step down when that changed."""
+        try:
+            await self.leader.tick()
+        except NotLeader:
+            pass
+        except Exception as exc:
+            log.warning("event=lease_tick_failed replica=%s error=%r", self.leader.me, str(exc))
+        if self.led_epoch is not None and not self.leading:
+            self._step_down(self.leader.reason or "the lease was not renewed in time (own clock)")
+        if self.leader.leading():
             try:
-                await self.leader.tick()
-            except NotLeader:
-                pass
+                if self.led_epoch is None:
+                    await self._lead()
+                else:
+                    await self.leader.raise_epoch(self.led_epoch)  # a Redis that restarted empty
             except Exception as exc:
-                log.warning("event=lease_tick_failed replica=%s error=%r", self.leader.me, str(exc))
-            if self.led_epoch is not None and not self.leading:
-                self._step_down(self.leader.reason or "the lease was not renewed in time (own clock)")
-            if self.leader.leading():
-                try:
-                    if self.led_epoch is None:
-                        await self._lead()
-                    else:
-                        await self.leader.raise_epoch(self.led_epoch)  # a Redis that restarted empty
-                except Exception as exc:
-                    log.warning("event=leadership_failed replica=%s error=%r", self.leader.me, str(exc))
-            await asyncio.sleep(max(0.0, started + self.leader.renew_s - time.monotonic()))
+                log.warning("event=leadership_failed replica=%s error=%r", self.leader.me, str(exc))
 
-    async def _follow_loop(self) -> None:
-        """A follower's read snapshot: nodes, plans and job states from the database."""
-        while not self._stop.is_set():
-            await asyncio.sleep(self.settings.persist_interval_s)
-            if not self.leading:
-                await self._refresh_snapshot()
-
-    async def _refresh_snapshot(self) -> None:
+    async def refresh_snapshot(self) -> None:
         await self.clock.sync()
         cluster = Cluster(policy=Policy.from_settings(self.settings), grace_start=self.clock.now())
         rows = await asyncio.to_thread(load_nodes, self.sessions)
@@ -392,7 +334,7 @@ class Orchestrator:
 
     async def _latest_heartbeats(self, names: list[str]) -> dict[str, wire.Heartbeat]:
         """The newest heartbeat of each node that Redis still holds (its latest key): measurements
-        live there and in memory, never in the database (services/summary.py). A Redis that does
+        live there and in memory, never in the database (services/persist/decide.py). A Redis that does
         not answer leaves the stored identities standing in until the next heartbeats."""
         out: dict[str, wire.Heartbeat] = {}
         try:
@@ -405,15 +347,6 @@ class Orchestrator:
         return out
 
     # --- Slurm ----------------------------------------------------------------------------------
-    async def _slurm_loop(self) -> None:
-        """Slurm node sync, its own loop: a Slurm that does not answer never delays health."""
-        assert self.slurm is not None
-        while not self._stop.is_set():
-            delay = self.settings.slurm_sync_period_s
-            if self.leading and self.shared.cluster is not None:
-                delay = await self.slurm.tick(self.shared.cluster, now=self.clock.now(), write=self._slurm_write)
-            await asyncio.sleep(delay)
-
     def _load_slurm(self, now: float) -> None:
         assert self.slurm is not None
         with self.sessions() as s:
@@ -422,7 +355,7 @@ class Orchestrator:
     async def _slurm_write(self, fn: Callable[[Session], Any]) -> Any:
         return await self.writer.run("slurm", fn)
 
-    # --- operator actions (services/operator.py) and the jobs loop (services/reconcile.py) -------
+    # --- operator actions (services/operator.py) and the jobs loop (services/jobs/loop.py) -------
     async def create_job(
         self, spec: dict[str, Any], *, idempotency_key: str | None, actor: str
     ) -> tuple[str, bool, Any]:
@@ -440,8 +373,39 @@ class Orchestrator:
     async def reset_slurm_breaker(self, *, actor: str) -> bool:
         return await self.operator.reset_slurm_breaker(actor=actor)
 
-    async def reconcile_jobs(self) -> None:
-        await self.jobs.reconcile()
+
+class LeaseTick(Tick):
+    """The lease, every ``leader_renew_s`` counted from the start of one renewal to the start of
+    the next (services/leader.py), on every replica."""
+
+    name = "lease"
+    leader_only = False
+    fixed_rate = True
+
+    def __init__(self, orch: Orchestrator) -> None:
+        self.orch = orch
+        self.interval_s = orch.leader.renew_s
+
+    async def tick(self, now: float) -> None:
+        await self.orch.lease_tick()
+
+
+class FollowTick(Tick):
+    """A follower's read snapshot (nodes, plans, job states from the database), every
+    ``persist_interval_s``; the first one interval after the start (which read it already). The
+    one tick for followers only: it skips itself while this replica leads."""
+
+    name = "follow"
+    leader_only = False
+    delay_first = True
+
+    def __init__(self, orch: Orchestrator) -> None:
+        self.orch = orch
+        self.interval_s = orch.settings.persist_interval_s
+
+    async def tick(self, now: float) -> None:
+        if not self.orch.leading:
+            await self.orch.refresh_snapshot()
 
 
 # --- the snapshot in the database, read at a take-over and by followers ---------------------------

@@ -8,7 +8,7 @@ What is kept whatever its age:
 - the plan in force of every job, and every job that has not ended with its events (the job's
   history counts while it runs: how often a node was relaunched to rejoin, for one);
 - the Slurm drain breaker's own events (``slurm_breaker_open`` / ``slurm_breaker_reset``): a new
-  leader reads the breaker's state from the newest of them (services/slurm.py), so forgetting an
+  leader reads the breaker's state from the newest of them (services/slurm/nodes/loop.py), so forgetting an
   old open would close a breaker that nobody reset;
 - the nodes themselves (their latest telemetry is one row each, bounded by the cluster's size).
 
@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, EventKind
 from services import db
+from services.runner import Tick
 from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator.retention")
@@ -55,24 +56,29 @@ PRUNERS: dict[str, Pruner] = {
 
 
 @dataclass
-class Retention:
-    """Deletes what :func:`cutoff` says is old, a batch per transaction."""
+class Retention(Tick):
+    """Deletes what :func:`cutoff` says is old, a batch per transaction. As the leader's loop:
+    every ``interval_s`` on the one clock (events carry its time), the first time one interval
+    after the start (a start is not slowed by a backlog to prune)."""
 
     sessions: sessionmaker[Session]
     days: float
     batch: int
+    interval_s: float = 3600.0  # PULSE_RETENTION_INTERVAL_S's default
     pause_s: float = 0.0  # between batches: the event loop (and the database) is others' meanwhile
+    name = "retention"
+    delay_first = True
 
-    async def run_once(self, now: float) -> dict[str, int]:
+    async def prune(self, now: float) -> dict[str, int]:
         """Prune everything older than the cutoff at ``now``; returns the rows deleted per table."""
         before = cutoff(now, days=self.days)
         if before is None:
             return {}
         deleted: dict[str, int] = {}
-        for table, prune in PRUNERS.items():
+        for table, pruner in PRUNERS.items():
             deleted[table] = 0
             while True:
-                n = await in_thread(self._batch, prune, before)
+                n = await in_thread(self._batch, pruner, before)
                 deleted[table] += n
                 if n < self.batch:
                     break
@@ -81,15 +87,8 @@ class Retention:
             log.info("event=retention_pruned before=%.0f deleted=%s", before, deleted)
         return deleted
 
-    async def loop(
-        self, stop: asyncio.Event, *, leading: Callable[[], bool], now: Callable[[], float], interval_s: float
-    ) -> None:
-        """The leader's: prune every ``interval_s`` on the one clock (events carry its time), the
-        first time one interval after the start (a start is not slowed by a backlog to prune)."""
-        while not stop.is_set():
-            await asyncio.sleep(interval_s)
-            if leading():
-                await self.run_once(now())
+    async def tick(self, now: float) -> None:
+        await self.prune(now)
 
     def _batch(self, prune: Pruner, before: float) -> int:
         with self.sessions.begin() as s:

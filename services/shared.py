@@ -8,8 +8,8 @@ them).
   if the lease is still at the epoch the write began under), one writer at a time
   (:attr:`Writer.lock`: the outbox keeps its order), and whether the last write went through
   (``ok``, /readyz).
-- :func:`until_ok` and :func:`supervised`: a call retried while its error is transient, a loop
-  restarted with backoff whatever it raised.
+- :func:`until_ok`: a call retried while its error is transient (the loops themselves run under
+  services/runner.py).
 - :class:`CrashPoints`: ``PULSE_CRASH_AT`` (tests/faults), dying as a SIGKILL does.
 """
 
@@ -33,10 +33,10 @@ from clusterpulse.retry import Backoff, is_transient
 from clusterpulse.settings import Settings
 from services import db
 from services.cluster import Cluster
-from services.leader import LeaderLease, NotLeader
-from services.planner import PlannerPolicy
-from services.plans import PlanKeeper
-from services.progress import Progress
+from services.jobs.progress import Progress
+from services.leader import LeaderLease
+from services.plans.decide import PlannerPolicy
+from services.plans.keeper import PlanKeeper
 from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator")
@@ -71,9 +71,13 @@ class Shared:
     def empty(cls, settings: Settings) -> Shared:
         return cls(cluster=None, plans=new_plans(settings), progress=new_progress(settings))
 
+    def exit_codes(self, job: str) -> dict[int, int]:
+        """rank -> the exit code each rank of the job reported as it left (services/jobs/decide.py)."""
+        return self.progress.exit_codes(job)
+
     def joined(self, job: str) -> set[int]:
         """The job's ranks that registered or reported a step: what RUNNING waits for
-        (services/jobs.py, services/slurm_jobs.py)."""
+        (services/jobs/decide.py, services/slurm/jobs/decide.py)."""
         prog = self.progress.jobs.get(job)
         return {*self.plans.ranks.get(job, ()), *(prog.ranks if prog else ())}
 
@@ -90,10 +94,12 @@ class Writer:
     @contextlib.contextmanager
     def tx(self, what: str) -> Iterator[Session]:
         """A write transaction under this replica's epoch: every event and plan row it adds
-        carries the epoch, and it commits only if the lease still is at that epoch."""
+        carries the epoch, and it commits only if the lease still is at that epoch. It holds the
+        event-order lock from its start (``services.db.lock_event_order``)."""
         epoch = self.leader.fence()
         with self.sessions.begin() as s:
             s.info[db.EPOCH] = epoch
+            db.lock_event_order(s)  # first, before any row lock: event ids in commit order
             yield s
             s.flush()
             self.leader.check(s, epoch=epoch, what=what)
@@ -153,31 +159,3 @@ async def until_ok(settings: Settings, what: str, fn: Callable[[], Any]) -> None
             delay = backoff.next_delay()
             log.warning("event=waiting what=%r error=%r retry_in_s=%.2f", what, str(exc), delay)
             await asyncio.sleep(delay)
-
-
-async def supervised(settings: Settings, stop: asyncio.Event, name: str, loop: Callable[[], Any]) -> None:
-    """Run a loop forever; a transient error backs off, anything else is logged and retried
-    with backoff too, so one bad day of Redis never ends the orchestrator."""
-    backoff = Backoff(settings.retry_backoff_s, settings.retry_backoff_max_s)
-    while not stop.is_set():
-        try:
-            await loop()
-        except asyncio.CancelledError:
-            raise
-        except NotLeader as exc:  # it stopped leading mid-write: the loop idles as a follower
-            log.info("event=loop_not_leader loop=%s detail=%r", name, str(exc))
-            await asyncio.sleep(settings.evaluate_interval_s)
-        except Exception as exc:
-            delay = backoff.next_delay()
-            level = logging.WARNING if is_transient(exc) else logging.ERROR
-            log.log(
-                level,
-                "event=loop_error loop=%s error=%r retry_in_s=%.2f",
-                name,
-                exc,
-                delay,
-                exc_info=not is_transient(exc),
-            )
-            await asyncio.sleep(delay)
-        else:
-            return

@@ -91,18 +91,25 @@ def session(request: pytest.FixtureRequest) -> Iterator[Session]:
 HEAVY = {
     "tests/e2e/test_any_script.py": 163,
     "tests/e2e/test_demo.py": 59,
-    "tests/e2e/test_goodput.py": 90,
+    "tests/e2e/test_frameworks.py": 270,
+    "tests/e2e/test_job_ends.py": 32,
+    "tests/e2e/test_goodput.py": 85,
     "tests/e2e/test_reroute.py": 24,
     "tests/e2e/test_trainer_example.py": 14,
     "tests/integration/test_any_script_exact.py": 80,
-    "tests/integration/test_any_script_rejoin.py": 25,
+    "tests/integration/test_any_script_rejoin.py": 70,
     "tests/integration/test_check_reroute.py": 19,
     "tests/integration/test_collective_gloo.py": 19,
     "tests/integration/test_deepspeed_reroute.py": 50,
+    "tests/integration/test_lightning_path.py": 15,
     "tests/integration/test_plan_follower.py": 13,
-    "tests/integration/test_rejoin.py": 32,
+    "tests/integration/test_rejoin.py": 40,
     "tests/integration/test_slurm_jobs.py": 148,
+    "tests/integration/test_trainer_exact.py": 70,
+    "tests/integration/test_world_collectives.py": 30,
+    "tests/integration/test_world_groups.py": 8,
     "tests/integration/test_zero_repartition.py": 41,
+    "tests/integration/test_zero_dead_rank.py": 20,
 }
 HEAVY_AT_ONCE = 2
 # After the heavy groups, the modules whose tests wait on processes and deadlines first; the many

@@ -157,7 +157,7 @@ class SlurmCluster:
     def start_controller(self) -> None:
         """Start slurmctld (again: it recovers its state, drains and their reasons included)."""
         self._ctld = self._spawn(["slurmctld", "-D", "-R", "-f", str(self.conf)], "slurmctld")
-        wait_for(lambda: self._run(["scontrol", "ping"], check=False).returncode == 0, timeout=30, what="slurmctld up")
+        wait_for(lambda: self.run(["scontrol", "ping"], check=False).returncode == 0, timeout=30, what="slurmctld up")
 
     def stop_controller(self) -> None:
         """SIGKILL slurmctld: client commands fail (connection refused) until it is back."""
@@ -167,7 +167,7 @@ class SlurmCluster:
             self._ctld = None
 
     # --- client commands ------------------------------------------------------------------------
-    def _run(self, args: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(self, args: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
         out = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=30, check=False)
         if check and out.returncode != 0:
             raise AssertionError(
@@ -176,10 +176,10 @@ class SlurmCluster:
         return out
 
     def scontrol(self, *args: str) -> str:
-        return self._run(["scontrol", *args]).stdout
+        return self.run(["scontrol", *args]).stdout
 
     def sinfo(self, *args: str) -> str:
-        return self._run(["sinfo", *args]).stdout
+        return self.run(["sinfo", *args]).stdout
 
     def states(self) -> dict[str, tuple[str, str]]:
         """node -> (state as ``sinfo %T`` says it, e.g. ``idle``/``drained``, reason)."""
@@ -227,7 +227,7 @@ class SlurmCluster:
                     )
                     since[node] = now
             elif not state.startswith(("idle", "alloc", "mix", "comp")):  # drained, draining, down ...
-                self._run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+                self.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
 
     def reset(self) -> None:
         """Every node back to idle: resume whatever a previous test drained or downed, and

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import httpx
+import psutil
 import redis
 
 from agent.daemon import NodeAgent
@@ -151,8 +152,18 @@ class _StreamReader:
 _streams = _StreamReader()
 
 
-def reports(url: str) -> list[wire.TrainerReport]:
+def _trainer_stream(url: str) -> list[wire.TrainerReport]:
     return _streams.entries(url, wire.TRAINER_STREAM, lambda f: wire.decode_trainer_report(f[wire.TRAINER_FIELD]))
+
+
+def reports(url: str) -> list[wire.TrainerReport]:
+    """The ranks' step reports (their exit reports apart: :func:`exits`)."""
+    return [r for r in _trainer_stream(url) if r.exit_code is None]
+
+
+def exits(url: str, job: str) -> dict[int, int]:
+    """rank -> the exit code each rank of ``job`` reported as it left."""
+    return {r.rank: r.exit_code for r in _trainer_stream(url) if r.job == job and r.exit_code is not None}
 
 
 def first_step_with(url: str, job: str, generation: int) -> dict[int, int]:
@@ -217,3 +228,16 @@ def live_orchestrator(tmp: Path, database_url: str, *, gpus: int, **env: str) ->
         stack.close()
         r.flushdb()
         r.close()
+
+
+def rank_pid(job: str, rank: int) -> int:
+    """The training process of ``rank`` of ``job`` (not the shell an agent wraps it in)."""
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if "trainer.run" not in cmd or cmd[0] == "/bin/sh":
+            continue
+        with contextlib.suppress(psutil.Error):
+            env = p.environ()
+            if env.get("PULSE_JOB_ID") == job and env.get("RANK") == str(rank):
+                return int(p.info["pid"])
+    raise AssertionError(f"no process of rank {rank} of job {job}")

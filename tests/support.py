@@ -18,8 +18,9 @@ _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or
 REDIS_DB = int(os.environ.get("PULSE_TEST_REDIS_DB", "9")) + _WORKER
 REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
 # ... and 500 rendezvous ports of its own (PULSE_JOB_PORT_BASE, set for the whole process by
-# conftest.py): two workers' jobs must not meet on one port of this host (services/jobs.py).
-JOB_PORT_BASE = harness.JOB_PORTS_FROM + 600 * (_WORKER % 5)
+# conftest.py): two workers' jobs must not meet on one port of this host (services/jobs/decide.py).
+# PULSE_TEST_JOB_PORT_BASE moves the whole run's ranges, for two runs side by side on one machine.
+JOB_PORT_BASE = int(os.environ.get("PULSE_TEST_JOB_PORT_BASE", harness.JOB_PORTS_FROM)) + 600 * (_WORKER % 5)
 PG_URL = os.environ.get("PULSE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REPO = Path(__file__).resolve().parent.parent
 PULSE = [sys.executable, "-m", "tools.cli"]

@@ -1,31 +1,15 @@
 """``pulse bench ingest`` and ``pulse bench agent``: speed and memory, each beside its baseline.
 (``pulse bench soak``, the long run with faults, is in tools/soak.py.)
 
-Ingest (one JSON object):
-
-- ``redis_baseline_samples_per_s``: the agents' write pattern (SET + XADD per heartbeat, pipelined)
-  against Redis alone: what the wire costs before the orchestrator does anything.
-- ``samples_per_s``: GPU samples the orchestrator ingests per second (XREADGROUP, decode and
-  validate, fold into health, with the evaluate and persist loops running) in steady state: every
-  node has registered (``first_contact_s`` is how long one round of first heartbeats took,
-  registration writes included), then a backlog of ``rounds - 1`` heartbeats per node is consumed
-  on the one event-loop thread.
-- ``detection_latency_p99_s``: with a live ``pulse simulate`` of all nodes in a child process,
-  ``--silences`` nodes go silent; for each, the time from ``last heartbeat + degraded_after`` to
-  its DEGRADED transition, on the orchestrator's clock.
-- ``scrape_seconds``: one /metrics render of the whole cluster (median of 5), and
-  ``gauge_baseline_scrape_seconds``: the same series as prometheus_client Gauge children rendered
-  by ``generate_latest``; ``scrape_speedup`` is their ratio.
-- ``orchestrator_rss_bytes``: resident memory of the process holding the orchestrator (and the
-  benchmark driver with every encoded heartbeat of the run) at the end;
-  ``orchestrator_rss_growth_bytes``: what it grew by from just before the orchestrator started
-  (the orchestrator's own share, renders included).
-
-``--ingest-processes N`` measures both with ``PULSE_INGEST_PROCESSES=N`` (services/ingest_worker.py);
-``--processes 0,1,2,4`` is the scale-out form instead (tools/bench_scale.py).
-
-Uses Redis database 15 of ``PULSE_REDIS_URL``'s server (flushed) unless ``PULSE_BENCH_REDIS_URL``
-is set, and a SQLite file in a temporary folder.
+Ingest prints one JSON object: ``samples_per_s`` (GPU samples the orchestrator ingests per second
+in steady state, from a backlog) beside ``redis_baseline_samples_per_s`` (the agents' write
+pattern against Redis alone), ``detection_latency_p99_s`` (a silenced node's DEGRADED transition
+after ``last heartbeat + degraded_after``), ``scrape_seconds`` beside
+``gauge_baseline_scrape_seconds`` (prometheus_client Gauge children), and the orchestrator's
+resident memory. ``--ingest-processes N`` measures with ``PULSE_INGEST_PROCESSES=N``;
+``--processes 0,1,2,4`` is the scale-out form (tools/bench_scale.py). Redis database 15 of
+``PULSE_REDIS_URL``'s server is flushed unless ``PULSE_BENCH_REDIS_URL`` is set. Each figure's
+exact definition: docs/design/bench-ingest.md.
 """
 
 from __future__ import annotations
@@ -47,74 +31,10 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from agent.daemon import NodeAgent, sim_node_name
-from agent.simulated import SimulatedNode
+from agent.daemon import sim_node_name
 from clusterpulse import wire
-from clusterpulse.settings import Settings, load_settings
-
-
-def _bench_redis_url() -> str:
-    if "PULSE_BENCH_REDIS_URL" in os.environ:
-        return os.environ["PULSE_BENCH_REDIS_URL"]
-    base = os.environ.get("PULSE_REDIS_URL", "redis://127.0.0.1:6379/0")
-    return base.rsplit("/", 1)[0] + "/15" if base.count("/") >= 3 else base + "/15"
-
-
-def _payloads(nodes: int, gpus: int, rounds: int) -> list[list[tuple[str, bytes]]]:
-    """``rounds`` lists of (node, encoded heartbeat) with realistic, distinct contents."""
-    agents = []
-    for i in range(nodes):
-        sim = SimulatedNode(sim_node_name("b", i, nodes), gpus=gpus, seed=i)
-        agents.append(NodeAgent(node=sim.node, gpu=sim, gpu_source="simulated", interval_s=1.0, sim=sim))
-    out = []
-    for _ in range(rounds):
-        out.append([(a.node, wire.encode(a.heartbeat(a.sim.sample()))) for a in agents if a.sim is not None])
-    return out
-
-
-def _write_rounds(client: redis.Redis, rounds: list[list[tuple[str, bytes]]], *, maxlen: int, shards: int = 1) -> float:
-    """The agents' write pattern (each node's latest key, then its entry in its stream shard),
-    pipelined 1,000 heartbeats at a time. Returns seconds."""
-    t0 = time.perf_counter()
-    for batch in rounds:
-        for i in range(0, len(batch), 1000):
-            pipe = client.pipeline(transaction=False)
-            for node, payload in batch[i : i + 1000]:
-                pipe.set(wire.node_latest_key(node), payload, px=60_000)
-                pipe.xadd(
-                    wire.node_heartbeat_stream_key(node, shards),
-                    {wire.HEARTBEAT_FIELD: payload},
-                    maxlen=maxlen,
-                    approximate=True,
-                )
-            pipe.execute()
-    return time.perf_counter() - t0
-
-
-def signal_all(pids: list[int], sig: signal.Signals) -> None:
-    """Stop (SIGSTOP) or continue (SIGCONT) ingest processes around a backlog's writing."""
-    for pid in pids:
-        os.kill(pid, sig)
-
-
-def backlog_settings(url: str, database_url: str, *, maxlen: int, **extra: Any) -> Settings:
-    """The orchestrator's settings for draining a backlog written while it could not read."""
-    return load_settings(
-        redis_url=url,
-        database_url=database_url,
-        heartbeat_interval_s=1.0,
-        # Steady state: the backlog is written while the loop is blocked (seconds), so with the
-        # default suspect_after every node would turn SUSPECT the moment it resumes, and the
-        # benchmark would time that transition storm, not ingest.
-        suspect_after_s=1800,
-        degraded_after_s=3600,
-        lost_after_s=3600,
-        evaluate_interval_s=0.25,
-        persist_interval_s=5.0,
-        ingest_batch=2000,
-        heartbeat_stream_maxlen=maxlen,
-        **extra,
-    )
+from clusterpulse.settings import load_settings
+from tools.bench_backlog import backlog_settings, bench_redis_url, payloads, signal_all, write_rounds
 
 
 def _gauge_baseline(cluster: Any) -> float:
@@ -250,12 +170,12 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     rounds_n = max(2, min(20, int(400_000 / (nodes * gpus)) + 1))
     sync = redis.Redis.from_url(url)
     sync.flushdb()
-    rounds = _payloads(nodes, gpus, rounds_n)
+    rounds = payloads(nodes, gpus, rounds_n)
     total_hb = nodes * rounds_n
     maxlen = max(1000, total_hb + 10)  # every entry kept (and the setting's least)
-    raw_s = _write_rounds(sync, rounds, maxlen=maxlen)
+    raw_s = write_rounds(sync, rounds, maxlen=maxlen)
     sync.flushdb()
-    _write_rounds(sync, rounds[:1], maxlen=maxlen)  # first contact: every node registers
+    write_rounds(sync, rounds[:1], maxlen=maxlen)  # first contact: every node registers
 
     settings = backlog_settings(
         url, f"sqlite:///{workdir / 'bench.db'}", maxlen=maxlen, ingest_processes=args.ingest_processes
@@ -277,7 +197,7 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     # then consumed.
     workers = orch.ingest_pool.pids if orch.ingest_pool else []
     signal_all(workers, signal.SIGSTOP)
-    _write_rounds(sync, rounds[1:], maxlen=maxlen)
+    write_rounds(sync, rounds[1:], maxlen=maxlen)
     t0 = time.perf_counter()
     signal_all(workers, signal.SIGCONT)
     while orch.cluster.received < total_hb:
@@ -316,7 +236,7 @@ def _agent(args: argparse.Namespace) -> dict[str, Any]:
     """CPU share and RSS of `pulse agent --source simulated` against an idle Python process."""
     import psutil
 
-    url = _bench_redis_url()
+    url = bench_redis_url()
     env = {**os.environ, "PULSE_REDIS_URL": url}
     cmd = [sys.executable, "-m", "tools.cli", "agent", "--node", "bench-agent", "--source", "simulated",
            "--gpus", str(args.gpus), "--interval", str(args.interval)]  # fmt: skip
@@ -360,10 +280,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from tools.bench_scale import scale_out
 
         with tempfile.TemporaryDirectory(prefix="pulse-bench-") as tmp:
-            result = asyncio.run(scale_out(args, _bench_redis_url(), Path(tmp)))
+            result = asyncio.run(scale_out(args, bench_redis_url(), Path(tmp)))
     else:
         with tempfile.TemporaryDirectory(prefix="pulse-bench-") as tmp:
-            result = asyncio.run(_ingest(args, _bench_redis_url(), Path(tmp)))
-            result.update(asyncio.run(_detection(args, _bench_redis_url(), Path(tmp))))
+            result = asyncio.run(_ingest(args, bench_redis_url(), Path(tmp)))
+            result.update(asyncio.run(_detection(args, bench_redis_url(), Path(tmp))))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0

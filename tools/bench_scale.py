@@ -32,7 +32,7 @@ import redis
 import redis.asyncio as aioredis
 
 from clusterpulse import wire
-from tools.bench import _payloads, _write_rounds, backlog_settings, signal_all
+from tools.bench_backlog import backlog_settings, payloads, signal_all, write_rounds
 
 TARGET_NODES = 16_384  # the cores on paper are for this many nodes at one heartbeat a second
 
@@ -100,13 +100,13 @@ async def _drain(
     await orch.start()
     cluster = orch.cluster
     assert cluster is not None
-    _write_rounds(sync, rounds[:1], maxlen=maxlen, shards=shards)  # first contact, not timed
+    write_rounds(sync, rounds[:1], maxlen=maxlen, shards=shards)  # first contact, not timed
     while cluster.received < nodes or orch.outbox.pending:
         await asyncio.sleep(0.01)
     pids = orch.ingest_pool.pids if orch.ingest_pool else []
     workers = [psutil.Process(pid) for pid in pids]
     signal_all(pids, signal.SIGSTOP)
-    _write_rounds(sync, rounds[1:], maxlen=maxlen, shards=shards)  # the backlog (the loop is blocked)
+    write_rounds(sync, rounds[1:], maxlen=maxlen, shards=shards)  # the backlog (the loop is blocked)
     leader, redis_procs = [psutil.Process()], _redis_process(sync)
     cpu0 = (_cpu(leader), _cpu(workers), _cpu(redis_procs))
     t0 = time.perf_counter()
@@ -142,11 +142,11 @@ async def scale_out(args: argparse.Namespace, url: str, workdir: Path) -> dict[s
     counts = [int(x) for x in str(args.processes).split(",") if x.strip()]
     nodes, gpus, shards = args.nodes, args.gpus_per_node, args.shards
     backlog = args.backlog or 65_536
-    rounds = _payloads(nodes, gpus, 1 + max(2, backlog // nodes))
+    rounds = payloads(nodes, gpus, 1 + max(2, backlog // nodes))
     sync = redis.Redis.from_url(url)
     sync.flushdb()
     total = nodes * len(rounds)
-    _write_rounds(sync, rounds, maxlen=total + 10, shards=shards)
+    write_rounds(sync, rounds, maxlen=total + 10, shards=shards)
     ceiling = _read_ceiling(sync, wire.heartbeat_stream_keys(shards), total, 2000)
     sync.flushdb()
     sync.close()

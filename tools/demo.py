@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from tools.cli import format_events, format_nodes
 from tools.demo_train import JOB_NODES, DemoJob, why_not
+from tools.format import format_events, format_nodes
 from tools.harness import HarnessError, PrivateRedis, free_port, http, redis_answers
 
 SCREEN_EVERY_S = 3.0  # when stdout is not a terminal (a log, a test)

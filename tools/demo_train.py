@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from tools.cli import format_jobs
+from tools.format import format_jobs
 from tools.harness import http, kill_launched
 
 JOB_NODES = 4

@@ -38,18 +38,18 @@ def http() -> httpx.Client:
     return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
-_PORTS_FROM = 20000  # below this, the well-known and registered ports of services a machine may run
+PORTS_FROM = 20000  # below this, the well-known and registered ports of services a machine may run
 # From here up to the ephemeral range: the jobs' rendezvous ports (PULSE_JOB_PORT_BASE, 29500 by
 # default, and the ranges tests give their workers). A job's store binds its port when the job
 # starts; a server of ours on it would make the store fail, and the ranks would join whatever
-# holds the port (a clean-clone CI run lost a job that way, to a concurrent test's TCPStore).
+# holds the port.
 JOB_PORTS_FROM = 29500
 KEPT_SETTINGS = ("PULSE_JOB_PORT_BASE", "PULSE_JOB_PORT_SPAN")
 _handed: set[int] = set()
 _rng = random.Random()  # its own: a test that seeds the module's generator must not make two processes agree
 
 
-def _ephemeral_low() -> int | None:
+def ephemeral_low() -> int | None:
     """The first port of the kernel's ephemeral range (Linux), or None where it cannot be read."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -64,15 +64,15 @@ def free_port() -> int:
     before our server binds it (uvicorn then exits 3, "address already in use": a soak failed so
     under a parallel suite); and below :data:`JOB_PORTS_FROM`. Where the range cannot be read,
     ``bind(0)``."""
-    low = _ephemeral_low()
+    low = ephemeral_low()
     low = None if low is None else min(low, JOB_PORTS_FROM)
-    if low is None or low <= _PORTS_FROM + 1000:
+    if low is None or low <= PORTS_FROM + 1000:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port: int = s.getsockname()[1]
             return port
     for _ in range(1000):
-        port = _rng.randrange(_PORTS_FROM, low)
+        port = _rng.randrange(PORTS_FROM, low)
         if port in _handed:
             continue
         with socket.socket() as s:
@@ -82,7 +82,7 @@ def free_port() -> int:
                 continue
         _handed.add(port)
         return port
-    raise HarnessError(f"no free port in {_PORTS_FROM}-{low - 1} after 1000 tries")
+    raise HarnessError(f"no free port in {PORTS_FROM}-{low - 1} after 1000 tries")
 
 
 def child_env(**settings: str) -> dict[str, str]:
@@ -197,9 +197,9 @@ def kill_launched(state_dir: Path) -> int:
     """SIGKILL what the agents under ``state_dir`` launched and may have left behind: each job's
     ranks (the process groups ``<node>/jobs.json`` records) and each job's rendezvous store
     (``<node>/stores.json``: a process in a session of its own that outlives its agent by design,
-    ``agent/jobstore.py``, and ends only with its job). For tests, benchmarks and the demo, after
-    their agents are gone; a store pid is killed only while it is still that job's store. Returns how
-    many were signalled."""
+    ``agent/jobstore.py``, and ends with its job or a grace after its agent). For tests,
+    benchmarks and the demo, after their agents are gone; a store pid is killed only while it is
+    still that job's store. Returns how many were signalled."""
     killed = 0
     for record in state_dir.glob("*/jobs.json"):
         with contextlib.suppress(OSError, ValueError):

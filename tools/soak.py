@@ -1,42 +1,11 @@
 """``pulse bench soak``: a long run with random faults, and what the orchestrator made of them.
 
-The orchestrator runs as a real process (``pulse orchestrator``, SQLite in a temporary folder);
-N simulated nodes run in this process (the agents' own loop and publisher), against a private
-``redis-server`` on a free port (or ``PULSE_BENCH_REDIS_URL``, flushed). Phases:
-
-1. **Warm-up**: every node registers and turns HEALTHY, then ``--warmup`` more seconds so that
-   caches, the SQLite page cache and the persist loop reach their steady size. The
-   orchestrator's resident memory here is ``orchestrator_rss_warm_bytes``.
-2. **Soak** (``--duration``): every ``--fault-every`` seconds one fault of a random kind of the
-   simulator's (agent/simulated.py) starts on a random idle node and lasts long enough to be
-   detected; each is recorded with its expected outcome (:func:`schedule`, deterministic for a
-   ``--seed``). Faults are planned so that each one, recovery included, ends inside the run.
-   Resident memory is sampled every 10 s; ``orchestrator_rss_end_bytes`` is the last sample.
-3. **Verdict** from the events table (:func:`judge`, pure): a fault whose node has no DEGRADED
-   transition in its detection window, or (faults that clear) no HEALTHY one in its recovery
-   window, is a **lost event**; a DEGRADED or LOST transition outside every fault window of its
-   node is a **false DEGRADED**; a node not HEALTHY at the end without a permanent fault is
-   ``unhealthy_at_end``. The one orchestrator must lead throughout: ``leader_elections`` (a
-   ``leader`` event during the soak: it lost and re-took its lease) must be 0 and
-   ``leader_at_end`` (``pulse_leader``) 1.
-
-Expected outcome by kind, with the orchestrator's policy set here (all scale with ``--interval``):
-
-==============  ==========================================================  ==============
-kind            DEGRADED expected by (after the fault starts)               clears
-==============  ==========================================================  ==============
-psu_imbalance,  the next heartbeat (hard fault)                             yes
-pcie_x8, xid,
-gpu_lost
-ecc             the next heartbeat; the volatile counter stays up until     no (permanent)
-                a driver reload, so the node stays DEGRADED
-thermal,        ``throttle_sustain_s`` of throttling (SUSPECT before)       yes
-power_brake
-silent          ``degraded_after_s`` of silence (SUSPECT before)            yes
-==============  ==========================================================  ==============
-
-each plus one heartbeat interval and ``slack_s`` (ingest and evaluation lag on a loaded machine).
-A fault that clears must see HEALTHY within ``(recover_after + 1)`` intervals plus ``slack_s``.
+The orchestrator runs as a real process, N simulated nodes in this one, against a private
+``redis-server``. After a warm-up, every ``--fault-every`` seconds one fault of a random kind
+starts on a random idle node (:func:`schedule`, deterministic for a ``--seed``); the verdict
+(:func:`judge`, pure) comes from the events table: lost events, false DEGRADED transitions,
+nodes unhealthy at the end, leader elections, and the orchestrator's resident memory. The
+phases and the expected outcome of each fault kind: docs/design/soak.md.
 """
 
 from __future__ import annotations
@@ -52,10 +21,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import redis
@@ -64,7 +35,7 @@ from sqlalchemy.exc import OperationalError
 
 from agent.simulated import FAULT_KINDS, PERMANENT_FAULTS, THROTTLE_OF
 from clusterpulse.states import EventKind, NodeState
-from services.health import SUSTAINED_THROTTLE
+from services.health.decide import SUSTAINED_THROTTLE
 from tools.harness import HarnessError, PrivateRedis, child_env, free_port
 
 if TYPE_CHECKING:
@@ -78,6 +49,7 @@ if TYPE_CHECKING:
 THROTTLE = frozenset(k for k, reason in THROTTLE_OF.items() if reason in SUSTAINED_THROTTLE)
 HARD = frozenset(FAULT_KINDS) - THROTTLE - {"silent"}
 PERMANENT = PERMANENT_FAULTS
+T = TypeVar("T")
 BAD_STATES = frozenset({NodeState.DEGRADED, NodeState.LOST})
 UNWELL = (NodeState.SUSPECT, NodeState.DEGRADED, NodeState.LOST)
 JUDGED_EVENTS = (EventKind.HEALTH, EventKind.PARTITION, EventKind.LEADER)
@@ -423,7 +395,7 @@ def _judged_events(db_url: str, since_wall: float) -> tuple[list[SeenTransition]
 
 
 async def _soak(args: argparse.Namespace, workdir: Path, url: str) -> dict[str, Any]:
-    """The three phases (module docstring): the orchestrator as a process, ``--nodes`` simulated
+    """The three phases (docs/design/soak.md): the orchestrator as a process, ``--nodes`` simulated
     nodes in this process publishing to the Redis at ``url``; everything stopped before the verdict."""
     import redis.asyncio as aioredis
 
@@ -536,25 +508,47 @@ def _report(
     return result
 
 
-def run_soak(args: argparse.Namespace) -> dict[str, Any]:
+async def until_stopped(work: Coroutine[Any, Any, T], stopping: threading.Event, *, check_s: float = 0.2) -> T | None:
+    """``work``'s result, or None once ``stopping`` is set (checked every ``check_s``): the work is
+    then cancelled and awaited, so that its ``finally`` blocks stop what it started."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        if stopping.is_set():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+        await asyncio.wait({task}, timeout=check_s)
+    return task.result()
+
+
+def run_soak(args: argparse.Namespace, *, stopping: threading.Event | None = None) -> dict[str, Any] | None:
+    """The run's result, or None when ``stopping`` was set (SIGTERM sets it) before its verdict;
+    either way the orchestrator, the simulated nodes and redis-server are stopped first."""
     if args.nodes < 1 or args.duration <= 0 or args.fault_every <= 0 or args.interval <= 0:
         raise ValueError("pulse bench soak: --nodes, --duration, --fault-every and --interval must be positive")
-
-    def terminated(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)  # unwinds: the orchestrator and redis-server are stopped
-
-    signal.signal(signal.SIGTERM, terminated)
-    with tempfile.TemporaryDirectory(prefix="pulse-soak-") as tmp:
-        workdir = Path(tmp)
-        url, server = _private_redis(workdir)
-        try:
-            return asyncio.run(_soak(args, workdir, url))
-        finally:
-            if server is not None:
-                server.stop()
+    stop = stopping if stopping is not None else threading.Event()
+    # the handler only raises a flag (as the demo's): the run notices it and unwinds by itself
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    try:
+        with tempfile.TemporaryDirectory(prefix="pulse-soak-") as tmp:
+            workdir = Path(tmp)
+            url, server = _private_redis(workdir)
+            try:
+                return asyncio.run(until_stopped(_soak(args, workdir, url), stop))
+            finally:
+                if server is not None:
+                    server.stop()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(args: argparse.Namespace) -> int:
     result = run_soak(args)
+    if result is None:
+        print(
+            "pulse bench soak: stopped (SIGTERM) before its verdict; everything it started is stopped", file=sys.stderr
+        )
+        return 128 + signal.SIGTERM
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0 if result["ok"] else 1

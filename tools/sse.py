@@ -1,4 +1,4 @@
-"""Reading the orchestrator's event stream (``GET /v1/stream``, services/routes/stream.py):
+"""Reading the orchestrator's event stream (``GET /v1/stream``, services/api/routes/stream.py):
 Server-Sent Events parsed from lines, and a follower that reconnects with ``Last-Event-ID``.
 Used by ``pulse events --follow`` and the tests."""
 
@@ -45,8 +45,12 @@ def parse(lines: Iterable[str]) -> Iterator[Message | None]:
         fields[name] = fields[name] + "\n" + value if name == "data" and name in fields else value
 
 
+CLOSED = "closed"  # the last message of a stream whose token no longer admits it (data: status, detail)
+
+
 class StreamRefused(Exception):
-    """The orchestrator answered the stream request with an error status (401, 403, ...)."""
+    """The orchestrator answered the stream request with an error status (401, 403, ...), or
+    ended the stream with a ``closed`` message (the token was revoked meanwhile)."""
 
 
 def follow(
@@ -59,7 +63,8 @@ def follow(
 ) -> Iterator[Message]:
     """Every message of the stream, for ever: after ``since_id`` (None: after the newest event at
     the first connection); a dropped connection is reopened with ``Last-Event-ID`` set to the last
-    id seen, so nothing is lost or repeated. An error status raises :class:`StreamRefused`."""
+    id seen, so nothing is lost or repeated. An error status, or a ``closed`` message, raises
+    :class:`StreamRefused`."""
     last = since_id
     while True:
         headers = {"Last-Event-ID": str(last)} if last is not None else {}
@@ -71,6 +76,8 @@ def follow(
                     r.read()
                     raise StreamRefused(f"GET /v1/stream -> {r.status_code}: {r.text}")
                 for msg in parse(r.iter_lines()):
+                    if msg is not None and msg.event == CLOSED and msg.data is not None:
+                        raise StreamRefused(f"GET /v1/stream closed -> {msg.data['status']}: {msg.data['detail']}")
                     if msg is not None:
                         last = msg.id
                         if msg.data is not None:

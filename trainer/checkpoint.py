@@ -41,10 +41,9 @@ class EmergencyCheckpoint:
         """The SIGUSR2 handler: a checkpoint at the next boundary."""
         self.requested = True
 
-    def boundary(self, reroute: ReroutedAllReduce | None, *, leader: bool, asked: bool | None = None) -> str | None:
+    def boundary(self, reroute: ReroutedAllReduce | None, *, asked: bool | None = None) -> str | None:
         """Every live rank saves together when any rank was asked to; returns the directory
-        written. ``leader``: this rank writes the model states (the lowest live participant).
-        ``asked``: whether any live rank was asked, agreed already (the flag rode with this
+        written (the model states by the lowest live rank, :mod:`trainer.job_checkpoint`). ``asked``: whether any live rank was asked, agreed already (the flag rode with this
         step's gradients, ``trainer.deepspeed_reroute.Rider``); None: agree now, by a collective."""
         engine = self.engine
         if asked is None:
@@ -62,7 +61,7 @@ class EmergencyCheckpoint:
         step = int(engine.global_steps)
         tag = f"emergency-step{step}"
         directory = self.directory.resolve()
-        with self._live_world(reroute, leader=leader):
+        with self._live_world(reroute):
             engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step})
         written = str(directory / tag)
         self.written.append(written)
@@ -70,11 +69,11 @@ class EmergencyCheckpoint:
         return written
 
     @contextlib.contextmanager
-    def _live_world(self, reroute: ReroutedAllReduce | None, *, leader: bool) -> Iterator[None]:
+    def _live_world(self, reroute: ReroutedAllReduce | None) -> Iterator[None]:
         """``engine.save_checkpoint`` among the live ranks: DeepSpeed's barriers there run on the
-        world group (which waits for a lost rank as long as the world's timeout) and rank 0 alone
-        writes the model states; under a plan the barrier is a rerouted all-reduce of one element,
-        the lead rank writes them and the tag check (world all-reduces) is left out."""
+        world group (which waits for a lost rank as long as the world's timeout); under a plan the
+        barrier is a rerouted all-reduce of one element and the tag check (world all-reduces) is
+        left out."""
         engine = self.engine
         if reroute is None or reroute.route is None:
             yield
@@ -82,13 +81,12 @@ class EmergencyCheckpoint:
         import deepspeed.comm as dist
 
         self.directory.resolve().mkdir(parents=True, exist_ok=True)  # rank 0 may be gone
-        barrier, writer = dist.barrier, engine.save_non_zero_checkpoint
+        barrier = dist.barrier
 
         def live_barrier(*args: Any, **kwargs: Any) -> None:
             reroute.allreduce_([torch.zeros(1, device=engine.device)])
 
         dist.barrier = live_barrier
-        engine.save_non_zero_checkpoint = leader
         # DeepSpeed checks that every rank saves under the same tag with two all-reduces on the
         # world group; the tag here is the agreed step's, the same on every live rank by construction.
         engine._checkpoint_tag_validation = lambda tag: None
@@ -96,5 +94,4 @@ class EmergencyCheckpoint:
             yield
         finally:
             dist.barrier = barrier
-            engine.save_non_zero_checkpoint = writer
             del engine._checkpoint_tag_validation

@@ -1,78 +1,19 @@
 """DeepSpeed engine integration of the rerouted all-reduce (:mod:`trainer.collective`).
 
-``attach(engine, reroute)`` makes a ``deepspeed.initialize`` engine reduce its gradients through
-``reroute`` (a :class:`~trainer.collective.ReroutedAllReduce`), so that the plan in force decides
-who all-reduces with whom. The training loop is unchanged (``engine(batch)``, ``engine.backward``,
-``engine.step``); at step boundaries the caller agrees on and switches plans as for DDP
-(:class:`trainer.follow.PlanFollower` does it from the plans the orchestrator publishes).
+:func:`attach` makes a ``deepspeed.initialize`` engine reduce its gradients through ``reroute``
+(a :class:`~trainer.collective.ReroutedAllReduce`), so that the plan in force decides who
+all-reduces with whom; the training loop is unchanged. It replaces, on that one engine:
 
-Where the gradients go, checked against DeepSpeed 0.19 (``runtime/engine.py``,
-``runtime/zero/stage_1_and_2.py``), and which of those paths ``attach`` replaces:
+- stage 0 (and stage 1 with ``BF16_Optimizer``): ``buffered_allreduce_fallback``, with one
+  ``reroute.allreduce_`` of the same tensors, and the fp32 gradient clipping with the same
+  clipping computed locally (the averaged gradients, hence the norm, are equal on every rank);
+- stages 1-2: ``gradient_reduction_w_predivide`` (needs ``reduce_scatter`` false and
+  ``contiguous_gradients`` true); the norm all-reduce and the parameter all-gather stay ZeRO's.
 
-Stage 0 (plain data parallelism), and stage 1 when DeepSpeed picks its ``BF16_Optimizer``
-    ``engine.backward`` -> ``allreduce_gradients`` -> (at the accumulation boundary)
-    ``engine.buffered_allreduce_fallback``, which buckets the gradients (or the bf16 optimizer's
-    fp32 accumulators, ``optimizer.get_grads_for_reduction``) and all-reduces them on the world.
-    ``attach`` replaces that one method with a single ``reroute.allreduce_`` over the same
-    tensors, in ``engine.communication_data_type`` as DeepSpeed would send them; everything else
-    in ``allreduce_gradients`` stays DeepSpeed's. The step that follows is not quite local in
-    stock DeepSpeed: with an fp32 optimizer and ``gradient_clipping`` > 0 (the default is 1.0),
-    ``engine.clip_fp32_gradients`` averages the gradient norm over the world every step
-    (``runtime/utils.py: clip_grad_norm_``, an all-reduce meant for MoE), which would put every
-    rank, degraded and excluded ones too, back on the critical path. After the rerouted
-    all-reduce every live rank holds the same averaged gradients, hence the same norm, so
-    ``attach`` replaces that method with the same clipping computed locally (equal up to
-    rounding). The fp16/bf16 wrapper optimizers clip and check overflow locally when there is no
-    model parallelism (read in the source; the tests train fp32 only). So the whole step is rerouted:
-    degraded ranks leave the all-reduce and step with their carrier's result, excluded ranks are
-    left out and may stop calling, a hung degraded rank costs its carrier at most
-    ``proxy_timeout_s`` and the participants nothing.
-    DeepSpeed uses ``BF16_Optimizer`` for stage 1 with bf16 parameters, fp32 gradient
-    accumulation (``data_types.grad_accum_dtype``) and no offload; its gradients take this path
-    too, but its step partitions the fp32 master weights and all-gathers them on the world, so
-    it behaves like stages 1-2 below. Exact: the averaged gradient equals the stock one up to
-    summation order.
-
-Stages 1 and 2 (``DeepSpeedZeroOptimizer``: optimizer state, and in 2 the gradients, partitioned)
-    Each full gradient bucket goes ``reduce_ipg_grads`` -> ``average_tensor`` ->
-    ``optimizer.gradient_reduction_w_predivide`` (an all-reduce of the whole bucket, after which
-    each rank keeps its partition) only when ``reduce_scatter`` is false and
-    ``contiguous_gradients`` is true; with ``reduce_scatter`` true ``average_tensor`` reduces
-    slices per owning rank instead, and with ``contiguous_gradients`` false ``reduce_ipg_grads``
-    takes ``buffered_reduce_fallback``. ``attach`` checks both settings and replaces
-    ``gradient_reduction_w_predivide``. Stage 2 reduces buckets as backward fills them (every
-    micro-batch), stage 1 at the accumulation boundary (from ``optimizer.reduce_gradients``, or
-    from the gradient hooks with ``overlap_comm``); both end in the same method. So the gradient reduction, the bandwidth-heavy part (about
-    twice the model's size per step), is rerouted and exact, and each rank still updates its own
-    partition with the averaged gradient. Each DeepSpeed bucket is one ``reroute.allreduce_``
-    call: a carrier cannot post the receive of the next bucket ahead, and a slow (not lost)
-    degraded rank can cost up to ``proxy_timeout_s`` per bucket; once its carrier gives up on it
-    the rank is skipped for the rest of the plan.
-
-    What is *not* rerouted: the other collectives ZeRO runs over its data-parallel group every
-    step, the gradient-norm all-reduce and the all-gather of the updated parameter partitions.
-    They include the degraded rank because it owns a partition of the optimizer state. So under
-    stages 1-2 a degraded rank stays on the critical path of those (small, once per step)
-    collectives; once the survivors recovered, or a plan changed who is live, they run on the
-    live ranks' group with the collective timeout, so a hung one costs at most that. An excluded
-    rank's partition is re-homed on the live ranks (:mod:`trainer.zero_repartition`). Making 1-2
-    fully isolated from a degraded rank needs its partition and optimizer state mirrored on its
-    carrier (the carrier has the full averaged gradient, so it could update both partitions and
-    serve the degraded one in the all-gather); not built.
-
-Stage 3 (parameters partitioned too)
-    Refused with :class:`RerouteConfigError`. Every layer's forward and backward all-gathers its
-    parameter shards, including the degraded rank's, so the degraded rank sits on the critical
-    path of every layer, not once per step; leaving the gradient ring would change nothing that
-    matters. Rerouting stage 3 means re-homing the shard (parameters, gradients and optimizer
-    state) on a participant at the plan switch, i.e. re-partitioning the model.
-
-Also refused, each with the setting to change: a data-parallel group smaller than the world
-(tensor or pipeline parallelism: the plan numbers the ranks of the whole world), mixture-of-experts
-layers (expert gradients reduce over expert-parallel groups), sequence parallelism,
-``gradient_allreduce_op: "sum"`` (the collective averages), ZenFlow, DeepCompile, optimizer
-offload (not verified), and sparse gradients (an ``nn.Embedding``/``EmbeddingBag`` built with
-``sparse=True``; DeepSpeed all-gathers those instead of all-reducing them).
+Refused with :class:`RerouteConfigError` and the setting to change: stage 3, a data-parallel
+group smaller than the world, mixture-of-experts, sequence parallelism, a ``sum`` gradient
+all-reduce, ZenFlow, DeepCompile, optimizer offload and sparse gradients. Where the gradients go
+stage by stage, checked against DeepSpeed's source, and why: docs/design/deepspeed-reroute.md.
 """
 
 from __future__ import annotations
@@ -84,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import zero_repartition
+from trainer import job_checkpoint, zero_repartition
 from trainer.collective import ReroutedAllReduce
 
 
@@ -114,7 +55,7 @@ class Rider:
 
 
 def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False, rider: Rider | None = None) -> None:
-    """Route ``engine``'s gradient reduction through ``reroute`` (see the module docstring).
+    """Route ``engine``'s gradient reduction through ``reroute`` (docs/design/deepspeed-reroute.md).
 
     Call once, right after ``deepspeed.initialize`` and before the first step, on every rank.
     Raises :class:`RerouteConfigError` naming the setting to change when the engine's
@@ -171,10 +112,12 @@ def attach(engine: Any, reroute: ReroutedAllReduce, *, rejoining: bool = False, 
         )
     # Mirrors DeepSpeedEngine.allreduce_gradients: stage 2 and stage 1 with a ZeRO optimizer reduce
     # inside the optimizer; stage 0, and stage 1 with BF16_Optimizer, in buffered_allreduce_fallback.
-    if stage == 2 or (stage == 1 and hasattr(engine.optimizer, "reduce_gradients")):
+    partitioned = stage == 2 or (stage == 1 and hasattr(engine.optimizer, "reduce_gradients"))
+    if partitioned:
         _attach_partitioned(engine, reroute, stage)
     else:
         _attach_fallback(engine, reroute, rider)
+    job_checkpoint.install(engine, reroute, partitioned=partitioned)
 
 
 def _attach_fallback(engine: Any, reroute: ReroutedAllReduce, rider: Rider | None) -> None:

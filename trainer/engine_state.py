@@ -40,6 +40,7 @@ def take_state(engine: Any, reroute: ReroutedAllReduce, *, src: int, tensors: bo
             float(engine.global_steps),
             float(getattr(sched, "last_epoch", -1)),
             float(len(shared)),
+            float(getattr(sched, "last_batch_iteration", -1)),  # DeepSpeed's own schedules count here
             *[float(g.get("step", 0) or 0) for g in opt.param_groups],
             *[float(g["lr"]) for g in opt.param_groups],
         ],
@@ -59,8 +60,10 @@ def take_state(engine: Any, reroute: ReroutedAllReduce, *, src: int, tensors: bo
     engine.global_steps = int(header[0].item())
     if sched is not None and hasattr(sched, "last_epoch"):
         sched.last_epoch = int(header[1].item())
+    if sched is not None and hasattr(sched, "last_batch_iteration"):
+        sched.last_batch_iteration = int(header[3].item())
     n = len(opt.param_groups)
-    for g, v, lr in zip(opt.param_groups, header[3 : 3 + n].tolist(), header[3 + n :].tolist(), strict=True):
+    for g, v, lr in zip(opt.param_groups, header[4 : 4 + n].tolist(), header[4 + n :].tolist(), strict=True):
         if "step" in g:
             g["step"] = int(v)
         g["lr"] = lr

@@ -1,107 +1,18 @@
 """Following the orchestrator's aggregation plans from inside a training job.
 
-:class:`PlanFollower` reads the job's plan the orchestrator publishes (the key
-:func:`clusterpulse.wire.job_plan_key`, refreshed on every :data:`clusterpulse.wire.PLAN_CHANNEL`
-message naming the job and at least every ``poll_s``) on a daemon thread, and puts it in force at
-step boundaries through the rank's :class:`~trainer.collective.ReroutedAllReduce`::
+:class:`PlanFollower` reads the job's published plan on a daemon thread (on every
+:data:`clusterpulse.wire.PLAN_CHANNEL` message naming the job and at least every ``poll_s``) and
+puts it in force at step boundaries through the rank's
+:class:`~trainer.collective.ReroutedAllReduce`:
 
-    reroute = ReroutedAllReduce(world_size=world, rank=rank, proxy_timeout_s=5.0)
-    deepspeed_reroute.attach(engine, reroute)          # or ddp.register_comm_hook(reroute, ddp_comm_hook)
-    follower = PlanFollower(job=job, reroute=reroute, redis_url=url)
-    for step in ...:
-        ...; engine.step()
-        follower.boundary()                            # every live rank, every step boundary
+- :meth:`~PlanFollower.boundary`: every live rank calls it at the same step boundaries; the
+  ranks agree on the root's generation and, when it changed, on the plan, then switch together.
+  A plan they cannot use is logged and kept out; the thread never blocks the training loop.
+- :meth:`~PlanFollower.recover`: after a participant died or hung (a collective failed), the
+  survivors agree through the job's store on a plan without it and switch to it.
+- :meth:`~PlanFollower.join`: a restarted rank comes back into the running job by name.
 
-Contract of :meth:`PlanFollower.boundary`:
-
-- Every live rank calls it at the same step boundaries (every ``every``-th call does any work).
-  It agrees on the generation the root read (:meth:`ReroutedAllReduce.agree_generation`: one
-  8-byte broadcast on the participants' group, relayed to degraded ranks by their carriers, so
-  nothing waits on a degraded rank), and only when that differs from the generation in force,
-  on the plan itself (:meth:`ReroutedAllReduce.agree_plan`), then switches. So a plan that
-  arrives mid-step waits for the next boundary, and every rank switches at the same one, whatever
-  each rank's own thread has read by then.
-- A plan the ranks agree on but cannot use (it does not fit the world: another job's ranks, a
-  world that changed) raises :class:`~trainer.collective.PlanError` on every rank alike at
-  :meth:`~ReroutedAllReduce.switch`; :meth:`boundary` logs it, keeps the plan in force and does
-  not try that generation again.
-- The thread never blocks the training loop: it only replaces one reference. Redis down: it
-  backs off (:class:`clusterpulse.retry.Backoff`) and the plan in force stays in force. A
-  malformed plan in Redis is logged and counted in :attr:`PlanFollower.rejected` once (not at
-  every read of the same value), never raised.
-
-Recovery from a dead or hung *participant* (:meth:`PlanFollower.recover`). The rerouted
-collective isolates degraded ranks; a participant that dies (SIGKILL, a crash) or hangs (SIGSTOP,
-a wedged host) breaks the participants' group itself. With ``collective_timeout_s`` set on the
-:class:`~trainer.collective.ReroutedAllReduce`, every group the plans use is made with that
-timeout, so a survivor's collective fails within it (at once for a dead peer, after the timeout
-for a hung one) instead of waiting out the world's 30 minutes. The caller catches the failure at
-the step (that step's update is skipped) and calls ``recover``, which on every survivor:
-
-1. writes ``pulse/<job>/recover/<generation>/<salt>/alive/<rank>`` into the job's store (the
-   rendezvous TCPStore, hosted outside the ranks by the first node's agent, ``agent/jobstore.py``,
-   or by rank 0 when the job was started otherwise; it is not a gloo group, so it still works
-   when the groups are broken; the salt names the groups in force, so two failures under one
-   generation never read each other's keys);
-2. waits until either a plan the orchestrator published has a higher generation than the plan in
-   force and excludes a rank the plan in force did not (the orchestrator excludes a rank whose
-   node's ranks exited, from the agent's report, or one that survivors reported unreachable), or
-   every rank the plan in force counts on is alive in the store (a spurious failure: the same
-   plan is rebuilt on fresh groups). Ranks still not alive after ``survey_s`` are reported once
-   through ``report(missing)`` (a ``TrainerReport.unreachable_ranks``: sticky exclusion in
-   ``services/plans.py``), and so, at once, are ranks a failed switch had invited back (below).
-   ``survey_s`` must cover the slowest survivor's detection: a degraded rank learns of the
-   failure only when its carrier's answer does not come (``peer_timeout_s``). With ``beat_s``
-   set, each rank's own thread writes its wall-clock time into ``pulse/<job>/beat/<rank>`` in the
-   store every ``beat_s``; that goes on while a live rank waits in a collective and stops when
-   its whole process does (SIGSTOP, a crash), so once every missing rank's beat has stood still
-   for ``4 * beat_s`` they are reported without waiting out ``survey_s``; sooner, after
-   ``1.5 * beat_s`` of standing still, when the beat itself is already ``4 * beat_s`` old by this
-   rank's clock (a hung rank behind a collective that timed out has been silent that long). The
-   standing still is always required, so a live peer whose clock runs behind is never called
-   silent: its beat moves. A hung participant then costs the collective timeout plus about half
-   a second, not the whole survey (:func:`silent_ranks`);
-3. agrees on that plan and a fresh salt through the store: the first survivor's ``compare_set``
-   of ``.../plan`` wins and every other survivor (and a hung rank that wakes up later) reads the
-   winner's, so all live ranks switch to the same plan even when the orchestrator publishes two
-   generations in between;
-4. drops every group (:meth:`~trainer.collective.ReroutedAllReduce.reset`) and switches to the
-   agreed plan, making its groups anew under the agreed salt. A rank the agreed plan excludes
-   leaves training (``trainer.example`` exits 0). When another rank died in the meantime the
-   new groups cannot connect and ``switch`` raises on every member: the agreed plan is then
-   adopted as the plan in force (groups broken) and the caller calls ``recover`` again, which
-   runs the same protocol under the agreed plan's generation and salt.
-
-The caller then re-synchronises state from the new root (``trainer.example`` broadcasts the
-parameters, optimizer state, step count and learning rate with
-:meth:`~trainer.collective.ReroutedAllReduce.share_`): a survivor may have completed the failed
-step's update when another did not.
-
-Rejoining (:meth:`PlanFollower.join`). An excluded rank's process has left (dead, or it woke up
-excluded and exited 0); the orchestrator launches its node's share anew once the node is HEALTHY
-(``services/jobs.py``), and the new process must come back into a world whose size was fixed at
-``init_process_group`` without it. It does not need that world: every group the plans use is made
-from the job's store by name (:func:`trainer.collective.make_group`). So the new process makes a
-world of one for itself, connects to the store, drops any invitation left for its earlier self
-(:func:`forget_invitation`), registers (which ends its sticky exclusion, so the orchestrator
-publishes a plan that counts on it) and waits in :meth:`join`. The live ranks agree on that plan
-at a boundary like any other; the root draws the switch's salt, and before switching the root
-writes an *invitation* (the plan and the salt) to ``pulse/<job>/join/<rank>`` for each rank the
-plan brings back. The invited rank makes the same groups under the same names, and every live
-rank, it included, takes the state of a rank that stayed (:attr:`PlanFollower.joined` says when,
-:attr:`PlanFollower.source` whose: after rank 0 returns it is the root again, with nothing). If the
-invited rank does not come within the collective timeout the switch fails on the live ranks, the
-recovery that follows keeps the old plan and reports the rank unreachable (so it is excluded
-again, not invited at every boundary). The live ranks write ``pulse/<job>/done`` after the last
-step (:meth:`finish`): a rank still waiting then leaves with success (:class:`JobFinished`).
-
-Limits: the store's host must live. In jobs the agents launch it is a process of the first
-node's agent (``agent/jobstore.py``), so rank 0 dies, is excluded and rejoins like any rank (the
-root is the lowest live participant); in a job started otherwise (``torchrun``, ``deepspeed``
-without ``TORCHELASTIC_USE_AGENT_STORE``) rank 0 hosts it, and when rank 0 dies no group can be
-made any more and ``recover`` raises after ``timeout_s``. When the store's host itself is lost
-the job must restart from a checkpoint (a store on a highly available service, as torchft's
-lighthouse is, would lift that).
+The protocols, the beats that speed up a survey, and the limits: docs/design/follow.md.
 """
 
 from __future__ import annotations
@@ -120,7 +31,8 @@ from torch.distributed import DistError
 
 from clusterpulse import wire
 from clusterpulse.retry import Backoff, is_transient
-from trainer.collective import PlanError, ReroutedAllReduce, Route, state_source
+from trainer.collective import ReroutedAllReduce
+from trainer.route import PlanError, Route, state_source
 
 log = logging.getLogger("pulse.trainer.follow")
 
@@ -166,8 +78,8 @@ class PlanFollower:
         self._redis = redis.Redis.from_url(
             redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
         )
-        self._thread = threading.Thread(target=self._run, name=f"pulse-plan-{reroute.rank}", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name=f"pulse-plan-{reroute.rank}", daemon=True)  # reads plans
+        self.thread.start()
         self.beat_s = beat_s
         self.silent_beats = silent_beats
         self._beat: threading.Thread | None = None
@@ -242,8 +154,9 @@ class PlanFollower:
         reroute = self.reroute
         back = sorted(reroute.left - set(plan.excluded))
         if invite and back:
-            source = state_source(plan.participants, back)  # what every live rank takes after the switch
-            record = msgspec.json.encode(_Invitation(plan=plan, salt=salt, source=source)).decode()
+            # what every live rank takes after the switch
+            source = state_source(plan.participants, back, [int(d) for d in plan.proxies])
+            record = msgspec.json.encode(_Invitation(plan=plan, salt=salt, source=source, back=tuple(back))).decode()
             for r in back:
                 reroute.store.set(self._join_key(r), record)
             log.warning("event=rejoin_invited job=%s generation=%d ranks=%s", self.job, plan.generation, back)
@@ -259,7 +172,7 @@ class PlanFollower:
     def _invited(self, key: str) -> bool:
         store = self.reroute.store
         try:
-            if store.check([self._done_key]):
+            if store.check([wire.job_done_store_key(self.job)]):
                 raise JobFinished(f"job {self.job} finished before rank {self.reroute.rank} could rejoin it")
             return store.check([key])
         except DistError as exc:
@@ -270,12 +183,21 @@ class PlanFollower:
     def finish(self) -> None:
         """The live ranks, after the last step: a restarted rank still waiting in :meth:`join`
         learns that there is nothing to rejoin (and leaves with success, not a failure)."""
-        if self.reroute.route is not None and self.reroute.rank == self.reroute.root:
-            self.reroute.store.set(self._done_key, "1")
+        _mark(self.reroute, wire.job_done_store_key(self.job))
 
-    @property
-    def _done_key(self) -> str:
-        return wire.job_done_store_key(self.job)
+    def admit(self) -> None:
+        """The live ranks, where they hand the ranks brought back their state: let them take it."""
+        _mark(self.reroute, _admit_key(self.job, self.reroute.salt))
+
+    def admitted(self, *, timeout_s: float) -> None:
+        """A rank brought back, after :meth:`join`: wait until the live ranks :meth:`admit` it."""
+        self._await(_admit_key(self.job, self.reroute.salt), time.monotonic(), timeout_s, 0.05, "admit it")
+
+    def _await(self, key: str, started: float, timeout_s: float, poll_s: float, what: str) -> None:
+        while not self._invited(key):
+            if time.monotonic() - started > timeout_s:
+                raise RecoveryError(f"rank {self.reroute.rank}: the live ranks did not {what} in {timeout_s:g}s")
+            time.sleep(poll_s)
 
     @property
     def _salt_key(self) -> str:
@@ -296,17 +218,12 @@ class PlanFollower:
         key = self._join_key(reroute.rank)
         started = time.monotonic()
         while True:
-            while not self._invited(key):
-                if time.monotonic() - started > timeout_s:
-                    raise RecoveryError(
-                        f"rank {reroute.rank}: the live ranks of job {self.job} did not take it back "
-                        f"within {timeout_s:g}s"
-                    )
-                time.sleep(poll_s)
+            self._await(key, started, timeout_s, poll_s, "take it back")
             invitation = msgspec.json.decode(reroute.store.get(key), type=_Invitation)
             reroute.store.delete_key(key)
             try:
                 reroute.switch(invitation.plan, salt=invitation.salt)
+                reroute.joined = invitation.back  # as its peers have it: PlanGroups.source
                 self.source = invitation.source
                 break
             except RuntimeError as exc:  # the live ranks gave up on this attempt: they invite again
@@ -342,7 +259,7 @@ class PlanFollower:
         poll_s: float = 0.05,
     ) -> wire.Plan:
         """After a collective failed on this rank: agree with the live ranks on a plan without
-        the dead and put it in force (the protocol is in the module docstring). Returns the plan
+        the dead and put it in force (the protocol: docs/design/follow.md). Returns the plan
         now in force; raises :class:`RecoveryError` when there was no plan in force or no plan
         came within ``timeout_s``."""
         reroute = self.reroute
@@ -449,18 +366,13 @@ class PlanFollower:
             return float(store.get(key)) if store.check([key]) else None
 
         return silent_ranks(
-            missing,
-            beats,
-            read,
-            beat_s=self.beat_s,
-            now=time.monotonic(),
-            wall=time.time(),
-            silent_beats=self.silent_beats,
-        )
+            missing, beats, read,
+            beat_s=self.beat_s, now=time.monotonic(), wall=time.time(), silent_beats=self.silent_beats,
+        )  # fmt: skip
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
-        self._thread.join(timeout)
+        self.thread.join(timeout)
         if self._beat is not None:
             self._beat.join(timeout)
         self._redis.close()
@@ -471,7 +383,7 @@ class PlanFollower:
         """Write this rank's wall-clock time into ``pulse/<job>/beat/<rank>`` in the job's store
         every ``beat_s``: a thread of its own, so it goes on while the training thread waits in a
         collective, and stops only when the whole process does (SIGSTOP, a crash). :meth:`recover`
-        reads it (module docstring)."""
+        reads it (docs/design/follow.md)."""
         assert self.beat_s is not None
         key = _beat_key(self.job, self.reroute.rank)
         while not self._stop.wait(self.beat_s):
@@ -527,11 +439,12 @@ class PlanFollower:
 
 class _Invitation(msgspec.Struct, frozen=True):
     """A plan the live ranks agreed on, the salt that names its groups (``trainer.collective``)
-    and, for a rank invited back, the rank whose state it takes."""
+    and, for a rank invited back, the rank whose state it takes and every rank brought back."""
 
     plan: wire.Plan
     salt: str
     source: int = 0
+    back: tuple[int, ...] = ()
 
 
 class RecoveryError(RuntimeError):
@@ -577,6 +490,16 @@ def silent_ranks(
 
 def _beat_key(job: str, rank: int) -> str:
     return f"pulse/{job}/beat/{rank}"
+
+
+def _admit_key(job: str, salt: str) -> str:
+    return f"pulse/{job}/admit/{salt}"
+
+
+def _mark(reroute: ReroutedAllReduce, key: str) -> None:
+    """``key`` set in the job store by one live rank: the state's source (``PlanGroups.source``)."""
+    if reroute.route is not None and reroute.rank == reroute.source:
+        reroute.store.set(key, "1")
 
 
 def _join_key(job: str, rank: int) -> str:

@@ -11,44 +11,11 @@ Usage in a DeepSpeed loop (``trainer/example.py`` is the complete version)::
                         step_time_s=timer.lap())
     reporter.close()
 
-Contract of :class:`TrainerReporter`:
-
-- ``report()`` only computes a few floats and appends to a bounded in-memory queue under an
-  uncontended lock (about 2 us in a tight loop, 5-40 us right after a real step has pushed the
-  interpreter out of the CPU caches); it never does I/O, never wakes another thread (except for a
-  safety event), never blocks on Redis and never raises because of Redis.
-- A daemon thread wakes every ``flush_interval_s`` (0.5 s), takes everything queued and sends it
-  in one round trip per ``batch_size`` reports: one ``XADD`` of
-  :data:`clusterpulse.wire.TRAINER_STREAM` per report (field :data:`clusterpulse.wire.TRAINER_FIELD`,
-  trimmed approximately to ``maxlen``), written as one buffer of Redis protocol built here rather
-  than through the client's per-command pipeline, so the thread holds the interpreter for about
-  3 us per report and 0.1-0.5 ms per flush; the socket write and the wait for the replies release
-  it (``tests/bench/test_report_cost.py`` measures what all this adds to a step). The socket has
-  a timeout and the client no hidden retries. The first flush, at once, registers the rank (a
-  :class:`clusterpulse.wire.RankRegistration` on :data:`clusterpulse.wire.REGISTRATION_STREAM`).
-  Delivery is at least once: a round trip that fails half way is sent again whole.
-- Redis down: the batch goes back to the head of the queue and the thread backs off
-  (:class:`clusterpulse.retry.Backoff`, capped exponential with jitter); when the queue is full
-  the *oldest* report is dropped and counted in :attr:`TrainerReporter.dropped` (the newest
-  reports are the ones worth having once Redis answers again). A report Redis answers with an
-  error (a permanent one: a wrong type at the key) is dropped, counted in ``rejected``, and logged;
-  the others of its round trip count as published.
-- Per rank, not per job: ``tokens_per_s`` is this rank's tokens (``tokens_per_step`` is the
-  rank's own share of a step: micro batch x accumulation x sequence length under data
-  parallelism, the global tokens / world size under model parallelism) over its step time, and
-  ``mfu_ratio`` is this rank's MFU. The orchestrator sums tokens/s and averages MFU over ranks
-  (``services/progress.py``).
-- Step time is the wall time between consecutive step boundaries (:class:`StepTimer`): data,
-  forward, backward, all-reduce and optimizer together. Timing only ``engine.step()`` would leave
-  out forward and backward and overstate throughput several times. On a GPU the figure is right
-  in the steady state as soon as the loop synchronises once per step (``loss.item()`` does).
-- ``every=N`` publishes steps divisible by N; a training-safety event (:class:`LossSpikeDetector`,
-  fed at every call) is published whatever the cadence, in the report's ``event``, and wakes the
-  thread to send it at once rather than at the next interval.
-- :meth:`TrainerReporter.flush` sends what is queued now and waits for it (before a checkpoint or
-  an exit); :meth:`TrainerReporter.close` flushes and stops the thread.
-
-Also here, small and pure: :class:`LossSpikeDetector` and :func:`cosine_warmup`.
+The contract of :class:`TrainerReporter`: ``report()`` only appends to a bounded in-memory queue
+(microseconds; no I/O, never blocks or raises on Redis's account); a daemon thread sends what is
+queued every ``flush_interval_s``, at least once, backing off while Redis is down and dropping the
+oldest report when the queue is full. Its first send registers the rank. The costs and the rest:
+``docs/design/report.md``.
 """
 
 from __future__ import annotations
@@ -317,6 +284,7 @@ class TrainerReporter:
         self.flush_interval_s = flush_interval_s
         self.detector = spike_detector if spike_detector is not None else LossSpikeDetector()
 
+        self.last_step = 0  # the highest step reported, which the exit report repeats
         self.published = 0
         self.dropped = 0  # oldest reports dropped because the queue was full
         self.rejected = 0  # reports Redis refused with a permanent error
@@ -392,6 +360,7 @@ class TrainerReporter:
         go out at once, whatever the cadence); returns it, or ``None`` when not due. Never blocks
         on Redis, never raises on its account. Non-finite floats travel as JSON ``null`` and the
         ``event`` says which one was not finite."""
+        self.last_step = max(self.last_step, step)
         event = self.detector.update(step, loss, grad_norm)
         if event is not None:
             self.events += 1
@@ -431,6 +400,15 @@ class TrainerReporter:
         if event is not None or unreachable_ranks:
             self._wake.set()
         return rep
+
+    def report_exit(self, code: int) -> None:
+        """Queue this rank's last report: its process leaves with ``code`` (sent at once)."""
+        rep = wire.TrainerReport(
+            v=wire.PROTOCOL_VERSION, job=self.job, rank=self.rank, node=self.node, step=self.last_step, exit_code=code
+        )
+        with self._lock:
+            self._queue.append(rep)
+        self._wake.set()
 
     @property
     def pending(self) -> int:

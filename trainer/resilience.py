@@ -1,75 +1,23 @@
 """The resilience protocol, owned by the library: what a DeepSpeed script gets without changing a line.
 
-:func:`attach` puts a :class:`Resilience` on a ``deepspeed.initialize`` engine. Scripts launched by
-the agents (``POST /v1/jobs``) get it without calling anything: the rank runs under
-``python -m trainer.run`` (:mod:`trainer.run`), whose hook attaches it inside
-``deepspeed.initialize``. It changes nothing in how the script drives the engine
-(``engine(batch)``, ``engine.backward(loss)`` or ``loss.backward()``, ``engine.step()``, gradient
-accumulation, the config's scheduler); it wraps the engine's own ``forward``, ``backward`` and
-``step`` on that one instance, and does its work at each optimizer-step boundary (the
-``engine.step()`` that ends an accumulation window):
+:func:`attach` puts a :class:`Resilience` on a ``deepspeed.initialize`` engine (the runner,
+:mod:`trainer.run`, does it for every rank the agents start). It wraps the engine's own
+``forward``, ``backward`` and ``step`` on that one instance and works at each optimizer-step
+boundary:
 
-Reporting
-    One :class:`clusterpulse.wire.TrainerReport` per optimizer step (:class:`trainer.report.TrainerReporter`,
-    non-blocking): the step (``engine.global_steps``), the mean loss of the window (the scalar the
-    script passed to ``engine.backward``, else the scalar ``engine(...)`` returned), the gradient
-    norm (DeepSpeed's, else the norm of the reduced gradients before the update), the fp16 loss
-    scale, the step time (boundary to boundary), tokens/s and MFU when their inputs are known
-    (:mod:`trainer.settings`: declared, counted from integer inputs, or absent).
-Rerouting
-    The engine's gradient reduction goes through :class:`trainer.collective.ReroutedAllReduce`
-    (:func:`trainer.deepspeed_reroute.attach`: ZeRO 0-2; stage 3, pipeline parallelism, MoE and
-    the others refused there with the setting to change, and the rank then only reports). A
-    :class:`trainer.follow.PlanFollower` puts the orchestrator's plans in force at the boundaries:
-    whether any live rank has read a newer plan rides with the step's gradient reduction
-    (:class:`trainer.deepspeed_reroute.Rider`, stage 0), so a boundary with nothing new runs no
-    collective of its own; only then do the ranks agree on the plan (stages 1-2: at every
-    boundary, by a broadcast).
-Survival of a dead or hung participant (``PULSE_COLLECTIVE_TIMEOUT_S`` > 0)
-    A collective that fails (a peer died, or hangs past the timeout) is caught where the engine
-    runs it, never raised into the script: the rest of that accumulation window does no
-    collective, and at its ``engine.step()`` the update is skipped on every survivor (gradients
-    zeroed), the survivors agree on a plan without the failed rank
-    (:meth:`~trainer.follow.PlanFollower.recover`), every live rank takes the state of the same
-    rank (parameters, optimizer state, step count, learning rate: a survivor may have completed
-    the failed update when another did not) and training goes on. No restart. Under ZeRO 1-2 the
-    survivors re-home the optimizer partitions over themselves instead
-    (:mod:`trainer.zero_repartition`: the lost rank's master weights from the model every rank
-    holds, its optimizer state from the copy its neighbour keeps, ``PULSE_ZERO_MIRROR_STEPS``)
-    and take the source's step count and learning rates. After ``PULSE_MAX_RECOVERIES``
-    recoveries without a completed step in between, the error is raised.
-Exclusion
-    A rank the plan in force excludes (its node was LOST; or it hung and woke up after the others
-    went on) leaves the process with exit code 0 at that boundary: the others finish without it
-    and it must not enter their collectives. Under ZeRO 1-2 they re-home its partition at that
-    boundary, as after a recovery.
-Rejoin (``PULSE_REJOIN=1``, set by the orchestrator when it relaunches an excluded node's share)
-    :func:`trainer.run` gives the rank a world of one before DeepSpeed starts; :func:`attach`
-    waits until the live ranks take it back (at a boundary, or in a recovery from another rank's
-    failure meanwhile, which every live rank then ends as the rejoining rank ends its join:
-    :meth:`Resilience._settle`), then it holds their state, including
-    ``engine.global_steps``. A script whose loop counts optimizer steps from
-    ``engine.global_steps`` continues from the live ranks' step (the README shows that diff);
-    one that counts from 0 runs on until the live ranks finish, then leaves with 0. Under ZeRO
-    1-2 the live ranks and it re-home the optimizer partitions over all of them at that boundary.
-Emergency checkpoint
-    SIGUSR2 (the agents deliver it for ``POST /v1/jobs/{id}/checkpoint``) asks for one; every live
-    rank agrees at the next boundary (the request rides with the step's gradient reduction, or,
-    at stages 1-2, after a switch that brought ranks back and after a recovery, a one-element
-    rerouted all-reduce;
-    :mod:`trainer.checkpoint`) and calls ``engine.save_checkpoint(PULSE_CHECKPOINT_DIR, tag="emergency-stepN")``
-    together; each rank reports ``checkpoint_written <dir>`` at that step, then training goes on.
-The end
-    :meth:`Resilience.close` (at interpreter exit, or by the runner after the script returned)
-    tells a restarted rank still waiting to rejoin that there is nothing left (it leaves with 0)
-    and flushes the reports.
+- **reporting**: one :class:`clusterpulse.wire.TrainerReport` per optimizer step (step, loss,
+  gradient norm, loss scale, step time, tokens/s and MFU where their inputs are known);
+- **rerouting**: the gradient reduction follows the orchestrator's plan (ZeRO 0-2);
+- **survival** (``PULSE_COLLECTIVE_TIMEOUT_S`` > 0): a failed collective is never raised into the
+  script; the survivors skip that window's update, agree on a plan without the failed rank and
+  take one rank's state (ZeRO 1-2: re-home the partitions), with no restart;
+- **exclusion**: a rank the plan excludes leaves with exit code 0 at the boundary;
+- **rejoin** (``PULSE_REJOIN=1``): a relaunched rank waits until the live ranks take it back;
+- **emergency checkpoint**: SIGUSR2 asks for one, saved by every live rank at the same boundary;
+- the script's **world-group collectives** run over the live ranks (:mod:`trainer.world`,
+  :meth:`Resilience.world_view`, :meth:`Resilience.survive`).
 
-What the library cannot reach: collectives the script runs itself on the world group
-(``dist.all_reduce`` of a metric, ``dist.barrier``, DeepSpeed's own checkpoint barrier) wait for a
-lost rank as stock torch.distributed does. :meth:`Resilience.average_` averages a tensor over the
-live ranks instead. Under ZeRO 1-2 a dead rank's optimizer partition is re-homed (above), except
-with bf16 stage 1 (``BF16_Optimizer``), round-robin gradients or optimizer offload, where it stops
-the job with the reason (restart from a checkpoint).
+The reasoning, the limits and what is refused: ``docs/design/resilience.md``.
 """
 
 from __future__ import annotations
@@ -89,7 +37,7 @@ import torch
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
 from clusterpulse import wire
-from trainer import deepspeed_reroute, zero_repartition
+from trainer import deepspeed_reroute, rendezvous, world, zero_repartition
 from trainer.checkpoint import EmergencyCheckpoint
 from trainer.collective import ReroutedAllReduce
 from trainer.engine_state import check_partitions, materialize_optimizer_state, take_state
@@ -117,24 +65,27 @@ def attach(
     settings: TrainerSettings | None = None,
     tokens_per_step: int | None = None,
     flops_per_token: float | None = None,
+    join_at_first_step: bool = False,
 ) -> Resilience:
     """Put the protocol on ``engine`` (right after ``deepspeed.initialize``, on every rank); returns
     its :class:`Resilience`. Idempotent: on an engine that already has one (the runner's hook
-    attached it), only the declared ``tokens_per_step`` / ``flops_per_token`` are taken."""
+    attached it), only the declared ``tokens_per_step`` / ``flops_per_token`` are taken.
+    ``join_at_first_step``: a relaunched rank waits for the live ranks at its first forward, not
+    here (a framework that does seconds of setup between the two would keep them waiting)."""
     existing: Resilience | None = getattr(engine, _ATTR, None)
     if existing is not None:
         existing.declare(tokens_per_step=tokens_per_step, flops_per_token=flops_per_token)
         return existing
     r = Resilience(engine, settings if settings is not None else load_trainer_settings())
     r.declare(tokens_per_step=tokens_per_step, flops_per_token=flops_per_token)
-    r.start()
+    r.start(join_at_first_step=join_at_first_step)
     return r
 
 
 class Resilience:
     """The protocol on one engine (module docstring). Public: :attr:`rank`, :attr:`world_size`,
-    :attr:`reroute` (None when reporting only), :meth:`average_`, :attr:`leader`,
-    :meth:`declare`, :meth:`close`."""
+    :attr:`reroute` (None when reporting only), :meth:`average_`, :attr:`leader`, :meth:`declare`,
+    :meth:`close`."""
 
     def __init__(self, engine: Any, settings: TrainerSettings) -> None:
         import deepspeed.comm as dist
@@ -161,6 +112,11 @@ class Resilience:
         self._losses: list[torch.Tensor] = []
         self._forward_loss: torch.Tensor | None = None
         self._failure: RuntimeError | None = None
+        self._void = False  # a world collective failed mid-window: this window's update is skipped
+        self._in_window = False  # a forward or backward ran since the last boundary
+        self._entering: set[int] = set()  # brought back: in the world's collectives from the next boundary
+        self._join_pending = False  # a relaunched rank that joins at its first forward
+        self._admit_pending = False  # ranks brought back at the last boundary take the state at the next forward
         self._failures_in_row = 0
         self._engine_norm = False  # DeepSpeed computed the last step's gradient norm itself
         self._in_engine_backward = False
@@ -172,7 +128,7 @@ class Resilience:
 
     # --- setup -------------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, *, join_at_first_step: bool = False) -> None:
         global _current
         s, engine = self.settings, self.engine
         if s.active:
@@ -187,27 +143,20 @@ class Resilience:
         _watch_tensor_backward(self)
         setattr(engine, _ATTR, self)
         _current = self
+        world.use(view=self.world_view, survive=self.survive)  # the script's world-group collectives
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR2, self.checkpoint.ask)
         atexit.register(self.close)
-        if self.rejoining:
+        if self.rejoining and join_at_first_step:
+            self._entering = {self.rank}  # alone in the world's collectives until it has joined
+            self._join_pending = True
+        elif self.rejoining:
             self._rejoin()
         self._timer.lap()
 
     def _make_reroute(self) -> None:
         s, engine = self.settings, self.engine
-        store = None
-        if s.survives:
-            # Every rank, first or restarted, agrees and makes groups through the job's store.
-            store = TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                is_master=False,
-                timeout=timedelta(seconds=s.recovery_timeout_s),
-                wait_for_workers=False,
-            )
-            if s.rejoin:
-                forget_invitation(store, job=s.job_id, rank=self.rank)  # before registering: see trainer.follow
+        store = _job_store(s, self.rank) if s.survives else None
         T = s.collective_timeout_s
         reroute = ReroutedAllReduce(
             world_size=self.world_size,
@@ -257,7 +206,7 @@ class Resilience:
                 "event=collective_failed job=%s rank=%d error=%r", self.settings.job_id, self.rank, str(exc)[:300]
             )
 
-        deepspeed_reroute.guard(self.engine, failed=lambda: self._failure is not None, fail=fail)
+        deepspeed_reroute.guard(self.engine, failed=lambda: self._failure is not None or self._void, fail=fail)
 
     def declare(self, *, tokens_per_step: int | None = None, flops_per_token: float | None = None) -> None:
         """What MFU needs that the library cannot see (``None`` keeps the setting or the count)."""
@@ -269,6 +218,13 @@ class Resilience:
     # --- the engine's methods, wrapped ---------------------------------------------------------------
 
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._join_pending:
+            self._join_pending = False
+            self._rejoin()
+        if self._admit_pending:
+            self._admit_pending = False
+            self._admit()
+        self._in_window = True
         if self._declared_tokens is None:
             ids = inputs[0] if inputs else kwargs.get("input_ids")
             if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex():
@@ -280,7 +236,8 @@ class Resilience:
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self._losses.append(loss.detach())
         self._forward_loss = None
-        if self._failure is not None:
+        self._in_window = True
+        if self._failure is not None or self._void:
             return None  # the window is lost already: no backward, no collective
         self._in_engine_backward = True
         try:
@@ -305,11 +262,13 @@ class Resilience:
             self._losses.append(self._forward_loss)
             self._forward_loss = None
         boundary = engine.is_gradient_accumulation_boundary()
-        if self._failure is not None:
+        if self._failure is not None or self._void:
             engine.zero_grad()  # this window's gradients are partial: no update from them
             engine.micro_steps += 1  # keep DeepSpeed's accumulation window aligned
             if boundary:
-                self._recover(self._failure)
+                self._in_window = self._void = False
+                if self._failure is not None:
+                    self._recover(self._failure)
             return None
         if not boundary:
             return self._orig_step(*args, **kwargs)
@@ -336,64 +295,29 @@ class Resilience:
             follower.boundary(newer=None if ride is None else ride[1] > 0)
             if reroute.role == "excluded":
                 self._leave("excluded")
-            if follower.joined:  # restarted ranks came back: every live rank takes the same state
-                self._take_state()
-                ride = None  # they did not ride: the checkpoint flag is agreed with them (_rejoin)
-            elif self.partitions.stale(reroute):
+            self._entering = set(follower.joined)  # in the world's collectives from the next boundary
+            self._admit_pending = bool(follower.joined)  # admitted at the next forward (_admit)
+            if not self._admit_pending and self.partitions.stale(reroute):
                 self._take_state()  # a plan left a rank out: its optimizer partition is re-homed
             unreachable = sorted(follower.newly_missing())
-            self.partitions.boundary(reroute)
+            if not self._admit_pending:
+                self.partitions.boundary(reroute)
         self._failures_in_row = 0
+        self._in_window = False
         asked = None if ride is None else ride[0] > 0
-        written = self.checkpoint.boundary(self.reroute, leader=self.leader, asked=asked)
+        # with ranks to admit, the flag is agreed with them then (_settle): they did not ride
+        written = None if self._admit_pending else self.checkpoint.boundary(self.reroute, asked=asked)
         step_time = self._timer.lap()
         losses, self._losses = self._losses, []
         tokens, self._tokens = self._tokens, 0
         if self.reporter is not None:
-            self._report(
-                grad_norm=grad_norm, step_time=step_time, losses=losses, tokens=tokens, unreachable=unreachable,
-                written=written,
+            _report(
+                self, grad_norm=grad_norm, step_time=step_time, losses=losses, tokens=tokens,
+                unreachable=unreachable, written=written,
             )  # fmt: skip
         limit = self.settings.max_steps
         if limit is not None and engine.global_steps >= limit:
             self._leave(f"PULSE_MAX_STEPS={limit}")
-
-    def _report(
-        self,
-        *,
-        grad_norm: float | None,
-        step_time: float,
-        losses: list[torch.Tensor],
-        tokens: int,
-        unreachable: list[int],
-        written: str | None,
-    ) -> None:
-        engine, reroute = self.engine, self.reroute
-        assert self.reporter is not None
-        self._declare_to_reporter(tokens)
-        norm = engine.get_global_grad_norm()
-        self._engine_norm = norm is not None
-        scale = getattr(engine.optimizer, "cur_scale", None) if engine.fp16_enabled() else None
-        self.reporter.report(
-            step=int(engine.global_steps),
-            loss=float(torch.stack(losses).float().mean()) if losses else None,
-            grad_norm=float(norm) if norm is not None else grad_norm,
-            loss_scale=float(scale) if scale is not None else None,
-            step_time_s=step_time,
-            plan_generation=None if reroute is None else reroute.generation,
-            unreachable_ranks=unreachable or None,
-            note=None if written is None else f"{wire.CHECKPOINT_WRITTEN} {written}",
-        )
-
-    def _declare_to_reporter(self, counted: int) -> None:
-        assert self.reporter is not None
-        tokens = self._declared_tokens if self._declared_tokens is not None else (counted or None)
-        flops = self._declared_flops
-        if flops is None and self._declared_tokens is None and counted:
-            # tokens counted from integer inputs: a token model; 6 x parameters is the dense estimate
-            flops = 6.0 * sum(p.numel() for p in self.engine.module.parameters())
-        if tokens != self.reporter.tokens_per_step or flops != self.reporter.flops_per_token:
-            self.reporter.declare(tokens_per_step=tokens, flops_per_token=flops)
 
     # --- survival ------------------------------------------------------------------------------------
 
@@ -423,9 +347,14 @@ class Resilience:
             if reroute.route is not None and reroute.route.proxies:
                 survey_s = reroute.peer_timeout_s + s.collective_timeout_s
             try:
+                self.partitions.release()  # so that the broken live group really closes (ZeRO 1-2)
                 follower.recover(error, report=report_missing, survey_s=survey_s, timeout_s=s.recovery_timeout_s)
                 if reroute.role == "excluded":
                     self._leave("excluded")
+                self._entering = set(reroute.joined)
+                self._admit_pending = False
+                if reroute.joined:
+                    follower.admit()
                 self._take_state()
                 written = self._settle()
                 break
@@ -462,22 +391,32 @@ class Resilience:
         assert follower is not None and self.reroute is not None
         try:
             follower.join(timeout_s=self.settings.recovery_timeout_s)
+            follower.admitted(timeout_s=self.settings.recovery_timeout_s)
         except JobFinished as exc:
             log.warning("event=rejoin_abandoned job=%s rank=%d reason=%r", self.settings.job_id, self.rank, str(exc))
             self._leave("job_finished")
         self._take_state()
+        self._entering = {self.rank}
         log.warning("event=rejoined job=%s rank=%d step=%d", self.settings.job_id, self.rank, self.engine.global_steps)
         self._settle()
 
+    def _admit(self) -> None:
+        """The live ranks, at the first forward after a boundary that brought ranks back (the step
+        before is theirs alone: its log line, its checkpoint): every live rank takes the state."""
+        try:
+            self.follower.admit()  # type: ignore[union-attr]
+            self._take_state()
+            self._settle()
+        except RuntimeError as exc:  # a rank died meanwhile: as at a step (only with survival on)
+            self._recover(exc)
+
     def _settle(self) -> str | None:
         """After the live ranks changed and took the state, on every live rank in this order: the
-        partitions' boundary, then the checkpoint flag agreed (returns the directory written). A
-        restarted rank runs it after its join, its peers after the switch that invited it: a
-        boundary's (:meth:`_boundary`, same order) or a recovery's. Every recovery runs it, as a
-        survivor cannot tell whether its recovery brought a rank back (an adopted plan hides it)."""
+        partitions' boundary, then the checkpoint flag agreed (returns the directory written); a
+        restarted rank after its join, its peers after the switch or recovery that invited it."""
         assert self.reroute is not None
         self.partitions.boundary(self.reroute)
-        return self.checkpoint.boundary(self.reroute, leader=self.leader)
+        return self.checkpoint.boundary(self.reroute)
 
     # --- the live ranks' view, and the end --------------------------------------------------------
 
@@ -486,6 +425,21 @@ class Resilience:
         """This rank is the lowest live participant (rank 0 unless a plan took it out)."""
         route = None if self.reroute is None else self.reroute.route
         return self.rank == (0 if route is None else route.root)
+
+    def world_view(self) -> world.View | None:
+        """Who runs the script's world-group collectives (:mod:`trainer.world`; None: the world
+        group). Ranks brought back run them alone until their first boundary (docs/design/resilience.md)."""
+        return _world_view(self)
+
+    def survive(self, error: RuntimeError) -> None:
+        """A world-group collective failed (:mod:`trainer.world`): recover now, as at a step (mid-window
+        the window's update is skipped); the caller runs it again. Raises ``error`` when it cannot."""
+        if not self.settings.survives or self.follower is None:
+            raise error
+        if self._in_window:
+            self.engine.zero_grad()
+            self._void = True
+        self._recover(error)
 
     def average_(self, tensor: torch.Tensor) -> int:
         """Average ``tensor`` in place over the ranks still contributing (never waits on a lost
@@ -513,24 +467,88 @@ class Resilience:
                 with contextlib.suppress(RuntimeError):
                     self.follower.finish()
             self.follower.close()
-        if self.reporter is not None:
-            self.reporter.close(timeout=5.0)
+        if self.reporter is not None and self.reporter is not rendezvous.reporter():
+            self.reporter.close(timeout=5.0)  # the runner's own it closes itself, after the exit report
 
     def _leave(self, why: str) -> None:
-        """This rank is out of the job (excluded, or nothing left to rejoin): exit 0 at once. It
-        must not enter the others' collectives, and the script's loop cannot be told to stop."""
-        log.warning(
-            "event=leaving job=%s rank=%d step=%d reason=%s",
-            self.settings.job_id,
-            self.rank,
-            self.engine.global_steps,
-            why,
-        )
+        """Out of the job (excluded, or nothing left to rejoin): exit 0 now, before the others' collectives."""
+        s, step = self.settings, self.engine.global_steps
+        log.warning("event=leaving job=%s rank=%d step=%d reason=%s", s.job_id, self.rank, step, why)
         self.close()
+        rendezvous.leave(0)
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()
         os._exit(0)
+
+
+def _job_store(s: TrainerSettings, rank: int) -> TCPStore:
+    """The job's store, through which every rank, first or restarted, agrees and makes groups."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = TCPStore(
+        addr, port, is_master=False, timeout=timedelta(seconds=s.recovery_timeout_s), wait_for_workers=False
+    )
+    if s.rejoin:
+        forget_invitation(store, job=s.job_id, rank=rank)  # before registering: see trainer.follow
+    return store
+
+
+def _world_view(r: Resilience) -> world.View | None:
+    reroute = r.reroute
+    if reroute is None or r.follower is None or not r.settings.survives:
+        return None
+    if r.rank in r._entering:
+        return world.View(world_size=r.world_size, rank=r.rank, members=(r.rank,), group=None)
+    if reroute.route is None or reroute.collective_timeout_s is None:
+        return None  # no plan in force yet: the world group itself
+    members = tuple(m for m in reroute.live_members if m not in r._entering)
+    # a degraded rank lags its peers by design (it waits on its carrier): a group holding one
+    # waits for it as long as its carrier does
+    lagging = any(m not in reroute.route.participants for m in members)
+    group = reroute.group_of(members, timeout_s=reroute.peer_timeout_s if lagging else None)
+    if group is None:
+        return None
+    return world.View(world_size=r.world_size, rank=r.rank, members=members, group=group)
+
+
+def _report(
+    r: Resilience,
+    *,
+    grad_norm: float | None,
+    step_time: float,
+    losses: list[torch.Tensor],
+    tokens: int,
+    unreachable: list[int],
+    written: str | None,
+) -> None:
+    """One boundary's report: the window's mean loss, DeepSpeed's gradient norm (else ours), the
+    fp16 loss scale, the step time, the plan in force and what MFU needs."""
+    engine, reroute, reporter = r.engine, r.reroute, r.reporter
+    assert reporter is not None
+    _declare(r, reporter, tokens)
+    norm = engine.get_global_grad_norm()
+    r._engine_norm = norm is not None
+    scale = getattr(engine.optimizer, "cur_scale", None) if engine.fp16_enabled() else None
+    reporter.report(
+        step=int(engine.global_steps),
+        loss=float(torch.stack(losses).float().mean()) if losses else None,
+        grad_norm=float(norm) if norm is not None else grad_norm,
+        loss_scale=float(scale) if scale is not None else None,
+        step_time_s=step_time,
+        plan_generation=None if reroute is None else reroute.generation,
+        unreachable_ranks=unreachable or None,
+        note=None if written is None else f"{wire.CHECKPOINT_WRITTEN} {written}",
+    )
+
+
+def _declare(r: Resilience, reporter: TrainerReporter, counted: int) -> None:
+    tokens = r._declared_tokens if r._declared_tokens is not None else (counted or None)
+    flops = r._declared_flops
+    if flops is None and r._declared_tokens is None and counted:
+        # tokens counted from integer inputs: a token model; 6 x parameters is the dense estimate
+        flops = 6.0 * sum(p.numel() for p in r.engine.module.parameters())
+    if tokens != reporter.tokens_per_step or flops != reporter.flops_per_token:
+        reporter.declare(tokens_per_step=tokens, flops_per_token=flops)
 
 
 def _reporter(engine: Any, s: TrainerSettings, *, rank: int, local_rank: int, world: int) -> TrainerReporter:
@@ -540,6 +558,12 @@ def _reporter(engine: Any, s: TrainerSettings, *, rank: int, local_rank: int, wo
     peak = s.peak_flops
     if peak is None and torch.cuda.is_available() and dtype is not None:
         peak = peak_flops(torch.cuda.get_device_name(local_rank), dtype=dtype)
+    made = rendezvous.reporter()  # the runner's, registered at the rendezvous
+    if made is not None:
+        if peak is not None:
+            made.peak_flops_per_device = peak
+            made.declare(tokens_per_step=made.tokens_per_step, flops_per_token=made.flops_per_token)
+        return made
     return TrainerReporter(
         job=s.job_id,
         rank=rank,

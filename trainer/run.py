@@ -1,48 +1,24 @@
 """``python -m trainer.run SCRIPT [ARGS...]`` or ``python -m trainer.run -m MODULE [ARGS...]``: run an
-unmodified DeepSpeed script with the resilience protocol (:mod:`trainer.resilience`).
+unmodified training script with the resilience protocol (:mod:`trainer.resilience`).
 
-The agents start every rank this way, so a script launched through ``POST /v1/jobs`` changes no
-line. With ``deepspeed`` or ``torchrun``, put the runner in front of the script
-(``deepspeed --module trainer.run train.py ...``, ``torchrun ... -m trainer.run train.py ...``).
-
-Why a runner and not an import hook in the rank's environment (``sitecustomize``, a ``.pth``):
-the runner owns the process's end. It runs the script as ``__main__`` (``runpy``, so ``sys.argv``,
-``sys.path[0]`` and ``if __name__ == "__main__"`` are as with ``python script.py``), then closes
-the library (the reports are flushed; a restarted rank still waiting to rejoin is told the job is
-done), runs the script's ``atexit`` handlers, and leaves with ``os._exit`` and the script's exit
-code. gloo's worker threads outlive ``destroy_process_group`` and one that releases the last
-collective's tensors during interpreter teardown aborts the process (SIGABRT, exit 134: 3 of 30
-rank exits on this machine), which would turn a finished job into a failed one. And nothing is
-installed into site-packages or loaded into every Python process of the node.
-
-What the runner does to the script's world, before it runs:
-
-- ``PULSE_JOB_STORE=1`` (the agents and the Slurm batch script set it): the store at
-  ``MASTER_ADDR:MASTER_PORT`` must name ``PULSE_JOB_ID`` (:mod:`trainer.job_store`), or the rank
-  leaves with exit code 1 and the reason, before torch's rendezvous writes into a stranger's store.
-
-- ``deepspeed.initialize`` is wrapped (when DeepSpeed is imported; nothing is imported early): the
-  job's DeepSpeed config (``PULSE_DEEPSPEED_CONFIG``) replaces the script's, and the engine it
-  returns gets :func:`trainer.resilience.attach`. Only the first engine is attached (a second one,
-  an evaluation engine say, is left alone); a pipeline engine only reports nothing (refused,
-  logged: the plan numbers data-parallel ranks of the whole world).
-- ``PULSE_REJOIN=1``: the rank cannot enter the live ranks' world (its size was fixed at
-  ``init_process_group``), so it gets a world of one before the script starts (DeepSpeed's and
-  torch's ``init_process_group`` then find it made), and the config's ``train_batch_size`` is
-  divided by the job's world size, as DeepSpeed checks it against a world of one. Its rank in
-  the job's groups is asked of the group itself (``dist.get_rank(group)`` would answer from the
-  world of one's rank 0).
-
-Without ``PULSE_REDIS_URL`` and ``PULSE_JOB_ID`` the script runs as it would alone.
+The agents start every rank this way; under ``deepspeed`` or ``torchrun`` put it in front of the
+script. It runs the script as ``__main__``, then closes the library and leaves with the script's
+exit code through ``os._exit``. Before the script runs it installs, with ``PULSE_REDIS_URL`` and
+``PULSE_JOB_ID`` set: the rank's registration at its rendezvous and its exit report
+(:mod:`trainer.rendezvous`), the world group's collectives over the live ranks
+(:mod:`trainer.world`), and a hook on ``deepspeed.initialize`` (:mod:`trainer.imports`) that puts
+the job's DeepSpeed config in place of the script's and attaches the library to the first engine.
+``PULSE_JOB_STORE=1``: the store at ``MASTER_ADDR:MASTER_PORT`` must name ``PULSE_JOB_ID``
+(:mod:`trainer.job_store`). ``PULSE_REJOIN=1``: a world of one before the script starts (the Hugging
+Face Trainer adapted to it, :mod:`trainer.frameworks`); refused under a bare Accelerate loop or
+Lightning (exit :data:`clusterpulse.wire.REJOIN_REFUSED_EXIT`). Details:
+``docs/design/resilience.md``.
 """
 
 from __future__ import annotations
 
 import atexit
 import copy
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import logging
 import os
@@ -56,10 +32,30 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trainer import job_store
+from clusterpulse import wire
+from trainer import frameworks, job_store, rendezvous, world
+from trainer.imports import after_import
 from trainer.settings import TrainerSettings, load_trainer_settings
 
 log = logging.getLogger("pulse.trainer.run")
+
+FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
+"""Packages that call ``deepspeed.initialize`` for the script: their engines attach; a relaunched
+rank is taken back under the Hugging Face Trainer (:mod:`trainer.frameworks`), refused under the
+others (their loops count their own steps)."""
+
+
+def _framework(frame: Any) -> str | None:
+    """The framework that called ``deepspeed.initialize`` (the Trainer calls it through Accelerate)."""
+    found = None
+    while frame is not None:
+        name = str(frame.f_globals.get("__name__", ""))
+        package = next((f for f in FRAMEWORKS if name == f or name.startswith(f"{f}.")), None)
+        if package == "transformers":
+            return package
+        found = found or package
+        frame = frame.f_back
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m trainer.run: {exc}", file=sys.stderr)
         return 1
     if settings.active:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
         install(settings)
     code = _run(target, rest, module=module is not None)
     return _finish(code)
@@ -95,39 +91,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def install(settings: TrainerSettings) -> None:
     """Make this process's ``deepspeed.initialize`` attach the protocol (module docstring)."""
+    rendezvous.install(settings)
+    world.install()
     if settings.rejoin:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        world.install(alone=world.View(world_size=size, rank=rank, members=(rank,), group=None))
+        frameworks.install(rank=rank, world_size=size)
         world_of_one()
-    if "deepspeed" in sys.modules:
-        _patch(sys.modules["deepspeed"], settings)
-    else:
-        sys.meta_path.insert(0, _DeepSpeedFinder(settings))
-
-
-class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
-    """Patches ``deepspeed`` right after it is first imported, wherever the import happens."""
-
-    def __init__(self, settings: TrainerSettings) -> None:
-        self.settings = settings
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "deepspeed":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("deepspeed")
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-        settings = self.settings
-
-        def exec_and_patch(module: ModuleType) -> None:
-            exec_module(module)
-            _patch(module, settings)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
+    after_import("deepspeed", lambda deepspeed: _patch(deepspeed, settings))
 
 
 def _patch(deepspeed: ModuleType, settings: TrainerSettings) -> None:
@@ -138,6 +109,14 @@ def _patch(deepspeed: ModuleType, settings: TrainerSettings) -> None:
     def initialize(*args: Any, **kwargs: Any) -> Any:
         from trainer import resilience
 
+        framework = _framework(sys._getframe(1))
+        if settings.rejoin and framework not in (None, "transformers"):
+            print(
+                f"python -m trainer.run: a relaunched rank cannot be taken back under {framework}: it sized "
+                "its world and counts its steps from this rank's start (docs/design/rerouting.md)",
+                file=sys.stderr,
+            )
+            raise SystemExit(wire.REJOIN_REFUSED_EXIT)
         args, kwargs = _with_job_config(args, kwargs, settings)
         out = original(*args, **kwargs)
         engine = out[0]
@@ -146,7 +125,7 @@ def _patch(deepspeed: ModuleType, settings: TrainerSettings) -> None:
         elif getattr(engine, "pipeline_parallelism", False):
             log.warning("event=resilience_refused reason=pipeline_parallelism note=the_plan_numbers_the_whole_world")
         else:
-            resilience.attach(engine, settings=settings)
+            resilience.attach(engine, settings=settings, join_at_first_step=framework == "transformers")
         return out
 
     initialize._pulse = True  # type: ignore[attr-defined]
@@ -168,8 +147,8 @@ def _with_job_config(
     if not isinstance(cfg, dict):
         return args, kwargs
     cfg = reroutable(cfg) if settings.reroute else dict(cfg)
-    if settings.rejoin and "train_batch_size" in cfg:
-        cfg["train_batch_size"] = int(cfg["train_batch_size"]) // int(os.environ.get("WORLD_SIZE", "1"))
+    if settings.rejoin:
+        cfg = for_world_of_one(cfg)
     kwargs = {**kwargs, "config": cfg}
     kwargs.pop("config_params", None)
     if ns is not None and getattr(ns, "deepspeed_config", None) is not None:  # DeepSpeed refuses a config twice
@@ -180,6 +159,19 @@ def _with_job_config(
         else:
             args = (ns, *args[1:])
     return args, kwargs
+
+
+def for_world_of_one(config: dict[str, Any]) -> dict[str, Any]:
+    """A relaunched rank's config: DeepSpeed checks ``train_batch_size`` against its world of one,
+    so it is the micro batch times the accumulation steps where both are given (a framework
+    filled them for the job's world), else the job's divided by the job's world size."""
+    out = dict(config)
+    micro, steps = out.get("train_micro_batch_size_per_gpu"), out.get("gradient_accumulation_steps", 1)
+    if isinstance(micro, int) and isinstance(steps, int):
+        out["train_batch_size"] = micro * steps
+    elif "train_batch_size" in out:
+        out["train_batch_size"] = int(out["train_batch_size"]) // int(os.environ.get("WORLD_SIZE", "1"))
+    return out
 
 
 def reroutable(config: dict[str, Any]) -> dict[str, Any]:
@@ -219,7 +211,7 @@ def world_of_one() -> None:
 def _rank_in_groups_by_group() -> None:
     """``dist.get_rank(group)`` maps the default group's rank through the group's table of global
     ranks. In a world of one that rank is 0 whatever the rank's place in the job, so in the job's
-    groups (:func:`trainer.collective.make_group`, keyed by job ranks) it would name another rank:
+    groups (:func:`trainer.groups.make_group`, keyed by job ranks) it would name another rank:
     DeepSpeed's ZeRO optimizer asks it which partition is its own. Here it asks the group instead
     (``ProcessGroup.rank()``, the same answer wherever both are right)."""
     import torch.distributed as dist
@@ -268,6 +260,7 @@ def _finish(code: int) -> int:
     if r is not None:
         r.close(success=code == 0)
     atexit._run_exitfuncs()
+    rendezvous.leave(code)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

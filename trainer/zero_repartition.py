@@ -1,45 +1,14 @@
 """ZeRO 1-2 over a changing set of live ranks: the optimizer partitions re-homed, nothing restarted.
 
-DeepSpeed's ZeRO 1-2 optimizer (``DeepSpeedZeroOptimizer``) keeps, per parameter group, one flat
-buffer of the model's parameters, which every rank holds whole, cut into one partition per rank of
-its data-parallel group. Each rank keeps the fp32 master weights and the optimizer state (Adam's
-moments) of its own partition only, and after each step it all-gathers the updated partitions into
-every rank's parameters. A rank that leaves takes its partition of the optimizer state with it,
-and the next all-gather waits for it.
-
-:func:`repartition` builds the optimizer anew over the live ranks. It runs at the step boundary
-where the set of live ranks changed: a recovery, a plan that excludes a rank, or a relaunched rank
-taken back. Every live rank calls it together, on the live ranks' group
-(:meth:`trainer.collective.PlanGroups.live_group`):
-
-1. Every old partition is broadcast over that group, one state at a time, from where it still is.
-   - A live owner sends its own. An owner is an old member whose partitions are still over the
-     old members: a relaunched rank (its engine started in a world of one) is not one, nor a rank
-     whose part in an interrupted re-home went further than the source's; their partitions are
-     recovered as a gone owner's.
-   - A gone owner's master weights come from the model's parameters, which every rank holds as of
-     the last completed step. This is exact in fp32; under bf16/fp16 it is rounded to the
-     parameter dtype.
-   - A gone owner's optimizer state comes from the copy its mirror holder keeps (:class:`Mirror`),
-     at most ``PULSE_ZERO_MIRROR_STEPS`` steps old. Where no copy exists, it is zero, and the
-     result says which partitions lost it.
-2. Once every member has confirmed that it holds its new partitions (the last collective, so a
-   member that dies or times out before it leaves every rank's optimizer as it was), DeepSpeed
-   builds its optimizer over the live group, through the engine's own
-   ``_configure_zero_optimizer`` around the same torch optimizer. The param groups, their
-   hyperparameters and the learning-rate scheduler (which holds the torch optimizer) stay as they
-   are. Every rank fills its new partition from the assembled state and writes the whole assembled
-   master into its parameters, so every live rank steps from the same model.
-
-Layouts are computed (:func:`group_layout`), not read, so a relaunched rank whose engine started in
-a world of one knows the old layout; each computed layout is checked against the one DeepSpeed
-builds. A rank's identity of a parameter is its index in its group, so ``round_robin_gradients``
-(which reorders parameters by the group's size) is refused.
-
-Cost: at the boundary of a change, the whole optimizer state crosses the live group once (one
-broadcast per old partition and state); every rank briefly holds one state of the whole group, and
-until the commit its new partitions and the whole model's fp32 master weights. The mirror sends
-each rank's partition state to one neighbour every ``PULSE_ZERO_MIRROR_STEPS`` steps.
+:func:`repartition` builds a ``DeepSpeedZeroOptimizer`` anew over the live ranks, at the step
+boundary where they changed (a recovery, an exclusion, a rejoin); every live rank calls it
+together on the live ranks' group (:meth:`trainer.groups.PlanGroups.live_group`). Every old
+partition is broadcast from where it still is: a live owner sends its own; a gone owner's master
+weights come from the model every rank holds, its optimizer state from the copy its
+:class:`Mirror` holder keeps (at most ``PULSE_ZERO_MIRROR_STEPS`` steps old; zero where none, and
+the result says which). Nothing changes on any rank until every member confirmed its new
+partitions. Layouts are computed (:func:`group_layout`) and checked against DeepSpeed's;
+``round_robin_gradients`` is refused. The steps and their cost: docs/design/zero-repartition.md.
 """
 
 from __future__ import annotations
@@ -55,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.collective import PlanGroups
+from trainer.groups import PlanGroups, group_device, on_device
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +157,10 @@ class Mirror:
         states = [_partitioned(opt, i) for i in range(len(opt.bit16_groups))]
         if not any(states):
             return  # the optimizer has not stepped yet: no state to keep
-        mine = torch.cat([s[k].detach().reshape(-1).float() for s in states for k in sorted(s)])
-        q, k = members.index(rank), self.step_in(members)
         group = opt.dp_process_group
+        mine = torch.cat([s[k].detach().reshape(-1).float() for s in states for k in sorted(s)])
+        mine = on_device(mine, group)
+        q, k = members.index(rank), self.step_in(members)
         buf = torch.empty_like(mine)
         of = members[(q - k) % len(members)]
         recv = dist.irecv(buf, src=of, group=group)
@@ -238,6 +208,22 @@ class Rehoming:
         if group is not None and group is not opt.dp_process_group and members == members_of(self.engine):
             _put_on(self.engine, group, members)
         self.mirror.boundary(self.engine, step=int(self.engine.global_steps), rank=self.rank)
+
+    def release(self) -> None:
+        """After a collective failed, before the survivors agree: DeepSpeed's optimizer and engine
+        let go of the live group :meth:`boundary` put them on. :meth:`PlanGroups.reset` destroys
+        that group, but gloo closes its connections only once nothing holds it; while the
+        optimizer did, a peer blocked in DeepSpeed's gradient-norm all-reduce or partition
+        all-gather on this rank (not on the dead one) waited out the whole collective timeout.
+        The old optimizer runs no collective after this: the failed window's update is skipped,
+        and :meth:`rehome` builds the next one on the new live group. A no-op while the optimizer
+        is still on DeepSpeed's own world group, which this does not own."""
+        opt = self.engine.optimizer
+        if not self.on or getattr(opt, _MEMBERS, None) is None or opt.dp_process_group is None:
+            return
+        opt.dp_process_group = None
+        opt.real_dp_process_group = [None] * len(opt.real_dp_process_group)
+        self.engine.seq_data_parallel_group = None
 
     def rehome(self, groups: PlanGroups, *, source: int, job: str) -> Repartitioned:
         """Every live rank together, after the plan in force changed who is live."""
@@ -348,7 +334,7 @@ def _owners(
     over ``old`` (``claim``). An old member whose are not (a relaunched rank, whose engine started
     in a world of one; or a rank whose last re-home completed when the source's did not) is
     re-homed as a lost one: its master weights from the model, its state from its mirror."""
-    flags = torch.zeros(len(members), dtype=torch.int64)
+    flags = torch.zeros(len(members), dtype=torch.int64, device=group_device(group))
     flags[members.index(rank)] = int(rank in old and claim == old)
     dist.all_reduce(flags, group=group)
     owners = tuple(m for m, flag in zip(members, flags.tolist(), strict=True) if flag)
@@ -361,7 +347,7 @@ def _owners(
 def _commit(group: dist.ProcessGroup) -> None:
     """The last collective of a re-home: it completes once every member has assembled its new
     partitions, and raises (``RuntimeError``) on a member that died or timed out before that."""
-    dist.all_reduce(torch.ones(1, dtype=torch.int64), group=group)
+    dist.all_reduce(torch.ones(1, dtype=torch.int64, device=group_device(group)), group=group)
 
 
 def _agree(engine: Any, *, rank: int, source: int, group: dist.ProcessGroup) -> dict[str, Any]:
@@ -435,16 +421,17 @@ class _Sources:
 def _broadcast_object(obj: Any, *, src: int, rank: int, group: dist.ProcessGroup) -> Any:
     """``src``'s ``obj`` on every member (``broadcast_object_list`` compares the default group's
     rank with ``src``, which a group made by global job ranks does not allow)."""
+    device = group_device(group)
     data = pickle.dumps(obj) if rank == src else b""
-    length = torch.tensor([len(data)], dtype=torch.int64)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(length, src=src, group=group)
     buf = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         if rank == src
-        else torch.empty(int(length.item()), dtype=torch.uint8)
+        else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     )
     dist.broadcast(buf, src=src, group=group)
-    return pickle.loads(buf.numpy().tobytes())  # from a rank of the same job
+    return pickle.loads(buf.cpu().numpy().tobytes())  # from a rank of the same job
 
 
 def _check(opt: Any, layouts: list[GroupLayout]) -> None:
@@ -476,7 +463,7 @@ def _holders(
             out[owner] = None
             continue
         has = mirror.copy is not None and mirror.of_rank == owner and mirror.members == old
-        flag = torch.tensor([mirror.step if has else -1], dtype=torch.int64)
+        flag = torch.tensor([mirror.step if has else -1], dtype=torch.int64, device=group_device(group))
         dist.broadcast(flag, src=holder, group=group)
         out[owner] = (holder, int(flag.item())) if int(flag.item()) >= 0 else None
     return out
@@ -485,7 +472,7 @@ def _holders(
 def _assemble(src: _Sources, i: int, name: str, layout: GroupLayout) -> torch.Tensor:
     """State ``name`` of group ``i`` over the whole old flat layout, on every member."""
     size = layout.partition
-    full = torch.zeros(layout.total, dtype=torch.float32)
+    full = torch.zeros(layout.total, dtype=torch.float32, device=group_device(src.group))
     for q, owner in enumerate(src.old):
         part = full.narrow(0, q * size, size)
         if owner in src.owners:
@@ -509,7 +496,7 @@ def _assemble(src: _Sources, i: int, name: str, layout: GroupLayout) -> torch.Te
 
 def _slice(full: torch.Tensor, old: GroupLayout, new: GroupLayout, part: int) -> torch.Tensor:
     """Partition ``part`` of ``new``, from ``full`` laid out as ``old``."""
-    out = torch.zeros(new.partition, dtype=full.dtype)
+    out = torch.zeros(new.partition, dtype=full.dtype, device=full.device)
     base = part * new.partition
     for j, offset, length in new.pieces(part):
         dst = new.offsets[j] + offset - base

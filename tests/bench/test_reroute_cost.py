@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def measure(repeats: int = 20) -> dict[str, Any]:
-    from trainer.check_reroute import CheckConfig, run_check
+    from tools.check_reroute import CheckConfig, run_check
 
     cfg = CheckConfig(world_size=4, degrade=(2,), hang=2, repeats=repeats, proxy_timeout_s=5.0, stock_timeout_s=20.0)
     return run_check(cfg)

@@ -7,7 +7,7 @@ minute's batch per transaction as the outbox does, each node's last seen every
 ``--summary-every`` simulated seconds (the compact summary; an update in place), and the
 retention pass every simulated hour. Figures: the database file's size at the end of the week
 with ``PULSE_RETENTION_DAYS`` at each of ``--days`` (the default 30 keeps the whole week), and the
-events kept. Measurements never reach the database (``services/summary.py``), so nothing else grows.
+events kept. Measurements never reach the database (``services/persist/decide.py``), so nothing else grows.
 
 Skipped unless ``PULSE_BENCH=1``; ``python -m tests.bench.test_retention_week`` prints one JSON
 object.
@@ -77,7 +77,7 @@ def simulate(path: Path, *, nodes: int, days: float, fault_every: float, summary
                 db.store_seen(s, rows=[db.NodeSeen(n, t, int(t), 0.01) for n in names], at=t)
             last_summary = t
         if t - last_prune >= 3600:
-            asyncio.run(retention.run_once(t))
+            asyncio.run(retention.prune(t))
             last_prune = t
     with sessions() as s:
         events = s.scalar(select(func.count()).select_from(EventRow))

@@ -156,7 +156,7 @@ def test_thresholds_follow_the_orchestrator_defaults() -> None:
 
 
 def test_power_below_peers_compares_with_the_upper_quartile() -> None:
-    """As services/health.py does: the node's 0.75 quantile, only on a loaded node of 3+ GPUs.
+    """As services/health/decide.py does: the node's 0.75 quantile, only on a loaded node of 3+ GPUs.
 
     Not the median: when one PSU sags, half the GPUs of a board drop together (700 W vs 749 W)
     and the median sits between the two halves, less than 5 % above the low ones.

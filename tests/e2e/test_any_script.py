@@ -20,7 +20,6 @@ processes (simulated telemetry, the real launcher, which runs it under ``python 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
@@ -31,7 +30,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.stack import Stack, first_step_with, latest_step, registrations, reports
+from tests.stack import Stack, first_step_with, latest_step, rank_pid, registrations, reports
 from tests.support import REDIS_URL, REPO, http, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -51,19 +50,6 @@ def _config(stage: int) -> dict[str, Any]:
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1_000_000_000,
     }
-
-
-def _rank_pid(job: str, rank: int) -> int:
-    """The training process of ``rank`` (not the shell the agent wraps it in)."""
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = p.info.get("cmdline") or []
-        if "trainer.run" not in cmd or cmd[0] == "/bin/sh":
-            continue
-        with contextlib.suppress(psutil.Error):
-            env = p.environ()
-            if env.get("PULSE_JOB_ID") == job and env.get("RANK") == str(rank):
-                return int(p.info["pid"])
-    raise AssertionError(f"no process of rank {rank} of job {job}")
 
 
 def _start(
@@ -160,7 +146,7 @@ def test_a_users_script_survives_a_killed_rank_without_a_restart(
         )  # fmt: skip
         _metrics_seen(s, job)
         wait_for(lambda: latest_step(REDIS_URL, job).get(1, 0) >= 5, timeout=120, what="rank 1 past step 5")
-        psutil.Process(_rank_pid(job, 1)).kill()
+        psutil.Process(rank_pid(job, 1)).kill()
         killed_at = time.monotonic()
         wait_for(lambda: 1 in s.get(f"/v1/jobs/{job}/plan")["excluded"], timeout=30, what="rank 1 excluded")
         excluded_s = time.monotonic() - killed_at

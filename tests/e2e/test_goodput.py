@@ -1,4 +1,4 @@
-"""Goodput under faults, the short form of ``pulse bench goodput`` (tools/goodput.py).
+"""Goodput under faults, the short form of ``pulse bench goodput`` (tools/goodput/).
 
 A private redis-server (the campaign restarts it), the orchestrator, four simulated agents and a
 4-rank DeepSpeed job of ``trainer.example`` on gloo; a short fault-free run, then the same job
@@ -30,14 +30,14 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="the campaign restarts a private redis-server"),
 ]
 
-# In turn, one every 10 s; the last may not come if the job is done by then (3 ranks step faster here).
+# In turn, one every 10 s; the last may not come if the job is done by then.
 KINDS = ["agent_kill", "redis_restart", "rank_kill", "orchestrator_restart", "psu_imbalance"]
 
 
 def test_short_campaign_keeps_training_through_every_fault(tmp_path: Path) -> None:
     args = argparse.Namespace(
         ranks=4,
-        duration=60.0,
+        duration=50.0,
         fault_every=10.0,
         seed=7,
         kinds=KINDS,

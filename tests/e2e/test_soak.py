@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 
+import psutil
 import pytest
 
 from agent.simulated import FAULT_KINDS
-from tests.support import PULSE, REPO, pulse_env
+from tests.support import PULSE, REPO, pulse_env, wait_for
 
 pytestmark = [
     pytest.mark.e2e,
@@ -42,3 +44,34 @@ def test_short_soak_detects_every_fault_and_invents_none() -> None:
     assert r["orchestrator_rss_warm_bytes"] > 0 and r["orchestrator_rss_end_bytes"] > 0
     assert r["rss_growth_ratio"] == round(r["orchestrator_rss_end_bytes"] / r["orchestrator_rss_warm_bytes"], 4)
     assert r["ok"] is True
+
+
+def test_sigterm_stops_the_soak_and_everything_it_started() -> None:
+    """SIGTERM mid-run: the handler raises a flag, the run unwinds by itself (the orchestrator,
+    the simulated nodes and redis-server stopped), says so, and exits 128 + SIGTERM."""
+    proc = subprocess.Popen(
+        [*PULSE, "bench", "soak", "--nodes", "2", "--gpus-per-node", "1", "--duration", "600",
+         "--interval", "0.5", "--warmup", "600", "--json"],
+        env=pulse_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        parent = psutil.Process(proc.pid)
+
+        def started() -> list[psutil.Process]:
+            kids = parent.children(recursive=True)
+            lines = [" ".join(k.cmdline()) for k in kids]
+            both = any("redis-server" in x for x in lines) and any("orchestrator" in x for x in lines)
+            return kids if both else []
+
+        children = wait_for(started, timeout=60, what="the soak's redis-server and orchestrator")
+        assert isinstance(children, list)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+        assert "stopped (SIGTERM) before its verdict" in err, err[-3000:]
+        alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [c.cmdline() for c in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

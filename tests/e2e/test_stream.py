@@ -21,8 +21,8 @@ import pytest
 import redis
 
 from tests.stack import AUTH, Stack
-from tests.support import PULSE, REDIS_URL, REPO, http, wait_for
-from tools.sse import Message, parse, wake_on
+from tests.support import PULSE, REDIS_URL, REPO, free_port, http, spawn, wait_for
+from tools.sse import Message, StreamRefused, follow, parse, wake_on
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -161,9 +161,17 @@ def test_stream_replays_after_since_id_then_keeps_alive(stack: Stack) -> None:
     assert [m.data for m in got][: len(stored)] == stored
 
 
+def _closing(lines: list[str]) -> list[Message]:
+    """The ``closed`` messages among the stream's lines."""
+    return [m for m in parse(lines) if m is not None and m.event == "closed"]
+
+
+REFUSED = {"status": 401, "detail": "the bearer token is unknown or revoked; this call needs role viewer or above"}
+
+
 def test_a_revoked_tokens_stream_ends_saying_why(stack: Stack) -> None:
-    """A viewer token's stream is open; the token is revoked: the stream ends with a comment
-    naming the refusal (not at the client's leisure), and reconnecting with it is a 401."""
+    """A viewer token's stream is open; the token is revoked: the stream ends with a ``closed``
+    message naming the refusal (not at the client's leisure), and reconnecting with it is a 401."""
     created = stack.post("/v1/tokens", {"name": "stream-viewer", "role": "viewer"})
     assert created.status_code == 201, created.text
     viewer = {"Authorization": f"Bearer {created.json()['secret']}"}
@@ -181,7 +189,66 @@ def test_a_revoked_tokens_stream_ends_saying_why(stack: Stack) -> None:
                 revoked_at = time.monotonic()
             if revoked_at is not None and time.monotonic() - revoked_at > 10:
                 break  # keepalives went on: the stream outlived its token
-    closing = [line for line in lines if line.startswith(": closed:")]
-    assert closing == [": closed: the bearer token is unknown or revoked; this call needs role viewer or above"], lines
-    assert lines.index("revoked") < lines.index(closing[0])
+    closing = _closing(lines)
+    assert [m.data for m in closing] == [REFUSED], lines
+    assert lines.index("revoked") < lines.index("event: closed") and lines[-1] == "", lines
     assert http().get(f"{stack.api}/v1/stream", headers=viewer, timeout=5).status_code == 401
+
+
+def test_a_token_revoked_on_another_replica_ends_its_stream_within_a_second(tmp_path: Path) -> None:
+    """Two replicas on one database; a viewer streams from the first and its token is revoked
+    through the second, whose revoke the first's token cache (kept long here) does not see: the
+    stream still ends within PULSE_STREAM_TOKEN_CHECK_S (1 s) with a ``closed`` message, its id the
+    last one sent, and the follower of tools/sse.py stops on it with the reason."""
+    r = redis.Redis.from_url(REDIS_URL)
+    r.flushdb()
+    s = Stack(tmp_path, PULSE_STREAM_POLL_S="0.1", PULSE_AUTH_READS="true", PULSE_TOKEN_CACHE_S="60")
+    try:
+        s.orchestrator()
+        other = free_port()
+        s.procs["orch-b"] = spawn(
+            ["orchestrator", "--port", str(other)], env={**s.env, "PULSE_REPLICA_ID": "orch-b"}, log=tmp_path / "b.log"
+        )
+        wait_for(
+            lambda: http().get(f"http://127.0.0.1:{other}/readyz", timeout=1).status_code == 200,
+            timeout=30,
+            what="the second replica ready",
+        )
+        created = s.post("/v1/tokens", {"name": "far-viewer", "role": "viewer"})
+        assert created.status_code == 201, created.text
+        viewer = {"Authorization": f"Bearer {created.json()['secret']}"}
+        lines: list[str] = []
+        client = httpx.Client(base_url=s.api, headers=viewer, timeout=httpx.Timeout(5.0, read=10.0))
+        with client, client.stream("GET", "/v1/stream") as stream:
+            assert stream.status_code == 200
+            lines_in = stream.iter_lines()
+            while not (line := next(lines_in)).startswith("id:"):  # connected: where it starts
+                lines.append(line)
+            start = int(line.removeprefix("id:"))
+            revoked = http().post(f"http://127.0.0.1:{other}/v1/tokens/far-viewer/revoke", headers=AUTH, timeout=10)
+            assert revoked.status_code == 200 and revoked.json()["changed"] is True, revoked.text
+            revoked_at = time.monotonic()
+            lines += list(lines_in)  # until the server ends the stream
+            took = time.monotonic() - revoked_at
+        closing = _closing(lines)
+        assert [m.data for m in closing] == [REFUSED], lines
+        assert closing[0].id >= start
+        # one check interval, plus the lookup and a loaded machine's scheduling
+        assert took < 1.5, f"the stream outlived its revoked token by {took:.2f}s"
+        with pytest.raises(StreamRefused, match="401"):
+            next(follow(httpx.Client(base_url=s.api, headers=viewer)))
+    finally:
+        s.close()
+        r.flushdb()
+        r.close()
+
+
+def test_the_follower_stops_on_a_closed_message() -> None:
+    """tools/sse.py: a ``closed`` message ends :func:`follow` with the reason, not a reconnect."""
+    body = ': connected\nid: 7\n\nid: 8\nevent: event\ndata: {"id": 8}\n\n'
+    body += 'id: 8\nevent: closed\ndata: {"status": 401, "detail": "revoked"}\n\n'
+    transport = httpx.MockTransport(lambda req: httpx.Response(200, text=body))
+    got = follow(httpx.Client(transport=transport, base_url="http://pulse.test"))
+    assert next(got).data == {"id": 8}
+    with pytest.raises(StreamRefused, match="closed -> 401: revoked"):
+        next(got)

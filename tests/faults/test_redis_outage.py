@@ -157,24 +157,53 @@ def running_job(tmp_path: Path, private_redis: PrivateRedis) -> Iterator[Stack]:
         s.close()
 
 
-def test_a_checkpoint_asked_while_redis_is_down_is_a_503_that_names_the_request(
+def _commands(private_redis: PrivateRedis, node: str) -> list[wire.JobCommand]:
+    client = private_redis.client()
+    try:
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(wire.node_commands_key(node))  # type: ignore[assignment]
+    finally:
+        client.close()
+    return [wire.decode_job_command(f[wire.COMMAND_FIELD]) for _, f in entries]
+
+
+def test_a_checkpoint_asked_while_redis_is_down_is_a_503_its_event_says_undelivered_and_a_retry_delivers_it(
     running_job: Stack, private_redis: PrivateRedis
 ) -> None:
-    """The request is recorded (its event stands) before its commands go to Redis; when Redis
-    refuses them the caller hears so, with the request's id and a Retry-After, not a bare 500."""
+    """Recording and sending are one outcome: with Redis down the caller gets a 503 naming Redis
+    and the request, and the one event of that request says it was not delivered (nothing was
+    sent); asked again once Redis answers, the request is delivered, once, and its event says so."""
     s = running_job
     private_redis.stop()
     r = s.post(f"/v1/jobs/{JOB}/checkpoint", {"reason": "before the maintenance"})
     assert r.status_code == 503, r.text
     assert r.headers["Retry-After"] == "5"
     m = re.fullmatch(
-        rf"checkpoint request ([0-9a-f]{{16}}) of job {JOB} is recorded but did not reach its ranks "
-        r"\(Redis: .+\); ask again once Redis answers",
+        rf"checkpoint request ([0-9a-f]{{16}}) of job {JOB} was not delivered \(Redis: .+\): nothing was sent "
+        r"to its ranks and its event says so; ask again once Redis answers",
         r.json()["detail"],
     )
     assert m, r.json()
     asked = [e["reason"] for e in s.events(job=JOB) if e["kind"] == "checkpoint_requested"]
     assert len(asked) == 1 and asked[0].endswith(f"[request {m[1]}]"), asked
+    assert asked[0].startswith("NOT DELIVERED (Redis: ") and "nothing was sent to redis-0" in asked[0], asked
+
+    private_redis.start()
+    retry: list[str] = []
+
+    def delivered() -> bool:  # a client honouring Retry-After, until Redis takes it
+        again = s.post(f"/v1/jobs/{JOB}/checkpoint", {"reason": "before the maintenance"})
+        assert again.status_code in (202, 503), again.text
+        if again.status_code == 202:
+            retry.append(again.json()["request"])
+        return bool(retry)
+
+    wait_for(delivered, timeout=30, every=0.5, what="the checkpoint delivered once Redis answers")
+    sent = [c for c in _commands(private_redis, "redis-0") if c.kind == "checkpoint"]
+    assert [c.request for c in sent] == retry, sent  # once, and only the request that was delivered
+    events = [e["reason"] for e in s.events(job=JOB) if e["kind"] == "checkpoint_requested"]
+    ok = [e for e in events if e.endswith(f"[request {retry[0]}]")]
+    assert len(ok) == 1 and ok[0].startswith("asked by env: before the maintenance; SIGUSR2 to every rank"), events
+    assert all(e.startswith("NOT DELIVERED") for e in events if e not in ok), events
 
 
 def test_a_stop_asked_while_redis_is_down_is_stored_and_sent_once_redis_answers(

@@ -53,80 +53,158 @@ def _plan(job: str, generation: int, participants: list[int], excluded: list[int
     return wire.Plan(job=job, generation=generation, participants=participants, proxies={}, excluded=excluded)
 
 
-def test_a_rank_invited_back_by_a_recovery_trains_on_with_the_survivors(redis_url: str, tmp_path: Path) -> None:
-    job = f"rejoin-in-recovery-{os.getpid()}"
-    r = redis.Redis.from_url(redis_url)
-    out = tmp_path / "out"
-    out.mkdir()
-    port = free_port()
+class _Ranks:
+    """The job's ranks under ``python -m trainer.run``, rank 0 hosting its store unless
+    :meth:`host_store`; the test plays the orchestrator (:meth:`publish`)."""
 
-    def publish(plan: wire.Plan) -> None:
-        r.set(wire.job_plan_key(job), wire.encode(plan))
+    def __init__(
+        self, redis_url: str, out: Path, job: str, *args: str, steps: int = STEPS, sleep: float = 0.05
+    ) -> None:
+        self.redis_url, self.out, self.job, self.args = redis_url, out, job, args
+        self.steps, self.sleep = steps, sleep
+        self.r = redis.Redis.from_url(redis_url)
+        self.port = free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.store: TCPStore | None = None
+        self.env: dict[str, str] = {}
 
-    def start(rank: int, **extra: str) -> subprocess.Popen[bytes]:
+    def host_store(self) -> None:
+        """The job's store in this process, as the first node's agent hosts it: rank 0 can die too."""
+        self.store = TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
+        self.env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+
+    def publish(self, plan: wire.Plan) -> None:
+        self.r.set(wire.job_plan_key(self.job), wire.encode(plan))
+
+    def start(self, rank: int, **extra: str) -> subprocess.Popen[bytes]:
         env = pulse_env(
-            RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            PULSE_REDIS_URL=redis_url, PULSE_JOB_ID=job, PULSE_NODE=f"rj-{rank}",
+            RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),
+            PULSE_REDIS_URL=self.redis_url, PULSE_JOB_ID=self.job, PULSE_NODE=f"rj-{rank}",
             PULSE_DEEPSPEED_CONFIG=json.dumps(CONFIG), PULSE_PLAN_POLL_S="0.1", PULSE_COLLECTIVE_TIMEOUT_S="10",
-            PULSE_ZERO_MIRROR_STEPS="1", OMP_NUM_THREADS="1", **extra,
+            PULSE_ZERO_MIRROR_STEPS="1", OMP_NUM_THREADS="1", **self.env, **extra,
         )  # fmt: skip
-        argv = [str(SCRIPT), "--backward", "torch", "--max-steps", str(STEPS), "--sleep", "0.05", "--out", str(out)]
-        with (out / f"rank{rank}.log").open("ab") as log:  # the child keeps its own copy of the descriptor
-            return subprocess.Popen([sys.executable, "-u", "-m", "trainer.run", *argv], env=env, stdout=log, stderr=log)
+        argv = [SCRIPT, "--backward", "torch", "--max-steps", self.steps, "--sleep", self.sleep, "--out", self.out]
+        with (self.out / f"rank{rank}.log").open("ab") as log:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "trainer.run", *map(str, argv), *self.args],
+                env=env,
+                stdout=log,
+                stderr=log,
+            )
+        self.procs.append(proc)
+        return proc
 
-    def logs() -> dict[int, str]:
-        return {n: (out / f"rank{n}.log").read_text(errors="replace")[-4000:] for n in range(WORLD)}
+    def logs(self) -> dict[int, str]:
+        return {n: (self.out / f"rank{n}.log").read_text(errors="replace")[-4000:] for n in range(WORLD)}
 
-    def until(cond: Callable[[], object], *, timeout: float, what: str) -> None:
+    def until(self, cond: Callable[[], object], *, timeout: float, what: str) -> None:
         try:
             wait_for(cond, timeout=timeout, what=what, every=0.2)
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{logs()}") from None
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
 
-    def stepped(generation: int) -> set[int]:
+    def stepped(self, generation: int) -> set[int]:
         """The ranks that reported a step with ``generation`` in force."""
-        return set(first_step_with(redis_url, job, generation))
+        return set(first_step_with(self.redis_url, self.job, generation))
 
-    publish(_plan(job, 1, [0, 1, 2, 3], []))
-    procs = {rank: start(rank) for rank in range(WORLD)}
-    rejoined: subprocess.Popen[bytes] | None = None
-    try:
-        until(lambda: stepped(1) == set(range(WORLD)), timeout=120, what="every rank stepped")
-        procs[1].kill()
-        procs[1].wait(10)
-        publish(_plan(job, 2, [0, 2, 3], [1]))
-        until(lambda: {0, 2, 3} <= stepped(2), timeout=60, what="the survivors on generation 2")
+    def lose(self, lost: int) -> dict[int, subprocess.Popen[bytes]]:
+        """Every rank trains under generation 1; then ``lost`` is killed and generation 2 leaves it out."""
+        self.publish(_plan(self.job, 1, [0, 1, 2, 3], []))
+        procs = {rank: self.start(rank) for rank in range(WORLD)}
+        self.until(lambda: self.stepped(1) == set(range(WORLD)), timeout=120, what="every rank stepped")
+        procs[lost].kill()
+        procs[lost].wait(10)
+        self.publish(_plan(self.job, 2, [r for r in range(WORLD) if r != lost], [lost]))
+        return procs
 
-        procs[3].kill()  # the survivors' next collective fails: they wait in recovery for a plan
-        procs[3].wait(10)
+    def relaunch(self, rank: int) -> subprocess.Popen[bytes]:
+        """``rank`` again with ``PULSE_REJOIN=1``, once it waits for its invitation."""
         relaunched_at = time.time()
-        rejoined = start(1, PULSE_REJOIN="1")
-        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
-        beat = f"pulse/{job}/beat/1"  # written once the relaunched rank dropped any old invitation
-        until(
+        proc = self.start(rank, PULSE_REJOIN="1")
+        store = TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+        beat = f"pulse/{self.job}/beat/{rank}"  # written once the relaunched rank dropped any old invitation
+        self.until(
             lambda: store.check([beat]) and float(store.get(beat)) > relaunched_at,
             timeout=90,
-            what="the relaunched rank 1 waiting to rejoin",
+            what=f"the relaunched rank {rank} waiting to rejoin",
         )
-        publish(_plan(job, 3, [0, 1, 2], [3]))  # the recovery's plan: rank 3 out, rank 1 back
+        return proc
 
-        survivors = [procs[0], rejoined, procs[2]]
-        wait_all(survivors, timeout=120)
-        assert [p.returncode for p in survivors] == [0, 0, 0], logs()
-    finally:
-        for p in [*procs.values(), *([rejoined] if rejoined else [])]:
+    def close(self) -> None:
+        for p in self.procs:
             if p.poll() is None:  # a failed run leaves no rank behind
                 p.kill()
                 p.wait(10)
-        r.delete(wire.job_plan_key(job))
-    text = logs()
+        self.r.delete(wire.job_plan_key(self.job))
+
+    def same_model(self, ranks: tuple[int, ...]) -> None:
+        results: dict[int, Any] = {n: json.loads((self.out / f"rank{n}.json").read_text()) for n in ranks}
+        assert {res["steps"] for res in results.values()} == {self.steps}, results
+        params = {n: torch.load(self.out / f"rank{n}.pt") for n in ranks}
+        for n in ranks[1:]:
+            for got, want in zip(params[n], params[ranks[0]], strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_rank_invited_back_by_a_recovery_trains_on_with_the_survivors(redis_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    ranks = _Ranks(redis_url, out, f"rejoin-in-recovery-{os.getpid()}")
+    try:
+        procs = ranks.lose(1)
+        ranks.until(lambda: {0, 2, 3} <= ranks.stepped(2), timeout=60, what="the survivors on generation 2")
+
+        procs[3].kill()  # the survivors' next collective fails: they wait in recovery for a plan
+        procs[3].wait(10)
+        rejoined = ranks.relaunch(1)
+        ranks.publish(_plan(ranks.job, 3, [0, 1, 2], [3]))  # the recovery's plan: rank 3 out, rank 1 back
+
+        survivors = [procs[0], rejoined, procs[2]]
+        wait_all(survivors, timeout=120)
+        assert [p.returncode for p in survivors] == [0, 0, 0], ranks.logs()
+    finally:
+        ranks.close()
+    text = ranks.logs()
     assert "event=rejoined" in text[1], text[1]
     for rank in (0, 2):  # brought back by the recovery, not at a boundary
         assert re.search(r"event=recovered job=\S+ rank=\d+ generation=3 ", text[rank]), text[rank]
-    assert 1 in stepped(3), "the rejoined rank never stepped under generation 3"
-    results: dict[int, Any] = {n: json.loads((out / f"rank{n}.json").read_text()) for n in (0, 1, 2)}
-    assert {res["steps"] for res in results.values()} == {STEPS}, results
-    params = {n: torch.load(out / f"rank{n}.pt") for n in (0, 1, 2)}
-    for n in (1, 2):
-        for got, want in zip(params[n], params[0], strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert 1 in ranks.stepped(3), "the rejoined rank never stepped under generation 3"
+    ranks.same_model((0, 1, 2))
+
+
+def test_the_checkpoint_at_the_boundary_that_brings_a_rank_back_holds_every_partition(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Rank 0 dies (the store is hosted outside it, as the agent does) and the survivors invite it
+    back at a boundary; the script saves right after it, before rank 0 has trained a step: that
+    checkpoint is the survivors' (rank 0 joins at their next forward), so it holds all four ZeRO
+    partitions, rank 0's written by its stand-in. When the join re-homed the partitions first, the
+    joining rank's file was missing and the checkpoint did not load. Rank 0 is the plan's root once
+    back, so the survivors' lowest rank must be the one that admits it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    # long enough for the relaunched rank to start while the survivors train
+    ranks = _Ranks(redis_url, out, f"rejoin-saved-{os.getpid()}", "--save-every", "1", steps=120, sleep=0.1)
+    ranks.host_store()
+    try:
+        procs = ranks.lose(0)
+        rejoined = ranks.relaunch(0)  # it starts while the survivors train on
+        ranks.until(lambda: {1, 2, 3} <= ranks.stepped(2), timeout=60, what="the survivors on generation 2")
+        ranks.publish(_plan(ranks.job, 3, [0, 1, 2, 3], []))  # at the survivors' next boundary
+        everyone = [rejoined, procs[1], procs[2], procs[3]]
+        wait_all(everyone, timeout=120)
+        assert [p.returncode for p in everyone] == [0, 0, 0, 0], ranks.logs()
+    finally:
+        ranks.close()
+    text = ranks.logs()
+    assert "event=rejoined" in text[0], text[0]
+    assert re.search(r"event=rejoin_invited job=\S+ generation=3", text[1]), text[1]
+    joined_at = first_step_with(ranks.redis_url, ranks.job, 3)[1]  # the boundary that invited it
+    saved = sorted((out / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:]))
+    assert out / "checkpoints" / f"step{joined_at}" in saved, (joined_at, [p.name for p in saved])
+    for folder in [f for f in saved if int(f.name[4:]) >= joined_at]:  # (one the kill cut short lacks files)
+        states = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        assert states["dp_world_size"] == WORLD, folder.name
+        parts = sorted(p.name for p in folder.glob("zero_pp_rank_*_optim_states.pt"))
+        assert parts == [f"zero_pp_rank_{n}_mp_rank_00_optim_states.pt" for n in range(WORLD)], (folder.name, parts)
+    ranks.same_model((0, 1, 2, 3))

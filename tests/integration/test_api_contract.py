@@ -7,7 +7,7 @@ run (issue #20, item 7), through the real app (its lifespan, real Redis, SQLite 
 - a key reused with another body: 409 naming the key; with the same body: 200 and the same
   job, as the schema documents;
 - the schema's security says which routes need a token in each mode (see
-  ``services/openapi.py document``), and the app does what it says;
+  ``services/api/openapi.py document``), and the app does what it says;
 - every 405 carries ``Allow`` with every method of the path.
 """
 
@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from clusterpulse.settings import load_settings
-from services.api import create_app
+from services.api.app import create_app
 from tests.stack import AUTH, TOKEN, live_orchestrator
 from tests.support import REDIS_URL, fresh_database
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import redis.asyncio as aioredis
 
@@ -17,11 +18,12 @@ def test_the_clock_never_goes_backwards_when_a_sync_lands_behind_it(redis_url: s
     async def body() -> None:
         client = aioredis.from_url(redis_url)
         try:
-            clock = RedisClock(client)
+            ahead_s = 0.0
+            clock = RedisClock(client, monotonic=lambda: time.monotonic() + ahead_s)
             await clock.sync()
             server = await client.time()
             assert abs(clock.now() - (server[0] + server[1] / 1e6)) < 0.5  # Redis time, not this host's
-            clock._base += 2.0  # the extrapolation ran ahead of the server
+            ahead_s = 2.0  # the extrapolation ran ahead of the server
             ahead = clock.now()
             await clock.sync()  # back to the server's time, 2 s behind what was handed out
             stamps = [clock.now() for _ in range(1000)]

@@ -97,12 +97,12 @@ def test_migrations_create_the_schema_and_downgrade_cleanly(tmp_path: object) ->
     from alembic import command
 
     url = f"sqlite:///{tmp_path}/m.db"
-    assert db.upgrade(url) == "0007"
+    assert db.upgrade(url) == "0008"
     eng = db.make_engine(url)
     assert {"nodes", "gpus", "events", "jobs", "job_ranks", "plans", "tokens", "alembic_version"} <= set(
         inspect(eng).get_table_names()
     )
-    assert db.current_revision(eng) == "0007"
-    command.downgrade(db._alembic_config(url), "base")
+    assert db.current_revision(eng) == "0008"
+    command.downgrade(db.alembic_config(url), "base")
     assert set(inspect(eng).get_table_names()) == {"alembic_version"}
     eng.dispose()

@@ -1,5 +1,5 @@
 """/docs and /redoc work without a way out: every script, style sheet and icon they load is
-served by the orchestrator itself (services/routes/docs.py), none from a CDN."""
+served by the orchestrator itself (services/api/routes/docs.py), none from a CDN."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import httpx
 
 from clusterpulse.settings import load_settings
-from services.api import create_app
+from services.api.app import create_app
 
 
 def _get_all(paths: list[str]) -> dict[str, httpx.Response]:

@@ -26,11 +26,11 @@ from clusterpulse import wire
 from clusterpulse.settings import Settings, load_settings
 from services import db
 from services.cluster import ClusterEvent
-from services.ingest import Ingest
+from services.ingest.loop import Ingest
+from services.jobs.loop import Send
 from services.leader import FENCED_PLANS, StaleEpoch, plans_args
 from services.models import EventRow, JobRow, NodeRow
 from services.orchestrator import Orchestrator
-from services.reconcile import Send
 from tests.support import fresh_database
 
 SPEC = {"name": "j", "nodes": 1, "gpus_per_node": 1, "selector": {}, "entrypoint": ["-m", "x"]}
@@ -204,8 +204,11 @@ def test_pause_ends_a_loop_whose_redis_call_swallowed_the_cancel(
     ``pause()`` had only cancelled read on forever and ``pause()`` never returned. Here every
     read swallows it: ``pause()`` must end the loops all the same."""
     swallowed: list[float] = []
+    reading: list[float] = []
 
     async def read(self: Ingest, streams: dict[str, str], *, block_ms: int | None) -> list[Any]:
+        if block_ms:  # a blocking read (the first turn re-reads what is pending without blocking)
+            reading.append(time.monotonic())
         try:
             await asyncio.sleep((block_ms or 0) / 1000)
         except asyncio.CancelledError:
@@ -217,7 +220,7 @@ def test_pause_ends_a_loop_whose_redis_call_swallowed_the_cancel(
     async def main() -> None:
         async with _one_replica(redis_url, database_url) as (a, _):
             assert _leads(a)
-            await asyncio.sleep(0.3)  # the ingest loop is in a read
+            await _until(lambda: reading, "the ingest loop in a blocking read")
             await asyncio.wait_for(a.pause(), timeout=10)
             assert swallowed, "the ingest loop was cancelled inside a read"
             await a.start()  # and it starts again after a pause

@@ -15,7 +15,7 @@ from clusterpulse import wire
 from clusterpulse.retry import Backoff
 from clusterpulse.settings import Settings, load_settings
 from services import db
-from services.ingest import Entries
+from services.ingest.loop import Entries
 from services.orchestrator import Orchestrator
 
 
@@ -350,3 +350,30 @@ def test_trainer_reports_feed_job_metrics_lost_rule_and_straggler_events(redis_u
         lost = [e for e in events if e.to_state == "LOST"]
         assert [e.node for e in lost] == ["n1"] and "no progress for" in lost[0].reason
     engine.dispose()
+
+
+def test_exit_reports_are_kept_apart_from_steps_even_for_a_job_that_never_stepped(
+    redis_url: str, sqlite_url: str
+) -> None:
+    settings = _settings(redis_url, sqlite_url)
+    raw = redis.Redis.from_url(redis_url)
+
+    def exit_report(job: str, rank: int, step: int, code: int) -> bytes:
+        return wire.encode(
+            wire.TrainerReport(v=wire.PROTOCOL_VERSION, job=job, rank=rank, node="n0", step=step, exit_code=code)
+        )
+
+    async def body(orch: Orchestrator) -> None:
+        raw.xadd(wire.TRAINER_STREAM, {wire.TRAINER_FIELD: exit_report("ddp", 0, 0, 0)})  # never stepped
+        raw.xadd(wire.TRAINER_STREAM, {wire.TRAINER_FIELD: exit_report("ddp", 1, 0, 1)})
+        raw.xadd(wire.TRAINER_STREAM, {wire.TRAINER_FIELD: _report(0, 7, "n0")})
+        raw.xadd(wire.TRAINER_STREAM, {wire.TRAINER_FIELD: exit_report("j1", 0, 7, 0)})
+        await _until(lambda: orch.shared.exit_codes("j1") == {0: 0})
+        assert orch.shared.exit_codes("ddp") == {0: 0, 1: 1}
+        assert "ddp" not in orch.progress.jobs  # an exit is no step: no job figures for it
+        assert orch.progress.jobs["j1"].ranks[0].report.loss == 2.0  # the last step's report stands
+        text = orch_render(orch)
+        assert 'pulse_job_step{job="j1"} 7' in text and 'job="ddp"' not in text
+
+    asyncio.run(_with_orchestrator(settings, body))
+    raw.close()

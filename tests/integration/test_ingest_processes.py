@@ -1,7 +1,7 @@
 """Ingest over several processes (PULSE_INGEST_PROCESSES): real Redis, real worker processes.
 
-The agents' heartbeats are read by ingest processes (services/ingest_worker.py) that hand the
-leader observations (services/observations.py); the leader folds them as it folded heartbeats.
+The agents' heartbeats are read by ingest processes (services/ingest/worker.py) that hand the
+leader observations (services/ingest/observations.py); the leader folds them as it folded heartbeats.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from agent.publisher import HeartbeatPublisher
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
 from clusterpulse.settings import Settings, load_settings
-from services import observations
-from services.ingest_pool import IngestPool
-from services.ingest_worker import IngestWorker
+from services.ingest import observations
+from services.ingest.pool import IngestPool
+from services.ingest.worker import IngestWorker
 from services.orchestrator import Orchestrator
 from tests.integration.test_ingest import _settings as ingest_settings
 from tests.integration.test_ingest import _until, _with_orchestrator, orch_render

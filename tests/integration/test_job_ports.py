@@ -1,5 +1,5 @@
 """Jobs that rendezvous at one address never share a port: a second store on a port cannot bind,
-and the second job's ranks would join the first job's store (``services/jobs.py``, master_port).
+and the second job's ranks would join the first job's store (``services/jobs/decide.py``, master_port).
 A real orchestrator on SQLite, one node, jobs placed over REST and left active."""
 
 from __future__ import annotations

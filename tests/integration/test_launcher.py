@@ -266,8 +266,8 @@ def test_checkpoint_signals_each_rank_once_and_spares_their_children(redis_url: 
     out.mkdir()
     state = tmp_path / "state"
 
-    def checkpoint(request: str) -> bytes:
-        return wire.encode(wire.JobCommand(v=wire.PROTOCOL_VERSION, kind="checkpoint", job="ck", request=request))
+    def checkpoint(request: str) -> wire.JobCommand:
+        return wire.JobCommand(v=wire.PROTOCOL_VERSION, kind="checkpoint", job="ck", request=request)
 
     launchers: list[Launcher] = []
     groups: list[int] = []
@@ -286,7 +286,7 @@ def test_checkpoint_signals_each_rank_once_and_spares_their_children(redis_url: 
         assert not set(ranks.values()) & set(wrappers)  # the recorded pids are the shells
 
         assert sorted(await first.checkpoint("ck", request="r1")) == sorted([ranks[0], ranks[1]])
-        await first.handle(checkpoint("r1"))  # the same request again: nobody is signalled twice
+        await first.act(checkpoint("r1"))  # the same request again: nobody is signalled twice
         await _until(lambda: _signals(out, "ck", 0) == 1 and _signals(out, "ck", 1) == 1, limit_s=10)
         await asyncio.sleep(0.5)
         assert [_signals(out, "ck", r) for r in range(3)] == [1, 1, 0]
@@ -296,8 +296,8 @@ def test_checkpoint_signals_each_rank_once_and_spares_their_children(redis_url: 
         await first.detach()  # the agent dies; the ranks live on
         second = Launcher(node="n1", redis_client=client, state_dir=state)
         await second.reattach()
-        await second.handle(checkpoint("r1"))  # redelivered after the restart: still once
-        await second.handle(checkpoint("r2"))  # a new request: once more, through the re-attached pids
+        await second.act(checkpoint("r1"))  # redelivered after the restart: still once
+        await second.act(checkpoint("r2"))  # a new request: once more, through the re-attached pids
         await _until(lambda: _signals(out, "ck", 0) == 2 and _signals(out, "ck", 1) == 2, limit_s=10)
         await asyncio.sleep(0.5)
         assert [_signals(out, "ck", r) for r in range(3)] == [2, 2, 0]

@@ -132,7 +132,7 @@ def test_redis_down_keeps_the_plan_in_force_and_never_blocks(one_rank_world: Non
         for _ in range(20):
             assert f.boundary() is None
         assert time.monotonic() - started < 1.0
-        assert f.latest is None and reroute.generation is None and f._thread.is_alive()
+        assert f.latest is None and reroute.generation is None and f.thread.is_alive()
     finally:
         f.close()
 

@@ -138,7 +138,7 @@ def test_a_rank_its_carrier_gave_up_on_stays_excluded_until_it_registers_again(r
 def test_an_excluded_healthy_node_is_relaunched_to_rejoin_up_to_the_cap_across_a_restart(
     redis_url: str, sqlite_url: str
 ) -> None:
-    """services/jobs.py's relaunch through the orchestrator: the launch goes to the excluded node
+    """services/jobs/decide.py's relaunch through the orchestrator: the launch goes to the excluded node
     alone with PULSE_REJOIN=1 and a rank_rejoin event; the cap counts the events already stored,
     so a restarted orchestrator does not relaunch a node that has had its share."""
     # no agents here: nodes restored HEALTHY stay so for the test's few seconds

@@ -15,7 +15,7 @@ import pytest
 
 from clusterpulse.settings import load_settings
 from services import db
-from services.api import create_app
+from services.api.app import create_app
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,6 +77,10 @@ def test_burst_then_429_per_caller_and_counted(tmp_path: Path, redis_url: str) -
         bad = {"Authorization": "Bearer pulse_guess"}
         codes = [(await c.post("/v1/jobs", json={}, headers=bad)).status_code for _ in range(5)]
         assert codes == [401, 401, 401, 429, 429]
+        # no token at all: who are you comes first, even with this address's anonymous bucket empty
+        anonymous = await c.post("/v1/jobs", json={})
+        assert anonymous.status_code == 401, anonymous.text
+        assert anonymous.headers["WWW-Authenticate"] == "Bearer"
 
         text = (await c.get("/metrics")).text
         assert "# TYPE pulse_api_rate_limited_total counter" in text

@@ -24,8 +24,8 @@ from clusterpulse import acl, wire
 from clusterpulse.retry import Backoff
 from clusterpulse.settings import load_settings
 from services import db
+from services.jobs.loop import Send
 from services.orchestrator import Orchestrator
-from services.reconcile import Send
 from tests.support import free_port, wait_for
 
 SHARDS = 4

@@ -56,9 +56,16 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("PULSE_TEST_REJOIN_TIMEOUT_S", "2.0"
 SURVEY_S = {"exit": 3.0, "stop": 60.0}
 
 
-def plan(generation: int, participants: list[int], excluded: list[int] | None = None) -> wire.Plan:
+def plan(
+    generation: int, participants: list[int], excluded: list[int] | None = None, proxies: dict[str, int] | None = None
+) -> wire.Plan:
     return wire.Plan(
-        job=JOB, generation=generation, participants=participants, proxies={}, excluded=excluded or [], reason="test"
+        job=JOB,
+        generation=generation,
+        participants=participants,
+        proxies=proxies or {},
+        excluded=excluded or [],
+        reason="test",
     )
 
 
@@ -181,19 +188,23 @@ def logs(out: Path) -> str:
 
 
 @pytest.mark.parametrize(
-    "case",  # the dying rank, how it dies, the world's size, the collective timeout
-    [(2, "exit", 3, 2.0), (0, "exit", 3, 2.0), (1, "stop", 3, 2.0), (3, "exit", 4, 20.0)],
-    ids=["rank2-exits", "rank0-exits", "rank1-hangs", "rank3-exits-of-4"],
-)
+    "case",  # the dying rank, how it dies, the world's size, the collective timeout, survivors carried back
+    [(2, "exit", 3, 2.0, False), (0, "exit", 3, 2.0, False), (1, "stop", 3, 2.0, False), (3, "exit", 4, 20.0, False),
+     (0, "exit", 2, 2.0, True)],
+    ids=["rank2-exits", "rank0-exits", "rank1-hangs", "rank3-exits-of-4", "rank0-back-alone-carrying"],
+)  # fmt: skip
 def test_a_dead_rank_restarted_rejoins_the_running_world_with_the_live_state(
-    redis_url: str, tmp_path: Path, case: tuple[int, str, int, float]
+    redis_url: str, tmp_path: Path, case: tuple[int, str, int, float, bool]
 ) -> None:
     """A rank exits (or hangs: SIGSTOP, then it is SIGKILLed once reported) mid-run and is
     restarted. A hung rank is reported unreachable from its still liveness beat, within about the
     collective timeout, although the survivors' survey is a minute. No survivor of a dead rank
     waits out the collective timeout: in a world of 4, one survivor waits on another, not on the
-    dead rank, and fails only once that one destroys the broken groups (trainer/collective.py)."""
-    dying, how, world, timeout_s = case
+    dead rank, and fails only once that one destroys the broken groups (trainer/collective.py).
+    Carried back: the plan that counts on the restarted rank again has it as the only participant,
+    every survivor degraded and carried by it (their nodes degraded meanwhile): the state comes from
+    a survivor all the same, not from the restarted rank's fresh one."""
+    dying, how, world, timeout_s, carried = case
     client = redis.Redis.from_url(redis_url)
     client.delete(STEP_KEY, REGISTERED_KEY, REPORTED_KEY, wire.job_plan_key(JOB))
     everyone = list(range(world))
@@ -238,7 +249,8 @@ def test_a_dead_rank_restarted_rejoins_the_running_world_with_the_live_state(
         )
         new = start(dying, tmp_path, env, rejoin=True)
         wait_for(lambda: client.get(REGISTERED_KEY) is not None, timeout=60, what=f"the new rank {dying} to register")
-        publish(client, plan(3, everyone))  # it registered again: the orchestrator counts on it
+        # it registered again: the orchestrator counts on it
+        publish(client, plan(3, [dying], proxies={str(r): dying for r in others}) if carried else plan(3, everyone))
         for p in [procs[r] for r in others] + [new]:
             assert p.wait(60) == 0, logs(tmp_path)
     finally:

@@ -65,7 +65,7 @@ def _populate(sessions: sessionmaker[Session]) -> None:
 def test_old_records_go_and_what_is_in_force_stays(sessions: sessionmaker[Session]) -> None:
     _populate(sessions)
     retention = Retention(sessions, days=30, batch=3)
-    deleted = asyncio.run(retention.run_once(NOW))
+    deleted = asyncio.run(retention.prune(NOW))
     with sessions() as s:
         jobs = set(s.scalars(select(JobRow.id)))
         assert jobs == {"done-new", "running-old"}
@@ -82,12 +82,12 @@ def test_old_records_go_and_what_is_in_force_stays(sessions: sessionmaker[Sessio
         assert set(s.execute(select(GpuRow.node, GpuRow.index))) == {("n1", 1), ("n2", 0)}
     assert deleted["jobs"] == 1 and deleted["plans"] == 1 and deleted["gpus"] == 1
     assert deleted["events"] >= 7  # several batches of 3
-    assert asyncio.run(retention.run_once(NOW)) == {"events": 0, "jobs": 0, "plans": 0, "gpus": 0}
+    assert asyncio.run(retention.prune(NOW)) == {"events": 0, "jobs": 0, "plans": 0, "gpus": 0}
 
 
 def test_zero_days_keeps_everything(sessions: sessionmaker[Session]) -> None:
     _populate(sessions)
-    assert asyncio.run(Retention(sessions, days=0, batch=3).run_once(NOW)) == {}
+    assert asyncio.run(Retention(sessions, days=0, batch=3).prune(NOW)) == {}
     with sessions() as s:
         assert s.scalar(select(func.count()).select_from(JobRow)) == 3
     assert cutoff(NOW, days=0) is None

@@ -6,10 +6,12 @@ fuzzing, and stateful sequences (``use_after_free``, ``ensure_resource_availabil
 
 The orchestrator runs in development mode with a bootstrap token, the mode the findings of
 issue #20 item 7 came from: reads, /metrics and probes open, mutations behind a token. The
-schema says so (services/openapi.py ``document``), so ``ignored_auth`` holds the app to it.
+schema says so (services/api/openapi.py ``document``), so ``ignored_auth`` holds the app to it. It
+runs twice: with the bootstrap token, and without any (every mutation then a 401, issue #37).
 Path parameters name things that exist (a HEALTHY node, a job placed on it), so that 404 does
 not hide the handlers. Rate limiting is off (429s would hide handlers; tests/integration/
-test_ratelimit.py covers it). tests/integration/test_schemathesis.py runs in process with
+test_ratelimit.py covers it) where a token is sent; without one it is on, and every mutation
+must still be a 401 (who are you before how often). tests/integration/test_schemathesis.py runs in process with
 every route protected; this one checks the process a user talks to.
 
 Bounded: ``EXAMPLES`` per operation (``PULSE_SCHEMATHESIS_LIVE_EXAMPLES``, default 60, as in the run that found them) and a
@@ -45,8 +47,11 @@ expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "41
 """
 
 
-def test_schemathesis_with_every_check_against_a_live_orchestrator_on_postgresql(tmp_path: Path) -> None:
-    with fresh_database("postgresql", tmp_path) as url, live_orchestrator(tmp_path, url, gpus=64) as stack:
+@pytest.mark.parametrize("caller", ["token", "no-token"])
+def test_schemathesis_with_every_check_against_a_live_orchestrator_on_postgresql(tmp_path: Path, caller: str) -> None:
+    # Without a token the rate limit is on, its burst small enough to be spent: every mutation is still a 401.
+    limits = {} if caller == "token" else {"PULSE_RATE_LIMIT_PER_S": "1", "PULSE_RATE_LIMIT_BURST": "3"}
+    with fresh_database("postgresql", tmp_path) as url, live_orchestrator(tmp_path, url, gpus=64, **limits) as stack:
         job = http().post(
             f"{stack.api}/v1/jobs",
             json={"name": "st", "nodes": 1, "gpus_per_node": 1, "entrypoint": ["x.py"]},
@@ -69,7 +74,7 @@ def test_schemathesis_with_every_check_against_a_live_orchestrator_on_postgresql
             # threads compiling at once fail with "SystemError: AST constructor recursion depth
             # mismatch" (python/cpython#106905; a clean-clone CI run hit it once).
             "--workers", "1",
-            "--header", f"Authorization: Bearer {TOKEN}",
+            *(["--header", f"Authorization: Bearer {TOKEN}"] if caller == "token" else []),
             "--generation-database", "none",
             "--request-timeout", "60",
             "--no-color",

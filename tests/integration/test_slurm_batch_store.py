@@ -1,5 +1,5 @@
 """The Slurm batch script starts its ranks only once the job's store listens
-(``services/slurm_jobs.py``, ``batch_script``): run by bash as sbatch would, with the job's port
+(``services/slurm/jobs/decide.py``, ``batch_script``): run by bash as sbatch would, with the job's port
 held by another store and ``srun`` a stand-in that records being called."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from torch._C._distributed_c10d import TCPStore
 
-from services.slurm_jobs import Submission, batch_script
+from services.slurm.jobs.decide import Submission, batch_script
 from tests.support import REPO, free_port
 
 pytestmark = pytest.mark.timeout(60)

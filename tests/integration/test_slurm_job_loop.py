@@ -1,4 +1,4 @@
-"""The Slurm job loop body (services/slurm_backend.py ``SlurmJobs.tick``) on a real database
+"""The Slurm job loop body (services/slurm/jobs/loop.py ``SlurmJobs.tick``) on a real database
 (SQLite and PostgreSQL, rolled back) with a Slurm client whose commands answer as recorded: a job
 ``scontrol`` has forgotten (past ``MinJobAge``) on a Slurm without accounting is decided by its
 ranks' reported exits, waited for ``PULSE_SLURM_EXIT_WAIT_S``, and never left RUNNING."""
@@ -17,8 +17,8 @@ from clusterpulse.settings import load_settings
 from clusterpulse.states import JobState, NodeState
 from services import db
 from services.shared import Shared
-from services.slurm import SlurmClient, SlurmError
-from services.slurm_backend import SlurmJobs
+from services.slurm.jobs.loop import SlurmJobs
+from services.slurm.nodes.loop import SlurmClient, SlurmError
 from tests.integration.test_slurm_loop import make_cluster
 
 T = TypeVar("T")
@@ -88,7 +88,7 @@ def test_a_job_slurm_forgot_ends_by_its_ranks_exits_and_never_stays_running(sess
     )  # fmt: skip
     _job(session, "job-a", "41", {"0": 0, "1": 0})  # both ranks reported exit 0
     _job(session, "job-b", "42", {"0": 0, "1": None})  # rank 1's exit never arrives
-    asyncio.run(loop.tick())
+    asyncio.run(loop.tick(clock.t))
     a, b = db.get_job(session, job_id="job-a"), db.get_job(session, job_id="job-b")
     assert a is not None and b is not None
     assert (a.state, a.reason) == (
@@ -97,10 +97,10 @@ def test_a_job_slurm_forgot_ends_by_its_ranks_exits_and_never_stays_running(sess
     assert b.state == "RUNNING"  # its rank 1 may still report
     assert client.calls.count("sacct") == 2  # each forgotten job looked up in accounting first
     clock.t = NOW + 9.9
-    asyncio.run(loop.tick())
+    asyncio.run(loop.tick(clock.t))
     assert db.get_job(session, job_id="job-b").state == "RUNNING"  # type: ignore[union-attr]
     clock.t = NOW + 10.0
-    asyncio.run(loop.tick())
+    asyncio.run(loop.tick(clock.t))
     b = db.get_job(session, job_id="job-b")
     assert b is not None and (b.state, b.reason) == (
         "FAILED", "Slurm job 42 is no longer listed by Slurm (its end was not seen)"

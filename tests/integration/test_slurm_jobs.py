@@ -100,12 +100,12 @@ def stack(slurm: SlurmCluster, redis_url: str, tmp_path: Path, request: pytest.F
 
 def _cancel_all(slurm: SlurmCluster) -> None:
     with contextlib.suppress(AssertionError):
-        slurm._run(["scancel", "--full", "--signal=KILL", "--user=root"], check=False)
-        slurm._run(["scancel", "--user=root"], check=False)
+        slurm.run(["scancel", "--full", "--signal=KILL", "--user=root"], check=False)
+        slurm.run(["scancel", "--user=root"], check=False)
 
 
 def _squeue(slurm: SlurmCluster) -> str:
-    return slurm._run(["squeue", "--noheader", "--format=%i %j %T"]).stdout.strip()
+    return slurm.run(["squeue", "--noheader", "--format=%i %j %T"]).stdout.strip()
 
 
 def _job_processes(job_id: str) -> list[int]:
@@ -205,7 +205,7 @@ def test_ranks_that_never_join_fail_the_job_at_the_start_timeout_and_it_is_cance
 
 def _slurm_job_ids(slurm: SlurmCluster) -> set[str]:
     """Every job slurmctld still holds, ended ones included (for MinJobAge)."""
-    out = slurm._run(["scontrol", "show", "job", "--oneliner"]).stdout
+    out = slurm.run(["scontrol", "show", "job", "--oneliner"]).stdout
     return {line.split()[0] for line in out.splitlines() if line.startswith("JobId=")}
 
 

@@ -1,7 +1,7 @@
 """A Slurm job's rank supervisor (agent/slurm_rank.py) on the test Redis, as srun runs it (srun's
 variables set by hand): a checkpoint request on the job's command stream reaches the rank process
 alone, once per request id, and leaves the rank's own child (a DataLoader worker's stand-in, which
-does not catch SIGUSR2) alive; the rank's start and exit code reach the job-status stream."""
+does not catch SIGUSR2) alive, and one past its deadline reaches nobody; the rank's start and exit code reach the job-status stream."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -33,12 +34,16 @@ def test_a_checkpoint_reaches_the_rank_alone_and_its_exit_is_reported(redis_url:
     client = redis.Redis.from_url(redis_url)
     env = pulse_env(PULSE_REDIS_URL=redis_url, PULSE_JOB_ID=job, **SRUN)
     line = [sys.executable, "-m", "agent.slurm_rank", "--", sys.executable, SIGUSR2_RANK, "--out", str(tmp_path)]
-    proc = subprocess.Popen(line, env=env, cwd=REPO, start_new_session=True)  # its rank and the rank's child too
+    log = (tmp_path / "supervisor.log").open("wb")
+    proc = subprocess.Popen(line, env=env, cwd=REPO, start_new_session=True, stderr=log)  # its rank, the rank's child
     try:
         wait_for((tmp_path / f"{job}-1.ready").exists, timeout=30, what="the rank's handler in place")
         wait_for(lambda: _statuses(client, job), timeout=10, what="started reported")
         rank_pid = int((tmp_path / f"{job}-1.ready").read_text())
         child = int((tmp_path / f"{job}-1.child").read_text())
+        past = time.time() - 10  # a request past its deadline (wire.JobCommand.not_after): refused
+        old = wire.JobCommand(v=wire.PROTOCOL_VERSION, kind="checkpoint", job=job, request="r0", not_after=past)
+        client.xadd(wire.job_commands_key(job), {wire.COMMAND_FIELD: wire.encode(old)})
         cmd = wire.encode(wire.JobCommand(v=wire.PROTOCOL_VERSION, kind="checkpoint", job=job, request="r1"))
         for _ in range(2):  # delivered twice: signalled once
             client.xadd(wire.job_commands_key(job), {wire.COMMAND_FIELD: cmd})
@@ -50,6 +55,7 @@ def test_a_checkpoint_reaches_the_rank_alone_and_its_exit_is_reported(redis_url:
         assert proc.wait(timeout=30) == 143
         assert marks.read_text().split() == [str(rank_pid)]
     finally:
+        log.close()
         if proc.poll() is None:  # not reaped: its session's id is still its own
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -58,3 +64,6 @@ def test_a_checkpoint_reaches_the_rank_alone_and_its_exit_is_reported(redis_url:
         "started", 1, "sn2", 1, [rank_pid]
     )  # fmt: skip
     assert (exited.state, exited.rank, exited.exit_code) == ("exited", 1, 143)
+    said = (tmp_path / "supervisor.log").read_text()
+    assert f"event=command_refused stream={wire.job_commands_key(job)} job={job} kind=checkpoint" in said
+    assert "reason=expired" in said

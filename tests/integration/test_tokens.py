@@ -20,9 +20,9 @@ from sqlalchemy.orm import Session
 
 from clusterpulse.settings import Settings, load_settings
 from services import db
-from services.api import create_app
+from services.api.app import create_app
+from services.api.tokens import Caller, Role, TokenStore
 from services.models import EventRow, TokenRow
-from services.tokens import Caller, Role, TokenStore
 from tests.support import fresh_database
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from clusterpulse import acl, wire
-from services.sender import SenderCheck
+from services.ingest.decide import SenderCheck
 
 
 def _hb(node: str = "n1", boot_id: str = "b1", seq: int = 5, **kw: object) -> wire.Heartbeat:
@@ -64,6 +64,7 @@ def test_orchestrator_rules_cover_what_it_reads_and_writes() -> None:
         assert stream in group
     assert "(+get %R~pulse:{node:*}:latest)" in rules
     assert "(+xadd %W~pulse:{node:*}:commands %W~pulse:{job:*}:commands)" in rules  # a Slurm job's too
+    assert "(+xtrim +xlen +xrange ~pulse:{node:*}:commands ~pulse:{job:*}:commands)" in rules  # the trimming
     assert acl.orchestrator_acl(password="pw", user="other")[0] == "other"
     with pytest.raises(ValueError, match="password"):
         acl.orchestrator_acl(password="")

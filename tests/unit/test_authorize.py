@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from services.tokens import AuthRefusal, Caller, Role, authorize, digest, new_secret
+from services.api.tokens import AuthRefusal, Caller, Role, authorize, digest, new_secret
 
 ROLES = list(Role)
 

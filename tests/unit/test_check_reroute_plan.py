@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.check_reroute import CheckConfig, CheckError, after_hang_plan, make_plan, parse_ranks
-from trainer.collective import parse_plan
+from tools.check_reroute import CheckConfig, CheckError, after_hang_plan, make_plan, parse_ranks
+from trainer.route import parse_plan
 
 
 def test_parse_ranks() -> None:

@@ -1,4 +1,4 @@
-"""Emergency checkpoints, the pure parts: who may ask (services/checkpoints.py), what the job's
+"""Emergency checkpoints, the pure parts: who may ask (services/jobs/checkpoints.py), what the job's
 events say, one ``checkpoint_written`` per (job, step), and which processes the agent signals
 (agent/ranks.py), from process tables built by hand."""
 
@@ -13,8 +13,8 @@ import pytest
 from agent.launcher import _RC_SHELL
 from agent.ranks import ProcInfo, rank_targets, read_process, read_process_table
 from clusterpulse import wire
-from services import checkpoints
-from services.jobs import JOB_STATES
+from services.jobs import checkpoints
+from services.jobs.decide import JOB_STATES
 
 
 def _report(rank: int, step: int, event: str | None, job: str = "j1") -> wire.TrainerReport:
@@ -34,6 +34,8 @@ def test_requested_reason_names_who_why_and_where() -> None:
     text = checkpoints.requested_reason(actor="alice", reason="loss spike at 1200", nodes=["n1", "n2"])
     assert text.startswith("asked by alice: loss spike at 1200; SIGUSR2 to every rank on n1, n2")
     assert checkpoints.requested_reason(actor="bob", reason="", nodes=["n1"]).startswith("asked by bob; ")
+    undelivered = checkpoints.requested_reason(actor="bob", reason="", nodes=["n1"], undelivered="Redis: refused")
+    assert undelivered == "NOT DELIVERED (Redis: refused): asked by bob; nothing was sent to n1"
 
 
 @pytest.mark.parametrize(

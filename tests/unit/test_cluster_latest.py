@@ -6,8 +6,9 @@ from __future__ import annotations
 from agent.daemon import NodeAgent
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
-from services import health, observations
 from services.cluster import Cluster
+from services.health import decide as health
+from services.ingest import observations
 
 
 def _observed(agent: NodeAgent, at: float) -> tuple[observations.Observed, wire.Heartbeat]:

@@ -1,4 +1,4 @@
-"""The end of a suspected partition (services/cluster.py, services/health.py): the nodes' heartbeats
+"""The end of a suspected partition (services/cluster.py, services/health/decide.py): the nodes' heartbeats
 come back one by one, and those still on their way are not degraded for the partition's silence."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from agent.daemon import NodeAgent
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
 from clusterpulse.states import NodeState
-from services import health, observations
 from services.cluster import Cluster
+from services.health import decide as health
+from services.ingest import observations
 
 POLICY = health.Policy(suspect_after=0.6, degraded_after=3.0, lost_after=30.0, recover_after=2)
 NODES = [f"n{i}" for i in range(8)]

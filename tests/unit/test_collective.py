@@ -11,17 +11,8 @@ from hypothesis import strategies as st
 from torch._C._distributed_c10d import GradBucket  # what torch.distributed.GradBucket is
 
 from clusterpulse.wire import Plan
-from trainer.collective import (
-    PlanError,
-    ReroutedAllReduce,
-    Route,
-    StepBudget,
-    ddp_comm_hook,
-    exact_count_limit,
-    parse_plan,
-    plan_buckets,
-    reduce_dtype,
-)
+from trainer.collective import ReroutedAllReduce, ddp_comm_hook
+from trainer.route import PlanError, Route, StepBudget, exact_count_limit, parse_plan, plan_buckets, reduce_dtype
 
 
 def _plan(

@@ -25,20 +25,20 @@ class _Offers:
 
 
 def test_a_port_comes_from_below_the_ephemeral_range_and_binds() -> None:
-    low = harness._ephemeral_low()
+    low = harness.ephemeral_low()
     if low is None:
         pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range on this system")
     for _ in range(20):
         port = harness.free_port()
-        assert harness._PORTS_FROM <= port < low
+        assert harness.PORTS_FROM <= port < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
 
 
 def test_a_port_in_use_or_handed_out_before_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(harness, "_ephemeral_low", lambda: 32768)
+    monkeypatch.setattr(harness, "ephemeral_low", lambda: 32768)
     monkeypatch.setattr(harness, "_handed", set())
-    busy_port, first, second = itertools.islice((p for p in range(harness._PORTS_FROM, 32768) if _binds(p)), 3)
+    busy_port, first, second = itertools.islice((p for p in range(harness.PORTS_FROM, 32768) if _binds(p)), 3)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", busy_port))
         busy.listen()

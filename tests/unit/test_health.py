@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from clusterpulse import wire
 from clusterpulse.states import NodeState
-from services.health import (
+from services.health.decide import (
     NodeHealth,
     Policy,
     apply,
@@ -326,7 +326,7 @@ def test_property_transitions_are_consistent(script: list[tuple[wire.Heartbeat |
             assert tr.reason and tr.old is node.state and tr.new is want
             node = apply(node, tr)
         assert evaluate(node, now=t, grace_start=0.0, partitioned=False, policy=P) is None or tr is None
-        from services.health import SEVERITY
+        from services.health.decide import SEVERITY
 
         assert SEVERITY[node.state] >= SEVERITY[want]  # never better than the evidence
 

@@ -6,7 +6,8 @@ import itertools
 from collections.abc import Collection, Mapping
 
 from clusterpulse.states import TERMINAL_JOB_STATES
-from services.jobs import JobDecision, decide, master_addr, master_port, rejoinable
+from clusterpulse.wire import REJOIN_REFUSED_EXIT
+from services.jobs.decide import JobDecision, decide, master_addr, master_port, rejoinable
 
 NODES = ["a", "b"]
 BOTH = (0, 1)  # every rank of a 2-node job, 1 rank a node
@@ -128,7 +129,7 @@ def test_master_port_is_stable_and_in_range() -> None:
 
 
 def test_master_port_skips_the_ports_active_jobs_at_the_address_hold() -> None:
-    """Two jobs at one address on one port would share one store (services/jobs.py)."""
+    """Two jobs at one address on one port would share one store (services/jobs/decide.py)."""
     own = master_port("abc", base=100, span=5)
     assert own is not None
     assert master_port("abc", taken={own}, base=100, span=5) == 100 + (own - 100 + 1) % 5  # the next one up
@@ -235,3 +236,45 @@ def test_starting_over_every_mix_of_answers_joins_and_times() -> None:
             else:
                 assert again.state == r.state
     assert cases > 5000
+
+
+def _with_exits(status: dict[str, dict[str, object]], exits: dict[int, int], *, per_node: int = 2) -> JobDecision:
+    return decide(
+        state="RUNNING", nodes=NODES, status=status, since=0.0, now=1.0, start_timeout=60.0,
+        joined=range(2 * per_node), gpus_per_node=per_node, rendezvous=RDV, exits=exits,
+    )  # fmt: skip
+
+
+def test_a_node_whose_ranks_all_reported_their_exit_counts_as_exited_whatever_its_agent_said() -> None:
+    # node b's agent died while its ranks ran: it last said "started", and was then lost
+    for b in (started(), {"state": "lost", "detail": "node LOST"}):
+        r = _with_exits({"a": exited(0), "b": b}, {2: 0, 3: 0})
+        assert (r.state, r.send) == ("SUCCEEDED", "stop")
+        r = _with_exits({"a": exited(0), "b": b}, {2: 0, 3: 1})
+        assert r.state == "FAILED" and "ranks on b exited with 1" in r.reason
+    # one rank of b has not said how it ended: b is as its agent said
+    assert _with_exits({"a": exited(0), "b": started()}, {2: 0}).state == "RUNNING"
+    # the agent's own word stands when it has one
+    assert _with_exits({"a": exited(0), "b": exited(0)}, {2: 1, 3: 1}).state == "SUCCEEDED"
+
+
+def test_a_running_job_with_every_node_excluded_fails_instead_of_relaunching_on() -> None:
+    r = decide(
+        state="RUNNING", nodes=NODES, status={"a": exited(1), "b": exited(1)}, since=0.0, now=1.0,
+        start_timeout=60.0, joined=BOTH, gpus_per_node=1, rendezvous=RDV, excluded={"a", "b"},
+        healthy={"a", "b"}, max_rejoins=5,
+    )  # fmt: skip
+    assert (r.state, r.send, r.relaunch) == ("FAILED", "stop", ())
+    assert "no live rank is left" in r.reason
+
+
+def test_a_node_whose_relaunch_was_refused_is_not_relaunched_again() -> None:
+    def relaunch(code: int) -> tuple[str, ...]:
+        return decide(
+            state="RUNNING", nodes=NODES, status={"a": started(), "b": exited(code)}, since=0.0, now=1.0,
+            start_timeout=60.0, joined=BOTH, gpus_per_node=1, rendezvous=RDV, excluded={"b"}, healthy={"b"},
+            rejoins={"b": 1}, max_rejoins=5,
+        ).relaunch  # fmt: skip
+
+    assert relaunch(137) == ("b",)  # killed: relaunched to rejoin
+    assert relaunch(REJOIN_REFUSED_EXIT) == ()  # the relaunched rank said it cannot be taken back

@@ -92,10 +92,14 @@ def test_fencing_script_arguments() -> None:
     assert keys == [wire.LEADER_KEY, wire.job_plan_key("j1"), wire.job_plan_key("j2")]
     assert args == [7, wire.PLAN_CHANNEL, b"p1", "j1", b"p2", "j2"]
     keys, args = commands_args(
-        7, [(wire.node_commands_key("n1"), b"c1"), (wire.node_commands_key("n2"), b"c2")], maxlen=100
+        7,
+        [(wire.node_commands_key("n1"), b"c1"), (wire.node_commands_key("n2"), b"c2")],
+        maxlen=100,
+        keep_s=120,
+        max_age_s=86_400,
     )
     assert keys == [wire.LEADER_KEY, wire.node_commands_key("n1"), wire.node_commands_key("n2")]
-    assert args == [7, 100, wire.COMMAND_FIELD, b"c1", b"c2"]
+    assert args == [7, 100, 120_000, 86_400_000, wire.COMMAND_FIELD, b"c1", b"c2"]
 
 
 def test_settings_defaults_and_refusals() -> None:

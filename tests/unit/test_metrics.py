@@ -10,7 +10,7 @@ from agent.simulated import FAULT_KINDS, SimulatedNode
 from clusterpulse import wire
 from clusterpulse.states import NodeState
 from services.cluster import Cluster
-from services.health import Policy, assess
+from services.health.decide import Policy, assess
 from services.metrics import Renderer
 
 SPEC_METRICS = {

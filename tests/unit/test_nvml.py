@@ -13,9 +13,9 @@ from typing import Any
 import pynvml
 import pytest
 
-from agent.fake_nvml import FakeGpu, FakeNvml, MiB
 from agent.nvml import NvmlSource, NvmlUnavailable, throttle_reasons
 from clusterpulse.wire import PROTOCOL_VERSION, GpuSample, Heartbeat, decode_heartbeat, encode
+from tests.fake_nvml import FakeGpu, FakeNvml, MiB
 
 # Every per-GPU NVML function the source reads each sample.
 PER_SAMPLE_CALLS = (
@@ -463,7 +463,7 @@ def test_non_xid_events_are_ignored(fake: FakeNvml, source: NvmlSource) -> None:
     fake.inject_event(0, pynvml.nvmlEventTypePState, 2)
     assert source.sample()[0].xid_counts == {}
     # ... and one that is (another registration of the same set) is not counted as an XID.
-    fake.nvmlDeviceRegisterEvents(fake.nvmlDeviceGetHandleByIndex(0), pynvml.nvmlEventTypePState, fake._event_sets[0])
+    fake.nvmlDeviceRegisterEvents(fake.nvmlDeviceGetHandleByIndex(0), pynvml.nvmlEventTypePState, fake.event_set(0))
     fake.inject_event(0, pynvml.nvmlEventTypePState, 2)
     waits = fake.calls["nvmlEventSetWait_v2"]
     assert source.sample()[0].xid_counts == {}

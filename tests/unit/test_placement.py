@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.placement import NodeCapacity, Placement, PlacementRefusal, PlacementRequest, place
+from services.jobs.placement import NodeCapacity, Placement, PlacementRefusal, PlacementRequest, place
 
 
 def node(name: str, rack: str = "r1", switch: str = "s1", state: str = "HEALTHY", **kw: object) -> NodeCapacity:

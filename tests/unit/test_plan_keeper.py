@@ -1,10 +1,10 @@
-"""PlanKeeper's exclusion triggers for a participant that died (services/plans.py), without I/O."""
+"""PlanKeeper's exclusion triggers for a participant that died (services/plans/keeper.py), without I/O."""
 
 from __future__ import annotations
 
 from clusterpulse import wire
-from services.planner import PlannerPolicy
-from services.plans import PlanKeeper
+from services.plans.decide import PlannerPolicy
+from services.plans.keeper import PlanKeeper
 
 
 def keeper(nodes: list[str]) -> PlanKeeper:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from clusterpulse.states import NodeState
 from clusterpulse.wire import Plan, encode
-from services.planner import PlannerPolicy, PlanRefusal, RankInfo, plan
+from services.plans.decide import PlannerPolicy, PlanRefusal, RankInfo, plan
 
 H, S, D, L = NodeState.HEALTHY, NodeState.SUSPECT, NodeState.DEGRADED, NodeState.LOST
 LABEL_KEYS = ("nvlink_domain", "switch", "rack")

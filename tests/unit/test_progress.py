@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from clusterpulse import wire
-from services.progress import Progress
+from services.jobs.progress import Progress
 
 
 def _report(rank: int, step: int, **kw: object) -> bytes:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.ratelimit import Bucket, RateDecision, RateLimiter, take
+from services.api.ratelimit import Bucket, RateDecision, RateLimiter, take
 
 
 class Clock:

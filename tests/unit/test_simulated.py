@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from agent.daemon import NodeAgent
 from agent.simulated import SimulatedNode
 from clusterpulse.states import NodeState
-from services.health import Policy, assess
+from services.health.decide import Policy, assess
 
 HEARTBEATS = 50
 

@@ -1,4 +1,4 @@
-"""The pure Slurm node-sync decision (services/slurm_sync.py), on hand-built cases."""
+"""The pure Slurm node-sync decision (services/slurm/nodes/decide.py), on hand-built cases."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.slurm_sync import (
+from services.slurm.nodes.decide import (
     TAG,
     Action,
     Breaker,

@@ -1,4 +1,4 @@
-"""The Slurm job backend's pure part (services/slurm_jobs.py): parsing ``scontrol show job``, the
+"""The Slurm job backend's pure part (services/slurm/jobs/decide.py): parsing ``scontrol show job``, the
 sbatch command line and batch script, and the state a job takes from Slurm's."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from services.slurm_jobs import (
+from services.slurm.jobs.decide import (
     SlurmJob,
     Submission,
     batch_script,

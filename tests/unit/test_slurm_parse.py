@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.slurm import SEP, SINFO_ARGS, SlurmClient, SlurmError, parse_sinfo, parse_state
+from services.slurm.nodes.loop import SEP, SINFO_ARGS, SlurmClient, SlurmError, parse_sinfo, parse_state
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
 

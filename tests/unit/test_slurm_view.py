@@ -5,17 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 from clusterpulse.settings import load_settings
-from services.placement import NodeCapacity, PlacementRefusal, PlacementRequest, place
-from services.slurm import SlurmClient, SlurmSync, metric_lines
-from services.slurm_sync import Breaker, Drain
-from tools.cli import format_nodes
+from services.jobs.placement import NodeCapacity, PlacementRefusal, PlacementRequest, place
+from services.slurm.nodes.decide import Breaker, Drain
+from services.slurm.nodes.loop import SlurmClient, SlurmSync, metric_lines
+from tools.format import format_nodes
+
+
+async def _no_write(fn: Any) -> Any:
+    raise AssertionError("nothing is stored here")
 
 
 def test_metric_families_are_typed_always_and_sampled_when_on() -> None:
     off = metric_lines(None)
     assert [line for line in off if not line.startswith("#")] == []
     assert "# TYPE pulse_slurm_sync_errors_total counter" in off
-    sync = SlurmSync(load_settings(slurm=True), SlurmClient(sinfo="sinfo", scontrol="scontrol", conf="", timeout_s=1))
+    client = SlurmClient(sinfo="sinfo", scontrol="scontrol", conf="", timeout_s=1)
+    sync = SlurmSync(load_settings(slurm=True), client, cluster=lambda: None, write=_no_write)
     sync.memory = {"sn-1": Drain("clusterpulse: x", 1.0)}
     sync.breaker = Breaker(open=True, since=2.0, reason="r")
     sync.errors["sinfo"] += 3

@@ -1,11 +1,14 @@
-"""The soak's pure parts: the fault schedule and the verdict from the transitions."""
+"""The soak's pure parts: the fault schedule, the verdict from the transitions, and how a stop
+flag ends a run."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import threading
 
 from agent.simulated import FAULT_KINDS
-from tools.soak import SeenTransition, SoakFault, Timing, judge, schedule
+from tools.soak import SeenTransition, SoakFault, Timing, judge, schedule, until_stopped
 
 TIMING = Timing(interval_s=2.0, degraded_after_s=12.0, throttle_sustain_s=6.0, recover_after=3, slack_s=8.0)
 NODES = [f"n{i:02d}" for i in range(40)]
@@ -64,3 +67,22 @@ def test_missing_late_or_unexplained_transitions_are_reported() -> None:
         ("b", "HEALTHY"),
     ]
     assert [(x["node"], x["to_state"]) for x in v.false_degraded] == [("z", "DEGRADED"), ("b", "LOST")]
+
+
+def test_a_raised_flag_cancels_the_run_and_lets_its_finally_stop_what_it_started() -> None:
+    """What SIGTERM does to ``pulse bench soak``: its handler only sets the flag; the run is
+    cancelled where it waits, its ``finally`` blocks run, and no result comes back."""
+    stopping = threading.Event()
+    cleaned: list[str] = []
+
+    async def run() -> int:
+        stopping.set()  # as the SIGTERM handler would, mid-run
+        try:
+            await asyncio.Event().wait()  # a phase that would wait for ever
+        finally:
+            cleaned.append("stopped")
+        return 1
+
+    assert asyncio.run(until_stopped(run(), stopping, check_s=0.01)) is None
+    assert cleaned == ["stopped"]
+    assert asyncio.run(until_stopped(asyncio.sleep(0, result=5), threading.Event())) == 5

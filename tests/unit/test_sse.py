@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.routes.stream import format_message, message_name
+from services.api.routes.stream import format_message, message_name
 from tools.sse import Message, parse
 
 

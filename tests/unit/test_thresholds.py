@@ -1,5 +1,5 @@
 """The thresholds the alert rules write in PromQL are the health model's own: each number in
-deploy/prometheus is read here and compared with services/health.py and the settings' defaults,
+deploy/prometheus is read here and compared with services/health/decide.py and the settings' defaults,
 so changing one without the other fails."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from services import health
-from services.health import Policy
+from services.health import decide as health
+from services.health.decide import Policy
 
 PROMETHEUS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 

@@ -15,7 +15,7 @@ from agent.daemon import NodeAgent
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
 from services.cluster import Cluster
-from services.health import Policy
+from services.health.decide import Policy
 from services.metrics import Renderer
 
 

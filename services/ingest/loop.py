@@ -1,0 +1,303 @@
+"""Ingest: the streams read with the consumer group, folded into the shared state.
+
+Heartbeats, trainer reports, job statuses and rank registrations are read with ``XREADGROUP``
+(group ``orchestrator``, this replica's consumer name). Every entry read is remembered as
+unacknowledged until services/persist/loop.py has stored what it carried, so an orchestrator killed at
+any point re-reads it: its own pending entries (:meth:`Ingest.read_pending`) and, at a take-over, a
+predecessor's (:meth:`Ingest.claim_pending`). Redelivery is harmless: folding an older entry
+changes nothing, and :meth:`Ingest.read_pending` starts after the last entry folded. An entry
+claiming a node whose own latest key does not vouch for it is refused (reason ``sender``;
+``PULSE_HEARTBEAT_SENDER_CHECK``, services/ingest/decide.py). What the folds decide goes to the outbox.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from clusterpulse import wire
+from clusterpulse.settings import Settings
+from clusterpulse.states import EventKind, JobState
+from services.clock import entry_time
+from services.cluster import ClusterEvent
+from services.ingest import observations
+from services.ingest.decide import SenderCheck
+from services.ingest.screen import Entries, autoclaim, read_group, screen
+from services.jobs import checkpoints
+from services.persist.outbox import Outbox, Registered
+from services.runner import Tick
+from services.shared import Shared
+
+log = logging.getLogger("pulse.orchestrator")
+
+
+def stream_keys(settings: Settings) -> list[str]:
+    """Every stream the leader reads: the heartbeat shards, or with ingest processes
+    (``PULSE_INGEST_PROCESSES``) the observations they make of them."""
+    heartbeats = (
+        [observations.OBSERVATION_STREAM]
+        if settings.ingest_processes
+        else wire.heartbeat_stream_keys(settings.heartbeat_stream_shards)
+    )
+    return [
+        *heartbeats,
+        wire.TRAINER_STREAM,
+        wire.JOB_STATUS_STREAM,
+        wire.REGISTRATION_STREAM,
+    ]
+
+
+class Ingest(Tick):
+    """The reading side of the streams, the leader's only: a consumer group gives each entry to
+    one consumer, so followers read nothing (every ``ingest_block_s`` they look again)."""
+
+    name = "ingest"
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        redis_client: aioredis.Redis,
+        consumer: str,
+        shared: Shared,
+        outbox: Outbox,
+    ) -> None:
+        self.settings = settings
+        self.redis = redis_client
+        self.consumer = consumer
+        self.shared = shared
+        self.outbox = outbox
+        self.interval_s = settings.ingest_block_s
+        self.streams = stream_keys(settings)
+        self.unacked: dict[str, list[bytes]] = {s: [] for s in self.streams}
+        self._folded_upto: dict[str, str] = {}  # per stream: the last entry id folded
+        self._senders = SenderCheck()
+        self._stragglers: set[tuple[str, int]] = set()
+        self._checkpoints = checkpoints.WrittenLedger()  # (job, step) checkpoints already recorded
+        self._reread = True  # fold what was given to this consumer first (:meth:`tick`)
+
+    # --- what the other loops ask of it ---------------------------------------------------------
+    def reset(self) -> None:
+        """A take-over reloaded the state from the database: refold everything pending."""
+        self.unacked = {s: [] for s in self.streams}
+        self._folded_upto = {}
+        self._stragglers = set()
+
+    def drop_unacked(self) -> None:
+        """Stepping down: unacknowledged entries stay pending for the next leader to claim."""
+        self.unacked = {s: [] for s in self.streams}
+
+    def take_acks(self) -> dict[str, list[bytes]]:
+        """The entries read so far, per stream, to acknowledge once what they carried is stored."""
+        acks = {s: ids for s, ids in self.unacked.items() if ids}
+        self.unacked = {s: [] for s in self.streams}
+        return acks
+
+    def return_acks(self, acks: dict[str, list[bytes]]) -> None:
+        """Storing failed: the entries taken by :meth:`take_acks` stay unacknowledged, first."""
+        for s, ids in acks.items():
+            self.unacked[s][:0] = ids
+
+    def forget_job(self, job: str) -> None:
+        """A job's progress expired: its stragglers and recorded checkpoints go with it."""
+        self._stragglers = {k for k in self._stragglers if k[0] != job}
+        self._checkpoints.forget(job)  # the database still refuses a second event of a step
+
+    # --- reading --------------------------------------------------------------------------------
+    async def ensure_group(self, stream: str) -> None:
+        try:
+            await self.redis.xgroup_create(stream, wire.ORCHESTRATOR_GROUP, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def claim_pending(self, *, min_idle_ms: int) -> None:
+        """Entries other consumers (a previous leader) read and never acknowledged become this
+        replica's (``XAUTOCLAIM``), for :meth:`read_pending` to fold."""
+        for stream in self.streams:
+            async for _ in autoclaim(self.redis, stream, self.consumer, min_idle_ms=min_idle_ms, count=1000):
+                pass
+
+    async def read_pending(self) -> None:
+        """Fold entries delivered to this consumer but not folded yet: after a takeover (from the
+        start: a predecessor's, claimed), and after an ingest error, whose XREADGROUP reply may
+        have been lost on the way (a timeout) although Redis counts its entries as delivered."""
+        for stream in self.streams:
+            last = self._folded_upto.get(stream, "0")
+            while True:
+                try:
+                    resp = await self.read({stream: last}, block_ms=None)
+                except redis.exceptions.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    await self.ensure_group(stream)  # deleted with a Redis restart: nothing is pending
+                    break
+                entries = resp[0][1] if resp else []
+                if not entries:
+                    break
+                await self.fold(stream, entries)
+                last = entries[-1][0].decode()
+
+    async def tick(self, now: float) -> float:
+        """One ``XREADGROUP`` (blocking up to ``ingest_block_s``) folded; read again at once. The
+        first turn, and the turn after one that did not finish (its reply may have been lost),
+        fold what this consumer was given but did not fold first."""
+        if self._reread:
+            await self.read_pending()
+        self._reread = True
+        block_ms = max(1, int(self.settings.ingest_block_s * 1000))
+        try:
+            resp = await self.read(dict.fromkeys(self.streams, ">"), block_ms=block_ms)
+        except redis.exceptions.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.read_pending()  # a Redis restart deleted a stream: it recreates the group
+            resp = []
+        for stream, entries in resp:
+            await self.fold(stream, entries)
+        self._reread = False
+        return 0.0
+
+    async def read(self, streams: dict[str, str], *, block_ms: int | None) -> list[tuple[str, Entries]]:
+        """XREADGROUP of this replica's consumer (services/ingest/screen.py :func:`read_group`)."""
+        return await read_group(self.redis, self.consumer, streams, count=self.settings.ingest_batch, block_ms=block_ms)
+
+    # --- folding --------------------------------------------------------------------------------
+    async def fold(self, stream: str, entries: Entries) -> None:
+        assert self.shared.cluster is not None
+        if entries:
+            self._folded_upto[stream] = entries[-1][0].decode()
+        unacked = self.unacked[stream]
+        if stream == wire.TRAINER_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                self._fold_report(fields.get(wire.TRAINER_FIELD) if fields else None, entry_time(entry_id))
+            return
+        if stream == wire.REGISTRATION_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                try:
+                    reg = wire.decode_registration((fields or {}).get(wire.REGISTRATION_FIELD, b""))
+                except wire.WireError as exc:
+                    log.warning("event=registration_rejected reason=%s detail=%s", exc.reason, exc)
+                    continue
+                if self.shared.plans.register(reg):
+                    self.shared.ranks_changed = True
+                    self.outbox.append(Registered(reg, entry_time(entry_id)))
+            return
+        if stream == wire.JOB_STATUS_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                try:
+                    st = wire.decode_job_status((fields or {}).get(wire.JOB_STATUS_FIELD, b""))
+                except wire.WireError as exc:
+                    log.warning("event=job_status_rejected reason=%s detail=%s", exc.reason, exc)
+                    continue
+                self.shared.job_statuses.append(st)
+                self._ranks_exited(st, entry_time(entry_id))
+            return
+        if stream == observations.OBSERVATION_STREAM:
+            for entry_id, fields in entries:
+                unacked.append(entry_id)
+                self._fold_observations((fields or {}).get(observations.OBSERVATION_FIELD))
+            return
+        await self._fold_heartbeats(stream, entries)
+
+    def _ranks_exited(self, st: wire.JobStatus, at: float) -> None:
+        """A node's ranks (or, in Slurm, one rank: ``st.rank``) of a plan-following job exited
+        non-zero or were lost: exclude them (services/plans/keeper.py), so the others train on and the job
+        lifecycle does not fail the job."""
+        if st.state not in ("exited", "lost") or (st.state == "exited" and st.exit_code == 0):
+            return
+        if self.shared.job_states.get(st.job, ("", 0.0))[0] != JobState.RUNNING:
+            return  # stopping (ranks exit on SIGTERM), or not started by us
+        prog = self.shared.progress.jobs.get(st.job)
+        if prog is None or not any(p.report.plan_generation is not None for p in prog.ranks.values()):
+            return  # not following plans: the job fails as before
+        plans = self.shared.plans
+        if st.rank is None:
+            gone = plans.node_exited(st.job, st.node)
+        else:
+            gone = [st.rank] if plans.rank_unreachable(st.job, st.rank) else []
+        for rank in gone:
+            self.shared.ranks_changed = True
+            code = "" if st.exit_code is None else f" with {st.exit_code}"
+            who = f"the ranks on {st.node}" if st.rank is None else f"it {st.state} on {st.node}"
+            reason = f"job {st.job} rank {rank}: {who}{code}; excluded until it registers again"
+            self.outbox.append(ClusterEvent(EventKind.RANK_UNREACHABLE, reason, at, st.node))
+
+    async def _fold_heartbeats(self, stream: str, entries: Entries) -> None:
+        """Screen a batch (services/ingest/screen.py: decode, validate, check each entry's sender), fold
+        what passes."""
+        cluster = self.shared.cluster
+        assert cluster is not None
+        screened = await screen(
+            entries, stream=stream, redis_client=self.redis, senders=self._senders, settings=self.settings
+        )
+        self.unacked[stream].extend(s.entry_id for s in screened)
+        for s in screened:
+            cluster.received += 1
+            if s.heartbeat is None:
+                cluster.rejected[s.rejected] += 1
+            elif (ev := cluster.fold(s.heartbeat, received_at=entry_time(s.entry_id))) is not None:
+                self.outbox.append(ev)
+
+    def _fold_observations(self, blob: bytes | None) -> None:
+        """One entry of the ingest processes' observations (services/ingest/observations.py): each one
+        counted, a rejected one by its reason, the others folded with what they said."""
+        cluster = self.shared.cluster
+        assert cluster is not None
+        try:
+            batch = observations.decode_batch(blob or b"")
+        except msgspec.MsgspecError as exc:  # not written by an ingest process: said, and skipped
+            log.error("event=observations_rejected bytes=%d detail=%s", len(blob or b""), exc)
+            return
+        for o in batch:
+            cluster.received += 1
+            if o.rejected:
+                cluster.rejected[o.rejected] += 1
+            elif (ev := cluster.fold_observed(o)) is not None:
+                self.outbox.append(ev)
+
+    def _fold_report(self, payload: bytes | None, at: float) -> None:
+        """One trainer report: job figures, the node's progress (for LOST), training events and
+        stragglers (an event when a rank becomes one, with its node's hardware signals)."""
+        cluster, plans, progress = self.shared.cluster, self.shared.plans, self.shared.progress
+        assert cluster is not None
+        if payload is None:
+            progress.received += 1
+            progress.rejected["missing_field"] += 1
+            return
+        report = progress.ingest(payload, received_at=at)
+        if report is None or report.exit_code is not None:  # an exit report is kept by progress alone
+            return
+        cluster.set_progress(report.node, at)
+        for rank in report.unreachable_ranks or ():
+            if plans.rank_unreachable(report.job, rank):
+                self.shared.ranks_changed = True
+                reason = (
+                    f"job {report.job} rank {rank}: rank {report.rank} (its carrier, or a survivor of a failed "
+                    f"collective) reported it unreachable at step {report.step}; excluded until it registers again"
+                )
+                node = plans.ranks[report.job][rank].node
+                self.outbox.append(ClusterEvent(EventKind.RANK_UNREACHABLE, reason, at, node))
+        if report.event and checkpoints.written_path(report.event) is not None:
+            if (written := self._checkpoints.observe(report, at=at)) is not None:  # one per (job, step)
+                self.outbox.append(written)
+        elif report.event:
+            kind = report.event.split(" ", 1)[0]
+            reason = f"job {report.job} rank {report.rank} step {report.step}: {report.event}"
+            self.outbox.append(ClusterEvent(kind, reason, at, report.node))
+        job = progress.jobs[report.job]
+        now_slow = job.stragglers(progress.straggler_factor)
+        for rank, why in now_slow.items():
+            if (report.job, rank) not in self._stragglers:
+                node = job.ranks[rank].report.node
+                view = cluster.nodes.get(node)
+                signals = "; ".join([*view.health.signals.faults, *view.health.signals.warnings]) if view else ""
+                reason = f"job {report.job}: {why}" + (f"; node signals: {signals}" if signals else "")
+                self.outbox.append(ClusterEvent(EventKind.STRAGGLER, reason, at, node))
+        self._stragglers = {k for k in self._stragglers if k[0] != report.job} | {(report.job, r) for r in now_slow}

@@ -1,0 +1,1 @@
+"""Persistence: what the database keeps of a node (decide.py), the outbox, and the persist tick (loop.py)."""

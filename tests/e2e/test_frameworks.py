@@ -1,0 +1,185 @@
+"""Scripts on the Hugging Face Trainer and Accelerate survive unchanged, launched through ``POST /v1/jobs``.
+
+``tests/fixtures/scripts/hf_trainer_train.py`` is a Trainer script as a user writes one (a tiny
+GPT-2 from its config, ``"auto"`` DeepSpeed values); ``accelerate_train.py`` an Accelerate loop
+(a ``DeepSpeedPlugin``, ``accelerator.backward``, ``accelerator.gather`` for the log line,
+``accelerator.save_state``). Neither imports ClusterPulse; each logs every 2 steps (a gather on
+the world group) and checkpoints every 10. On four ``pulse agent`` processes, at ZeRO 0 and 2:
+the job is RUNNING and its step and loss reach /metrics; SIGKILL one node's agent and a neighbour
+carries that node's rank; SIGKILL rank 1 and the survivors go on, through their next log lines
+and their next periodic checkpoint, without a restart. The relaunched rank 1 is taken back under
+the Trainer (its step counter set to the live ranks'), refused under the bare Accelerate loop
+(which counts its own steps); the job SUCCEEDS with one model on every rank. At ZeRO 2 the
+checkpoints after the kill are the job's: the Trainer's record the world of four and hold four
+optimizer files, and Accelerate's first resumes in a stock world of four (``--resume``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from clusterpulse.wire import REJOIN_REFUSED_EXIT
+from tests.stack import Stack, first_step_with, latest_step, rank_pid, registrations
+from tests.support import REDIS_URL, REPO, free_port, http, pulse_env, wait_all, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+NODES = ["us-0", "us-1", "us-2", "us-3"]
+DOMAIN = {"us-0": "d0", "us-1": "d0", "us-2": "d1", "us-3": "d1"}
+SCRIPTS = REPO / "tests" / "fixtures" / "scripts"
+FRAMEWORKS = {  # script, its log and checkpoint options, what its rank<N>.json calls the checkpoints and where
+    "trainer": ("hf_trainer_train.py", ["--logging-steps", "2", "--save-steps", "10"], "checkpoints",
+                "checkpoints/checkpoint-"),
+    "accelerate": ("accelerate_train.py", ["--log-every", "2", "--save-every", "10"], "saved", "state/step"),
+}  # fmt: skip
+
+
+def _start(s: Stack, tmp_path: Path, script: Path, args: list[str], *, name: str) -> tuple[str, Path]:
+    user = tmp_path / "user" / script.name  # outside the repository: nothing of ours next to it
+    user.parent.mkdir()
+    shutil.copy(script, user)
+    out = tmp_path / "out"
+    out.mkdir()
+    s.orchestrator()
+    for node in NODES:
+        s.agent(node, "--label", f"nvlink_domain={DOMAIN[node]}", "--label", "rack=r0")
+    s.wait_healthy(NODES)
+    body = {
+        "name": name,
+        "nodes": 4,
+        "gpus_per_node": 1,
+        "entrypoint": [str(user), "--out", str(out), *args],
+        "env": {"PULSE_PLAN_POLL_S": "0.2", "PULSE_COLLECTIVE_TIMEOUT_S": "6", "PULSE_PROXY_TIMEOUT_S": "5",
+                "OMP_NUM_THREADS": "1"},
+    }  # fmt: skip
+    r = s.post("/v1/jobs", body)
+    assert r.status_code == 201, r.text
+    return r.json()["id"], out
+
+
+def _metrics_seen(s: Stack, job: str) -> None:
+    wanted = [f'pulse_job_{m}{{job="{job}"}}' for m in ("step", "loss")]
+    wait_for(
+        lambda: all(w in http().get(f"{s.api}/metrics", timeout=5).text for w in wanted),
+        timeout=180,
+        what=f"{wanted} on /metrics",
+        every=0.3,
+    )
+
+
+def _outcome(out: Path, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in ranks}
+
+
+def _step_of(checkpoint: str | int) -> int:
+    return int(checkpoint) if isinstance(checkpoint, int) else int(checkpoint.split("-")[1])
+
+
+def _resumed(tmp_path: Path, script: Path, args: list[str], checkpoint: Path) -> dict[int, dict[str, Any]]:
+    """``checkpoint`` loaded by the same script in a stock world of four (``python script``, as
+    torchrun starts it; no ClusterPulse): what each rank ended with."""
+    out = tmp_path / "resumed"
+    out.mkdir()
+    port, procs = free_port(), []
+    for rank in range(4):
+        env = pulse_env(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        )  # fmt: skip
+        with (out / f"rank{rank}.log").open("wb") as log:
+            argv = [sys.executable, str(script), "--out", str(out), *args, "--resume", str(checkpoint)]
+            procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+    wait_all(procs, timeout=180)
+    logs = "\n".join((out / f"rank{r}.log").read_text(errors="replace")[-2000:] for r in range(4))
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], logs
+    return _outcome(out, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("framework", ["trainer", "accelerate"])
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_framework_script_is_carried_and_survives_a_killed_rank(
+    redis_url: str, tmp_path: Path, framework: str, stage: int
+) -> None:
+    s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="240")
+    steps = 120
+    script, options, saved, folder = FRAMEWORKS[framework]
+    try:
+        job, out = _start(
+            s, tmp_path, SCRIPTS / script,
+            ["--stage", str(stage), "--max-steps", str(steps), *options, "--step-sleep", "0.15"],
+            name=f"{framework}-z{stage}",
+        )  # fmt: skip
+        s.wait_state(job, "RUNNING", timeout=240)
+        assert s.job(job)["reporting"] in ("steps", "none")
+        _metrics_seen(s, job)
+        assert s.job(job)["reporting"] == "steps"
+        wait_for(lambda: len(first_step_with(REDIS_URL, job, 1)) == 4, timeout=60, what="plan generation 1 on 4 ranks")
+
+        # a silent agent: a neighbour carries its rank's gradient, every rank trains on
+        node_of = {g.rank: g.node for g in registrations(redis_url) if g.job == job}
+        victim = node_of[2]
+        s.procs[victim].kill()
+        s.procs[victim].wait(10)
+        wait_for(lambda: s.get(f"/v1/jobs/{job}/plan")["proxies"], timeout=30, what="a carrier for rank 2")
+        plan = s.get(f"/v1/jobs/{job}/plan")
+        neighbour = next(r for r, n in node_of.items() if n != victim and DOMAIN[n] == DOMAIN[victim])
+        assert plan["proxies"] == {"2": neighbour} and plan["excluded"] == [], plan
+        carried = plan["generation"]
+        wait_for(lambda: len(first_step_with(REDIS_URL, job, carried)) == 4, timeout=30, what="the carrier plan")
+        switched = first_step_with(REDIS_URL, job, carried)
+        wait_for(
+            lambda: all(step >= switched[r] + 3 for r, step in latest_step(REDIS_URL, job).items()),
+            timeout=60,
+            what="3 more steps on every rank, the carried rank included",
+        )
+        s.agent(victim, "--label", f"nvlink_domain={DOMAIN[victim]}", "--label", "rack=r0")  # re-attaches
+
+        # a killed rank: the survivors go on through their log lines and checkpoints
+        psutil.Process(rank_pid(job, 1)).kill()
+        killed_at = max(latest_step(REDIS_URL, job).values())
+        wait_for(lambda: 1 in s.get(f"/v1/jobs/{job}/plan")["excluded"], timeout=30, what="rank 1 excluded")
+        s.wait_state(job, "SUCCEEDED", timeout=240)
+        regs = [g.rank for g in registrations(redis_url) if g.job == job]
+        if framework == "trainer":  # the relaunched rank is taken back, its Trainer on the live ranks' step
+            # once each, and rank 1 again: no restart. A loaded machine sometimes adds a relaunch of
+            # another rank (gloo aborts a survivor on "4 vs 2" bytes in the first step after a
+            # rejoin, an open bug: docs/design/resilience.md); the job must survive that as well
+            assert regs.count(1) >= 2 and set(regs) == {0, 1, 2, 3}, regs
+            done = _outcome(out, [0, 1, 2, 3])
+        else:  # refused: the loop counts its own steps; the survivors finish
+            assert sorted(regs) == [0, 1, 2, 3], regs
+            node = s.job(job)["node_status"][node_of[1]]
+            assert node["exit_code"] == REJOIN_REFUSED_EXIT, node  # and it was not relaunched again
+            done = _outcome(out, [0, 2, 3])
+        assert {d["step"] for d in done.values()} == {steps}, done
+        assert len({d["digest"] for d in done.values()}) == 1, done  # one model on every rank
+        for rank, d in done.items():
+            assert [x for x in d["logged"] if x > killed_at + 2], (rank, killed_at, d)  # log lines after the kill
+        later = [c for c in done[0][saved] if _step_of(c) > killed_at]
+        assert later, (killed_at, done[0][saved])  # a periodic checkpoint after the kill
+        if stage == 2 and framework == "trainer":  # written for the job's world, by whoever was live
+            for name in later:
+                (states,) = (out / "checkpoints" / name).glob("global_step*/mp_rank_00_model_states.pt")
+                assert torch.load(states, map_location="cpu", weights_only=False)["dp_world_size"] == 4, name
+                assert len(list(states.parent.glob("zero_pp_rank_*_optim_states.pt"))) == 4, name
+        if stage == 2 and framework == "accelerate":  # and one loads: rank 1 never came back, so the
+            # optimizer files are the three live ranks' work; the first checkpoint after the kill,
+            # resumed by the stock script for 4 steps more
+            first = _step_of(later[0])
+            stock = ["--stage", str(stage), "--max-steps", str(steps + 4), *options]
+            resumed = _resumed(tmp_path, tmp_path / "user" / script, stock, out / f"{folder}{first}")
+            assert {d["step"] for d in resumed.values()} == {steps + 4}, resumed
+            assert len({d["digest"] for d in resumed.values()}) == 1, resumed
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{s.logs()}") from None
+    finally:
+        s.close()

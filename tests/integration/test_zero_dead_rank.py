@@ -1,0 +1,118 @@
+"""A dead rank at ZeRO 1-2 costs the survivors a moment, not the collective timeout.
+
+Four ranks of ``tests/fixtures/scripts/dies_in_norm.py`` (``user_train.py`` with a fault) under
+``python -m trainer.run``, ZeRO 2 (stage 1 keeps the group the same way), the collective timeout 60 s; the test plays the
+orchestrator. Rank 3 SIGKILLs itself as it enters DeepSpeed's gradient-norm all-reduce, so the
+other three are all in that all-reduce, on the live group the library put DeepSpeed's optimizer on:
+rank 3's ring neighbours fail at once, and rank 1 waits on them, not on the dead rank. It fails
+too only if its neighbours' connections close when they give the broken group up; while
+DeepSpeed's optimizer still held the group, they stayed open and rank 1 waited the whole 60 s.
+So the survivors must recover, re-home the partitions and finish the run well inside one
+collective timeout of the death.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from clusterpulse import wire
+from tests.stack import first_step_with
+from tests.support import REPO, free_port, pulse_env, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+WORLD = 4
+VICTIM = 3
+SURVIVORS = (0, 1, 2)
+STEPS = 12
+DIE_AT_STEP = 6
+COLLECTIVE_TIMEOUT_S = 60.0
+AFTER_DEATH_S = 40.0  # the survivors' whole rest of the run, well under one collective timeout
+SCRIPT = REPO / "tests" / "fixtures" / "scripts" / "dies_in_norm.py"
+
+
+def config(stage: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": stage, "reduce_scatter": False, "contiguous_gradients": True},
+        "steps_per_print": 1_000_000_000,
+    }
+
+
+def _plan(job: str, generation: int, participants: list[int], excluded: list[int]) -> wire.Plan:
+    return wire.Plan(job=job, generation=generation, participants=participants, proxies={}, excluded=excluded)
+
+
+@pytest.mark.parametrize("stage", [2])  # stage 1 holds the group the same way; one world is enough here
+def test_survivors_of_a_rank_dead_in_zeros_norm_all_reduce_do_not_wait_out_the_timeout(
+    redis_url: str, tmp_path: Path, stage: int
+) -> None:
+    job = f"zero{stage}-dead-{os.getpid()}"
+    r = redis.Redis.from_url(redis_url)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+
+    def start(rank: int) -> subprocess.Popen[bytes]:
+        env = pulse_env(
+            RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            PULSE_REDIS_URL=redis_url, PULSE_JOB_ID=job, PULSE_NODE=f"zd-{rank}",
+            PULSE_DEEPSPEED_CONFIG=json.dumps(config(stage)), PULSE_PLAN_POLL_S="0.1",
+            PULSE_COLLECTIVE_TIMEOUT_S=str(COLLECTIVE_TIMEOUT_S), PULSE_ZERO_MIRROR_STEPS="1", OMP_NUM_THREADS="1",
+            PULSE_TEST_DIE_AT_STEP=str(DIE_AT_STEP if rank == VICTIM else 0),
+        )  # fmt: skip
+        argv = [str(SCRIPT), "--backward", "engine", "--max-steps", str(STEPS), "--out", str(out)]
+        with (out / f"rank{rank}.log").open("ab") as log:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen([sys.executable, "-u", "-m", "trainer.run", *argv], env=env, stdout=log, stderr=log)
+
+    def logs() -> dict[int, str]:
+        return {n: (out / f"rank{n}.log").read_text(errors="replace")[-4000:] for n in range(WORLD)}
+
+    r.set(wire.job_plan_key(job), wire.encode(_plan(job, 1, list(range(WORLD)), [])))
+    procs = {rank: start(rank) for rank in range(WORLD)}
+    try:
+        try:
+            wait_for(lambda: procs[VICTIM].poll() is not None, timeout=150, what="rank 3's death", every=0.1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{logs()}") from None
+        assert procs[VICTIM].returncode == -9, logs()[VICTIM]
+        # the orchestrator's answer to the rank's exit: a plan without it
+        r.set(wire.job_plan_key(job), wire.encode(_plan(job, 2, list(SURVIVORS), [VICTIM])))
+        survivors = [procs[n] for n in SURVIVORS]
+        deadline = time.monotonic() + AFTER_DEATH_S
+        try:
+            for p in survivors:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"survivors still running {AFTER_DEATH_S}s after the death\n{logs()}") from None
+        assert [p.returncode for p in survivors] == [0, 0, 0], logs()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:  # a failed run leaves no rank behind
+                p.kill()
+                p.wait(10)
+        r.delete(wire.job_plan_key(job))
+    text = logs()
+    for n in SURVIVORS:
+        assert re.search(r"event=recovered job=\S+ rank=\d+ generation=2 ", text[n]), text[n]
+        assert "event=zero_repartitioned" in text[n], text[n]
+    assert set(first_step_with(redis_url, job, 2)) == set(SURVIVORS)
+    results = {n: json.loads((out / f"rank{n}.json").read_text()) for n in SURVIVORS}
+    assert {res["steps"] for res in results.values()} == {STEPS}, results
+    params = {n: torch.load(out / f"rank{n}.pt") for n in SURVIVORS}
+    for n in SURVIVORS[1:]:
+        for got, want in zip(params[n], params[0], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

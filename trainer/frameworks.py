@@ -1,0 +1,73 @@
+"""What a relaunched rank needs under a framework that sizes its world when it starts.
+
+A relaunched rank runs in a world of one (:func:`trainer.run.world_of_one`) until the live ranks
+take it back. The frameworks read their world from that process group, so for such a rank
+(:func:`install`):
+
+- Accelerate's ``PartialState`` (the Hugging Face Trainer's too) is told the job's world size and
+  the rank's place in it: the sampler gives the rank its own shard, "main process" checks stay on
+  rank 0, and the Trainer's ``"auto"`` batch sizes are the job's;
+- the Hugging Face Trainer's step counter takes the live ranks' step at the rank's first
+  optimizer step (a callback first in line), so its log lines, periodic checkpoints and
+  ``max_steps`` line up with theirs, and so do the collectives they run.
+
+A bare Accelerate loop or Lightning counts its own steps where the library cannot reach them: a
+relaunched rank is refused there (:mod:`trainer.run`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import ModuleType
+from typing import Any
+
+from trainer.imports import after_import
+
+
+def install(*, rank: int, world_size: int) -> None:
+    after_import("accelerate.state", lambda state: _job_world(state, rank=rank, world_size=world_size))
+    after_import("transformers.trainer", _align_steps)
+
+
+def _job_world(state: ModuleType, *, rank: int, world_size: int) -> None:
+    cls = state.PartialState
+    original = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if self.num_processes == 1 and world_size > 1:  # the world of one, not the job's
+            self.num_processes, self.process_index = world_size, rank
+
+    cls.__init__ = __init__
+
+
+def _align_steps(module: ModuleType) -> None:
+    from transformers import TrainerCallback
+
+    class JoinedSteps(TrainerCallback):
+        """The live ranks' step, once, at this rank's first optimizer step."""
+
+        def __init__(self, trainer: Any) -> None:
+            self.trainer = weakref.ref(trainer)
+            self.done = False
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            from trainer import resilience
+
+            r = resilience.current()
+            if self.done or r is None:
+                return
+            self.done = True
+            state.global_step = int(r.engine.global_steps)
+            trainer = self.trainer()
+            if trainer is not None:
+                trainer._globalstep_last_logged = state.global_step - 1  # its loss sum holds one step
+
+    cls = module.Trainer
+    original = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.callback_handler.callbacks.insert(0, JoinedSteps(self))
+
+    cls.__init__ = __init__

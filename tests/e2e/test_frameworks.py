@@ -110,12 +110,14 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
     redis_url: str, tmp_path: Path, framework: str, stage: int
 ) -> None:
     s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="240")
-    steps = 120
+    steps = 200
     script, options, saved, folder = FRAMEWORKS[framework]
+    pace = tmp_path / "pace"  # each step's sleep: slow until the relaunched rank 1 is back or refused
+    pace.write_text("0.15")
     try:
         job, out = _start(
             s, tmp_path, SCRIPTS / script,
-            ["--stage", str(stage), "--max-steps", str(steps), *options, "--step-sleep", "0.15"],
+            ["--stage", str(stage), "--max-steps", str(steps), *options, "--pace", str(pace)],
             name=f"{framework}-z{stage}",
         )  # fmt: skip
         s.wait_state(job, "RUNNING", timeout=240)
@@ -144,9 +146,18 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
         s.agent(victim, "--label", f"nvlink_domain={DOMAIN[victim]}", "--label", "rack=r0")  # re-attaches
 
         # a killed rank: the survivors go on through their log lines and checkpoints
+        pace.write_text("0.3")  # steps enough left for a relaunch on a loaded machine
         psutil.Process(rank_pid(job, 1)).kill()
         killed_at = max(latest_step(REDIS_URL, job).values())
         wait_for(lambda: 1 in s.get(f"/v1/jobs/{job}/plan")["excluded"], timeout=30, what="rank 1 excluded")
+
+        def back() -> bool:  # the relaunched rank 1 stepping again under the Trainer, refused under the bare loop
+            if framework == "trainer":
+                return latest_step(REDIS_URL, job).get(1, 0) > killed_at + 1
+            return bool(s.job(job)["node_status"][node_of[1]].get("exit_code") == REJOIN_REFUSED_EXIT)
+
+        wait_for(back, timeout=120, what="the relaunched rank 1 back (Trainer) or refused (Accelerate)")
+        pace.write_text("0")
         s.wait_state(job, "SUCCEEDED", timeout=240)
         regs = [g.rank for g in registrations(redis_url) if g.job == job]
         if framework == "trainer":  # the relaunched rank is taken back, its Trainer on the live ranks' step

@@ -120,16 +120,15 @@ def test_a_node_starts_each_rank_with_the_distributed_environment(redis_url: str
     async def body() -> None:
         client = aioredis.from_url(redis_url)
         launcher = Launcher(node="n2", redis_client=client, state_dir=tmp_path, python=sys.executable)
-        argv = [RANK, "--seconds", "60", "--exit-code", "3", "--fail-rank", "3", "--fail-after", "1"]
-        cmd = msgspec.structs.replace(_cmd("j5", seconds=60), nodes=2, node_rank=1, gpus_per_node=2, argv=argv)
+        argv = [RANK, "--seconds", "600", "--exit-code", "3", "--fail-rank", "3", "--fail-after", "1"]
+        cmd = msgspec.structs.replace(_cmd("j5", seconds=600), nodes=2, node_rank=1, gpus_per_node=2, argv=argv)
         # the job's store, as node 0's agent hosts it: each rank checks that it names the job (trainer/job_store.py)
         store = TCPStore("0.0.0.0", cmd.master_port, is_master=True, wait_for_workers=False)
         store.set(wire.job_store_owner_key(), "j5")
-        started = time.monotonic()
         await launcher.launch(cmd)
         assert len(launcher.jobs["j5"].pids) == 2
-        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"], limit_s=30)
-        assert time.monotonic() - started < 20  # rank 2 was stopped, not waited for (60 s)
+        # rank 2 is stopped, not waited for: it would run 600 s
+        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"], limit_s=120)
         last = _statuses(redis_url)[-1]
         assert (last.node_rank, last.exit_code) == (1, 3)
         log = (tmp_path / "j5.log").read_text()

@@ -87,29 +87,29 @@ def session(request: pytest.FixtureRequest) -> Iterator[Session]:
 # at once on two cores starved survivors past their 3 s collective timeout in one run (4 failures).
 # The schedule (pytest_xdist_make_scheduler) keeps to that by running them in HEAVY_AT_ONCE
 # groups; the lock files (_heavy_slot) hold it under any other --dist too. Each module with its
-# tests' wall time in seconds (a two-worker run, 2026-12-05), what the groups are balanced by.
+# tests' wall time in seconds (a clean-clone three-worker run), what the groups are balanced by.
 HEAVY = {
-    "tests/e2e/test_any_script.py": 163,
-    "tests/e2e/test_demo.py": 59,
-    "tests/e2e/test_frameworks.py": 270,
-    "tests/e2e/test_job_ends.py": 32,
-    "tests/e2e/test_goodput.py": 85,
-    "tests/e2e/test_reroute.py": 24,
-    "tests/e2e/test_trainer_example.py": 14,
-    "tests/integration/test_any_script_exact.py": 80,
-    "tests/integration/test_any_script_rejoin.py": 70,
-    "tests/integration/test_check_reroute.py": 19,
-    "tests/integration/test_collective_gloo.py": 19,
-    "tests/integration/test_deepspeed_reroute.py": 50,
-    "tests/integration/test_lightning_path.py": 15,
+    "tests/e2e/test_any_script.py": 157,
+    "tests/e2e/test_demo.py": 85,
+    "tests/e2e/test_frameworks.py": 277,
+    "tests/e2e/test_job_ends.py": 48,
+    "tests/e2e/test_goodput.py": 110,
+    "tests/e2e/test_reroute.py": 30,
+    "tests/e2e/test_trainer_example.py": 31,
+    "tests/integration/test_any_script_exact.py": 102,
+    "tests/integration/test_any_script_rejoin.py": 89,
+    "tests/integration/test_check_reroute.py": 38,
+    "tests/integration/test_collective_gloo.py": 34,
+    "tests/integration/test_deepspeed_reroute.py": 55,
+    "tests/integration/test_lightning_path.py": 34,
     "tests/integration/test_plan_follower.py": 13,
-    "tests/integration/test_rejoin.py": 40,
-    "tests/integration/test_slurm_jobs.py": 148,
-    "tests/integration/test_trainer_exact.py": 70,
-    "tests/integration/test_world_collectives.py": 30,
+    "tests/integration/test_rejoin.py": 47,
+    "tests/integration/test_slurm_jobs.py": 172,
+    "tests/integration/test_trainer_exact.py": 72,
+    "tests/integration/test_world_collectives.py": 13,
     "tests/integration/test_world_groups.py": 8,
-    "tests/integration/test_zero_repartition.py": 41,
-    "tests/integration/test_zero_dead_rank.py": 20,
+    "tests/integration/test_zero_repartition.py": 63,
+    "tests/integration/test_zero_dead_rank.py": 22,
 }
 HEAVY_AT_ONCE = 2
 # After the heavy groups, the modules whose tests wait on processes and deadlines first; the many

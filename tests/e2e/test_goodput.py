@@ -43,7 +43,7 @@ def test_short_campaign_keeps_training_through_every_fault(tmp_path: Path) -> No
         kinds=KINDS,
         cycle=True,
         rank_victims=[0],  # rank 0 too is a rank like any other (agent/jobstore.py hosts the store)
-        fault_free_duration=10.0,
+        fault_free_duration=6.0,
         start_timeout=600.0,
         finish_timeout=300.0,
     )

@@ -1,5 +1,6 @@
 """Exactness of a user's script under the library: with one degraded rank, the parameters after K
-steps equal the fault-free run's, for ZeRO 0, 1 and 2.
+steps equal the fault-free run's, for ZeRO 1 and 2 (ZeRO 0's, the engine's own, is
+tests/integration/test_deepspeed_reroute.py's, at every stage).
 
 Four ranks of ``tests/fixtures/scripts/user_train.py`` (it never imports ClusterPulse) run under
 ``python -m trainer.run`` as ``torchrun`` would start them (``RANK``, ``WORLD_SIZE``,
@@ -66,7 +67,7 @@ def _run(redis_url: str, tmp: Path, *, job: str, stage: int, backward: str) -> l
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize(("stage", "backward"), [(0, "engine"), (1, "torch"), (2, "engine")])
+@pytest.mark.parametrize(("stage", "backward"), [(1, "torch"), (2, "engine")])
 def test_one_degraded_rank_changes_no_parameter(redis_url: str, tmp_path: Path, stage: int, backward: str) -> None:
     r = redis.Redis.from_url(redis_url)
     stock = _run(redis_url, tmp_path, job=f"exact-free-{stage}", stage=stage, backward=backward)

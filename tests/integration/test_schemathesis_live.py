@@ -32,7 +32,7 @@ from tests.support import fresh_database, http
 
 pytestmark = pytest.mark.timeout(300)
 
-EXAMPLES = int(os.environ.get("PULSE_SCHEMATHESIS_LIVE_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("PULSE_SCHEMATHESIS_LIVE_EXAMPLES", "40"))
 SEED = int(os.environ.get("PULSE_SCHEMATHESIS_SEED", "20"))
 ST = Path(sys.executable).with_name("st")
 

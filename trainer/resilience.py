@@ -267,6 +267,7 @@ class Resilience:
             engine.micro_steps += 1  # keep DeepSpeed's accumulation window aligned
             if boundary:
                 self._in_window = self._void = False
+                skip_step(engine)
                 if self._failure is not None:
                     self._recover(self._failure)
             return None
@@ -274,6 +275,7 @@ class Resilience:
             return self._orig_step(*args, **kwargs)
         # the reduced gradients' norm, before the update clears them, unless DeepSpeed computes one
         grad_norm = _grad_norm(engine.module) if self.reporter is not None and not self._engine_norm else None
+        before = engine.global_steps
         try:
             out = self._orig_step(*args, **kwargs)
             self._boundary(grad_norm)
@@ -281,6 +283,8 @@ class Resilience:
             if not self.settings.survives or self.follower is None:
                 raise
             engine.zero_grad()
+            if engine.global_steps == before:  # it failed before DeepSpeed counted the step
+                skip_step(engine)
             self._recover(exc)
             return None
         return out
@@ -491,6 +495,16 @@ def _job_store(s: TrainerSettings, rank: int) -> TCPStore:
     if s.rejoin:
         forget_invitation(store, job=s.job_id, rank=rank)  # before registering: see trainer.follow
     return store
+
+
+def skip_step(engine: Any) -> None:
+    """Count an optimizer step that made no update, as DeepSpeed counts one it skips on an fp16
+    overflow: the engine's step stays the framework's (the Hugging Face Trainer and a script's
+    own loop count every step they call), so a rank brought back, which takes the engine's step,
+    logs, checkpoints and stops at the same steps as the live ranks."""
+    engine.global_steps += 1
+    engine.global_samples += engine.train_batch_size()
+    engine.skipped_steps += 1
 
 
 def _world_view(r: Resilience) -> world.View | None:

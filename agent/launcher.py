@@ -6,7 +6,7 @@ their deadline), and the last one handled is kept in ``state_dir``. Each is idem
 
 - **launch**: a GPU preflight, then ``gpus_per_node`` rank processes in one new process group,
   with the environment DeepSpeed's per-node launcher would give them; on the job's first node the
-  job's TCPStore (``agent/jobstore.py``) first, so that rank 0 can die and rejoin like any rank.
+  job's TCPStore (``agent/job_store.py``) first, so that rank 0 can die and rejoin like any rank.
   One failed rank stops the node's others; output goes to ``state_dir/<job>.log``;
 - **stop**: SIGTERM to the process group, SIGKILL after ``grace_s``; the job's store too;
 - **checkpoint**: SIGUSR2 to each rank process that catches it, once per request id.
@@ -137,7 +137,7 @@ class Launcher:
         self.store_poll_s = store_poll_s
         self.hosts_store = importlib.util.find_spec("torch") is not None  # the store is torch's TCPStore
         self.jobs: dict[str, RunningJob] = {}
-        self.stores: dict[str, int] = {}  # job -> pid of the job's store process (agent/jobstore.py)
+        self.stores: dict[str, int] = {}  # job -> pid of the job's store process (agent/job_store.py)
         self._adopted: set[str] = set()  # jobs whose stores this agent started or adopted
         self._tasks: set[asyncio.Task[None]] = set()
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -311,7 +311,7 @@ class Launcher:
         self._adopt(cmd.job)  # named before the store starts: its first look finds its keeper
         ready = self.state_dir / f"{cmd.job}.store.ready"
         ready.unlink(missing_ok=True)
-        argv = [self.python, "-m", "agent.jobstore", f"--port={cmd.master_port}", f"--job={cmd.job}",
+        argv = [self.python, "-m", "agent.job_store", f"--port={cmd.master_port}", f"--job={cmd.job}",
                 f"--ready-file={ready}", f"--keeper-file={store_keeper.path(self.state_dir, cmd.job)}",
                 f"--orphan-grace={self.store_orphan_grace_s:g}", f"--poll={self.store_poll_s:g}"]  # fmt: skip
         logf = self.state_dir / f"{cmd.job}.store.log"

@@ -1,6 +1,6 @@
 """Who keeps a job's store, and when a store that outlived its job ends.
 
-A job's store (``agent/jobstore.py``) runs in a session of its own and outlives the agent that
+A job's store (``agent/job_store.py``) runs in a session of its own and outlives the agent that
 started it, so that a restarted agent re-adopts it with the job's ranks. Its **keeper** is that
 agent process, named in the keeper file ``state_dir/<job>.store.keeper`` by pid and start time
 (pids are reused): the agent writes it before it starts the store, and a restarted agent writes
@@ -126,7 +126,7 @@ def stores_of(state_dir: Path) -> dict[str, int]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if not any(a.endswith(b"agent.jobstore") for a in args):
+        if not proc.is_store_argv(args):
             continue
         job = next((a[6:].decode() for a in args if a.startswith(b"--job=")), None)
         if job is not None and any(a.startswith(prefix) for a in args):

@@ -28,8 +28,18 @@ def alive(pid: int) -> bool:
     return True
 
 
+# The module a job's store runs as; the old name is an agent's from before the rename, whose
+# stores a newer agent adopts and ends like its own.
+STORE_MODULES = (b"agent.job_store", b"agent.jobstore")
+
+
+def is_store_argv(args: list[bytes]) -> bool:
+    """A process command line (``/proc/<pid>/cmdline`` split on NUL) that runs a job's store."""
+    return any(a.endswith(m) for a in args for m in STORE_MODULES)
+
+
 def is_job_store(pid: int, job: str) -> bool:
-    """``pid`` is alive and still ``job``'s rendezvous store (``agent/jobstore.py``, started with
+    """``pid`` is alive and still ``job``'s rendezvous store (``agent/job_store.py``, started with
     ``--job=<job>``). A recorded store pid may since have been reused by any process, another
     job's store included, so this is what a caller checks before it trusts or signals one."""
     if not alive(pid):
@@ -38,4 +48,4 @@ def is_job_store(pid: int, job: str) -> bool:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return any(a.endswith(b"agent.jobstore") for a in args) and f"--job={job}".encode() in args
+    return is_store_argv(args) and f"--job={job}".encode() in args

@@ -231,13 +231,13 @@ def job_plan_key(job: str) -> str:
 
 def job_done_store_key(job: str) -> str:
     """Not Redis: the key the job's live ranks write into the job's TCPStore after their last step
-    (``trainer.follow.PlanFollower.finish``); the store's host (``agent/jobstore.py``) and a rank
+    (``trainer.follow.PlanFollower.finish``); the store's host (``agent/job_store.py``) and a rank
     waiting to rejoin read it."""
     return f"pulse/{job}/done"
 
 
 def job_store_owner_key() -> str:
-    """Not Redis: the key in which a job's TCPStore (``agent/jobstore.py``) names the job it
+    """Not Redis: the key in which a job's TCPStore (``agent/job_store.py``) names the job it
     serves, written as soon as it listens; each rank reads it before torch's rendezvous writes
     into the store (``trainer/job_store.py``)."""
     return "pulse/store/job"

@@ -197,7 +197,7 @@ def kill_launched(state_dir: Path) -> int:
     """SIGKILL what the agents under ``state_dir`` launched and may have left behind: each job's
     ranks (the process groups ``<node>/jobs.json`` records) and each job's rendezvous store
     (``<node>/stores.json``: a process in a session of its own that outlives its agent by design,
-    ``agent/jobstore.py``, and ends with its job or a grace after its agent). For tests,
+    ``agent/job_store.py``, and ends with its job or a grace after its agent). For tests,
     benchmarks and the demo, after their agents are gone; a store pid is killed only while it is
     still that job's store. Returns how many were signalled."""
     killed = 0

@@ -176,7 +176,7 @@ class PlanFollower:
                 raise JobFinished(f"job {self.job} finished before rank {self.reroute.rank} could rejoin it")
             return store.check([key])
         except DistError as exc:
-            # The store outlives every rank but the job (agent/jobstore.py), or it lives in rank 0:
+            # The store outlives every rank but the job (agent/job_store.py), or it lives in rank 0:
             # gone means the job is over, one way or the other (the job's state says which).
             raise JobFinished(f"job {self.job}: its store is gone ({exc}); nothing left to rejoin") from exc
 

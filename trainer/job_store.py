@@ -2,7 +2,7 @@
 
 The agents' launcher and the Slurm batch script start every rank with
 ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch's rendezvous is then a client of the job's store,
-``agent/jobstore.py``) and ``PULSE_JOB_STORE=1``. A store that could not bind its port fails its
+``agent/job_store.py``) and ``PULSE_JOB_STORE=1``. A store that could not bind its port fails its
 own node's launch, but the ranks of the other nodes connect to whatever listens there: another
 job's store, a ``torchrun`` of someone else's. torch's rendezvous writes into the store it finds
 (its worker counter, then each rank's address under keys any torch job uses), so a rank that

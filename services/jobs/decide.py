@@ -116,7 +116,7 @@ def decide(
                 JobState.FAILED, f"ranks on {n} exited with {st.get('exit_code')}{_last_line(st)}", send="stop"
             )
     if nodes and all(states.get(n) == "exited" for n in nodes):
-        # the stop ends what outlives the ranks: the job's store (agent/jobstore.py), an excluded rank still hung
+        # the stop ends what outlives the ranks: the job's store (agent/job_store.py), an excluded rank still hung
         return JobDecision(JobState.SUCCEEDED, f"every node's ranks exited 0 ({len(nodes)} nodes)", send="stop")
     if state == JobState.STARTING:
         return _starting(

@@ -42,7 +42,7 @@ def test_short_campaign_keeps_training_through_every_fault(tmp_path: Path) -> No
         seed=7,
         kinds=KINDS,
         cycle=True,
-        rank_victims=[0],  # rank 0 too is a rank like any other (agent/jobstore.py hosts the store)
+        rank_victims=[0],  # rank 0 too is a rank like any other (agent/job_store.py hosts the store)
         fault_free_duration=6.0,
         start_timeout=600.0,
         finish_timeout=300.0,

@@ -61,7 +61,7 @@ def test_a_rank_runs_the_script_when_the_store_is_its_jobs(tmp_path: Path) -> No
     port = free_port()
     ready = tmp_path / "ready"
     store = subprocess.Popen(
-        [sys.executable, "-m", "agent.jobstore", f"--port={port}", "--job=j1", f"--ready-file={ready}"], cwd=REPO
+        [sys.executable, "-m", "agent.job_store", f"--port={port}", "--job=j1", f"--ready-file={ready}"], cwd=REPO
     )
     try:
         run = _rank(tmp_path, port)  # started at once: it waits for the store to listen

@@ -142,7 +142,7 @@ def test_a_node_starts_each_rank_with_the_distributed_environment(redis_url: str
 
 
 def test_the_first_node_hosts_the_jobs_store_outside_its_ranks(redis_url: str, tmp_path: Path) -> None:
-    """Rank 0 does not host the job's TCPStore (agent/jobstore.py): it answers at master_port,
+    """Rank 0 does not host the job's TCPStore (agent/job_store.py): it answers at master_port,
     outlives the ranks' exit and a relaunch to rejoin (one store, its keys kept), and leaves
     once the job's ranks write the done key."""
 
@@ -225,7 +225,7 @@ def test_stop_signals_a_recorded_store_pid_only_while_it_is_still_that_jobs_stor
     whatever has taken it since, another job's store least of all, and a restarted agent must not
     take it for the job's store."""
     port = free_port()
-    other = subprocess.Popen([sys.executable, "-m", "agent.jobstore", f"--port={port}", "--job=other"], cwd=REPO)
+    other = subprocess.Popen([sys.executable, "-m", "agent.job_store", f"--port={port}", "--job=other"], cwd=REPO)
     bystander = subprocess.Popen(["sleep", "60"])
 
     async def body() -> None:

@@ -3,7 +3,7 @@
 Three ranks (this file run as a script per rank) train a toy model with the bounded collective
 (``collective_timeout_s``), agreeing and making groups through the job's TCPStore as
 ``trainer.example`` does. The store is hosted by the test process, as the agent of the job's
-first node hosts it (``agent/jobstore.py``): every rank is its client
+first node hosts it (``agent/job_store.py``): every rank is its client
 (``TORCHELASTIC_USE_AGENT_STORE``), so rank 0 can die too. The test process plays the
 orchestrator: a rank dies mid-run (``os._exit``), the survivors' collective fails, the test
 publishes a plan that excludes it (what the orchestrator does when the node's agent reports the
@@ -208,7 +208,7 @@ def test_a_dead_rank_restarted_rejoins_the_running_world_with_the_live_state(
     client.delete(STEP_KEY, REGISTERED_KEY, REPORTED_KEY, wire.job_plan_key(JOB))
     everyone = list(range(world))
     port = free_port()
-    # the job's store, hosted outside every rank (as agent/jobstore.py does on the first node)
+    # the job's store, hosted outside every rank (as agent/job_store.py does on the first node)
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     env = {
         **os.environ,

@@ -49,7 +49,7 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
 def _store(tmp: Path, job: str, port: int, *, grace_s: float, procs: list[subprocess.Popen[bytes]]) -> Path:
     """Start a job's store kept by the keeper file ``tmp/<job>.store.keeper``; its log's path."""
     ready, log = tmp / f"{job}.ready", tmp / f"{job}.store.log"
-    argv = [sys.executable, "-m", "agent.jobstore", f"--port={port}", f"--job={job}", f"--ready-file={ready}",
+    argv = [sys.executable, "-m", "agent.job_store", f"--port={port}", f"--job={job}", f"--ready-file={ready}",
             f"--keeper-file={tmp / (job + store_keeper.KEEPER_SUFFIX)}", f"--orphan-grace={grace_s}", "--poll=0.05"]  # fmt: skip
     with log.open("ab") as fh:
         procs.append(subprocess.Popen(argv, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT))
@@ -212,3 +212,22 @@ def test_a_restarted_agent_adopts_a_running_jobs_store_while_redis_does_not_answ
         await client.aclose()
 
     asyncio.run(body())
+
+
+def test_a_store_started_under_the_modules_old_name_is_still_a_store(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """An agent from before ``agent/jobstore.py`` became ``agent/job_store.py`` left a store
+    running: a newer agent still knows it as its job's store and finds it by its keeper file."""
+    keeper = f"--keeper-file={tmp_path.resolve()}/j7{store_keeper.KEEPER_SUFFIX}"
+    argv = [sys.executable, "-c", "import time; time.sleep(600)", "-m", "agent.jobstore", "--job=j7", keeper]
+    old = subprocess.Popen(argv)
+    procs.append(old)
+    wait_for(lambda: is_job_store(old.pid, "j7"), timeout=10, what="the old-named store known")
+    assert not is_job_store(old.pid, "j8")
+    assert store_keeper.stores_of(tmp_path.resolve()) == {"j7": old.pid}
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "--job=j7", keeper])
+    procs.append(other)  # the same arguments, not a store
+    wait_for(lambda: alive(other.pid), timeout=10, what="the other process")
+    assert not is_job_store(other.pid, "j7")
+    assert store_keeper.stores_of(tmp_path.resolve()) == {"j7": old.pid}

@@ -24,7 +24,7 @@ def test_a_node_whose_ranks_exited_has_them_excluded_once() -> None:
 
 def test_rank_0_is_excluded_like_any_other_the_store_is_the_agents() -> None:
     k = keeper(["n0", "n1", "n2"])
-    assert k.node_exited("j", "n0") == [0]  # agent/jobstore.py hosts the store, not rank 0
+    assert k.node_exited("j", "n0") == [0]  # agent/job_store.py hosts the store, not rank 0
     assert k.excluded_nodes("j") == {"n0"}
     k.register(wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=0, node="n0", world_size=3))
     assert k.excluded_nodes("j") == set()  # relaunched, it registered again

@@ -92,7 +92,7 @@ def test_batch_script_gives_each_rank_the_launchers_environment() -> None:
         "/venv/bin/python -m agent.slurm_rank -- "
         "/venv/bin/python -u -m trainer.run -m trainer.example --steps 10 --note 'it'\"'\"'s'"
     ) in script
-    assert "/venv/bin/python -m agent.jobstore" in script and "TORCHELASTIC_USE_AGENT_STORE=True" in script
+    assert "/venv/bin/python -m agent.job_store" in script and "TORCHELASTIC_USE_AGENT_STORE=True" in script
     # the relauncher of ranks that rejoin starts before the step, is told to finish after it, and waited for
     relauncher = "/venv/bin/python -m agent.slurm_rejoin --per=4 -- /venv/bin/python -m agent.slurm_rank -- "
     assert script.index(relauncher) < script.index("srun --export") < script.index('kill -TERM "$rejoin"')

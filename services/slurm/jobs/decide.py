@@ -202,7 +202,7 @@ def batch_script(sub: Submission) -> str:
     store = [
         q(sub.python),
         "-m",
-        "agent.jobstore",
+        "agent.job_store",
         '--port="$MASTER_PORT"',
         f"--job={q(sub.job_id)}",
         '--ready-file="$ready"',
@@ -223,7 +223,7 @@ def batch_script(sub: Submission) -> str:
         f"  {' '.join(store)} --linger={sub.store_linger_s:g} &\n"
         "  store=$!\n"
         # the ranks start once it listens: one that cannot (the port is held) would send them into
-        # whatever holds the port (agent/jobstore.py)
+        # whatever holds the port (agent/job_store.py)
         f"  deadline=$((SECONDS + {math.ceil(sub.store_ready_timeout_s)}))\n"
         '  until [ -s "$ready" ]; do\n'
         '    if ! kill -0 "$store" 2>/dev/null || [ "$SECONDS" -ge "$deadline" ]; then\n'

@@ -28,11 +28,11 @@ from pathlib import Path
 from agent import store_keeper
 from clusterpulse import wire
 
-log = logging.getLogger("pulse.agent.jobstore")
+log = logging.getLogger("pulse.agent.job_store")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m agent.jobstore", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m agent.job_store", description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, required=True, help="the job's MASTER_PORT")
     p.add_argument("--job", required=True)
     p.add_argument("--linger", type=float, default=30.0, help="seconds it stays after the job is done")

@@ -28,7 +28,7 @@ pytestmark = [
 
 def test_short_soak_detects_every_fault_and_invents_none() -> None:
     proc = subprocess.run(
-        [*PULSE, "bench", "soak", "--nodes", "6", "--gpus-per-node", "4", "--duration", "25", "--fault-every", "1",
+        [*PULSE, "bench", "soak", "--nodes", "6", "--gpus-per-node", "4", "--duration", "40", "--fault-every", "1",
          "--interval", "0.5", "--slack", "12", "--warmup", "2", "--seed", "3", "--max-rss-growth", "100", "--json"],
         env=pulse_env(), cwd=REPO, capture_output=True, text=True, timeout=380, check=False,
     )  # fmt: skip

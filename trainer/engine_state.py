@@ -97,3 +97,16 @@ def check_partitions(engine: Any, reroute: ReroutedAllReduce | None, *, why: str
             f"zero_optimization.stage={stage}: ranks {sorted(left)} are out of the job and their optimizer "
             f"partitions cannot be re-homed ({why}); restart the job from its last checkpoint"
         )
+
+
+def skip_step(engine: Any, *, unless_past: int | None = None) -> None:
+    """Count an optimizer step that made no update, as DeepSpeed counts one it skips on an fp16
+    overflow: the engine's step stays the framework's (the Hugging Face Trainer and a script's
+    own loop count every step they call), so a rank brought back, which takes the engine's step,
+    logs, checkpoints and stops at the same steps as the live ranks. ``unless_past``: the
+    engine's step before a step that failed; nothing to count when DeepSpeed counted it."""
+    if unless_past is not None and engine.global_steps != unless_past:
+        return
+    engine.global_steps += 1
+    engine.global_samples += engine.train_batch_size()
+    engine.skipped_steps += 1

@@ -14,8 +14,7 @@ boundary:
 - **exclusion**: a rank the plan excludes leaves with exit code 0 at the boundary;
 - **rejoin** (``PULSE_REJOIN=1``): a relaunched rank waits until the live ranks take it back;
 - **emergency checkpoint**: SIGUSR2 asks for one, saved by every live rank at the same boundary;
-- the script's **world-group collectives** run over the live ranks (:mod:`trainer.world`,
-  :meth:`Resilience.world_view`, :meth:`Resilience.survive`).
+- the script's **world-group collectives** run over the live ranks (:mod:`trainer.world`).
 
 The reasoning, the limits and what is refused: ``docs/design/resilience.md``.
 """
@@ -40,7 +39,7 @@ from clusterpulse import wire
 from trainer import deepspeed_reroute, rendezvous, world, zero_repartition
 from trainer.checkpoint import EmergencyCheckpoint
 from trainer.collective import ReroutedAllReduce
-from trainer.engine_state import check_partitions, materialize_optimizer_state, take_state
+from trainer.engine_state import check_partitions, materialize_optimizer_state, skip_step, take_state
 from trainer.follow import JobFinished, PlanFollower, RecoveryError, forget_invitation
 from trainer.mfu import peak_flops
 from trainer.report import StepTimer, TrainerReporter
@@ -283,8 +282,7 @@ class Resilience:
             if not self.settings.survives or self.follower is None:
                 raise
             engine.zero_grad()
-            if engine.global_steps == before:  # it failed before DeepSpeed counted the step
-                skip_step(engine)
+            skip_step(engine, unless_past=before)  # unless it failed after DeepSpeed counted the step
             self._recover(exc)
             return None
         return out
@@ -315,10 +313,8 @@ class Resilience:
         losses, self._losses = self._losses, []
         tokens, self._tokens = self._tokens, 0
         if self.reporter is not None:
-            _report(
-                self, grad_norm=grad_norm, step_time=step_time, losses=losses, tokens=tokens,
-                unreachable=unreachable, written=written,
-            )  # fmt: skip
+            _report(self, grad_norm=grad_norm, step_time=step_time, losses=losses, tokens=tokens,
+                    unreachable=unreachable, written=written)  # fmt: skip
         limit = self.settings.max_steps
         if limit is not None and engine.global_steps >= limit:
             self._leave(f"PULSE_MAX_STEPS={limit}")
@@ -495,16 +491,6 @@ def _job_store(s: TrainerSettings, rank: int) -> TCPStore:
     if s.rejoin:
         forget_invitation(store, job=s.job_id, rank=rank)  # before registering: see trainer.follow
     return store
-
-
-def skip_step(engine: Any) -> None:
-    """Count an optimizer step that made no update, as DeepSpeed counts one it skips on an fp16
-    overflow: the engine's step stays the framework's (the Hugging Face Trainer and a script's
-    own loop count every step they call), so a rank brought back, which takes the engine's step,
-    logs, checkpoints and stops at the same steps as the live ranks."""
-    engine.global_steps += 1
-    engine.global_samples += engine.train_batch_size()
-    engine.skipped_steps += 1
 
 
 def _world_view(r: Resilience) -> world.View | None:

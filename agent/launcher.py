@@ -114,7 +114,7 @@ class Launcher:
         poll_s: float = 0.2,
         python: str = sys.executable,
         store_linger_s: float = 30.0,
-        store_ready_timeout_s: float = 10.0,
+        store_ready_timeout_s: float = 60.0,
         store_orphan_grace_s: float = 300.0,
         store_poll_s: float = 1.0,
         env: dict[str, str] | None = None,

@@ -94,8 +94,10 @@ class Settings(BaseSettings):
     job_port_base: int = Field(29500, ge=1, le=65535)
     job_port_span: int = Field(500, ge=1)
     # How long the first node's agent (and the Slurm batch script) waits for the job's store to
-    # listen at the job's port before it fails the node's launch (agent/launcher.py)
-    job_store_ready_timeout_s: float = Field(10.0, gt=0)
+    # listen at the job's port before it fails the node's launch (agent/launcher.py). A store whose
+    # port is held exits at once; this bounds only a slow start (it imports torch: 10 s was too
+    # short on a loaded node, and failed a healthy job)
+    job_store_ready_timeout_s: float = Field(60.0, gt=0)
     # A job's store outlives its agent (a restarted one adopts it) but not for good: it leaves once no
     # live agent has kept it for this long (agent/store_keeper.py); it looks every job_store_poll_s.
     job_store_orphan_grace_s: float = Field(300.0, gt=0)

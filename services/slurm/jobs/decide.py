@@ -166,7 +166,7 @@ class Submission:
     output: str = ""  # a folder for the batch output, "" for Slurm's default
     python: str = "python3"
     store_linger_s: float = 30.0
-    store_ready_timeout_s: float = 10.0
+    store_ready_timeout_s: float = 60.0
     env: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -4,7 +4,7 @@
 GPT-2 from its config, ``"auto"`` DeepSpeed values); ``accelerate_train.py`` an Accelerate loop
 (a ``DeepSpeedPlugin``, ``accelerator.backward``, ``accelerator.gather`` for the log line,
 ``accelerator.save_state``). Neither imports ClusterPulse; each logs every 2 steps (a gather on
-the world group) and checkpoints every 10. On four ``pulse agent`` processes, at ZeRO 0 and 2:
+the world group) and checkpoints every 20. On four ``pulse agent`` processes, at ZeRO 0 and 2:
 the job is RUNNING and its step and loss reach /metrics; SIGKILL one node's agent and a neighbour
 carries that node's rank; SIGKILL rank 1 and the survivors go on, through their next log lines
 and their next periodic checkpoint, without a restart. The relaunched rank 1 is taken back under
@@ -37,9 +37,9 @@ NODES = ["us-0", "us-1", "us-2", "us-3"]
 DOMAIN = {"us-0": "d0", "us-1": "d0", "us-2": "d1", "us-3": "d1"}
 SCRIPTS = REPO / "tests" / "fixtures" / "scripts"
 FRAMEWORKS = {  # script, its log and checkpoint options, what its rank<N>.json calls the checkpoints and where
-    "trainer": ("hf_trainer_train.py", ["--logging-steps", "2", "--save-steps", "10"], "checkpoints",
+    "trainer": ("hf_trainer_train.py", ["--logging-steps", "2", "--save-steps", "20"], "checkpoints",
                 "checkpoints/checkpoint-"),
-    "accelerate": ("accelerate_train.py", ["--log-every", "2", "--save-every", "10"], "saved", "state/step"),
+    "accelerate": ("accelerate_train.py", ["--log-every", "2", "--save-every", "20"], "saved", "state/step"),
 }  # fmt: skip
 
 

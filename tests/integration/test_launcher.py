@@ -177,17 +177,18 @@ def test_an_agent_leaves_at_once_while_the_jobs_store_it_started_lives_on(redis_
         launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path)
         await launcher.launch(_cmd("j4", seconds=0.2))
         left["launcher"] = launcher
+        started = time.monotonic()
         await launcher.detach()  # the agent stops, as on SIGTERM
+        # the store lives until its job is done (never, here): a detach that waited for it would hang
+        assert time.monotonic() - started < 30
         # its watcher has ended, not only been asked to: nothing uses the client once it is closed
         assert asyncio.all_tasks() == {asyncio.current_task()}
         await client.aclose()
 
-    started = time.monotonic()
     asyncio.run(body())
-    assert time.monotonic() - started < 10
     launcher = left["launcher"]
     for p in launcher.jobs["j4"].procs:
-        p.wait(10)
+        p.wait(60)
     assert alive(launcher.stores["j4"])
     _end_stores(launcher)
 

@@ -58,7 +58,7 @@ def _start(s: Stack, tmp_path: Path, script: Path, args: list[str], *, name: str
         "nodes": 4,
         "gpus_per_node": 1,
         "entrypoint": [str(user), "--out", str(out), *args],
-        "env": {"PULSE_PLAN_POLL_S": "0.2", "PULSE_COLLECTIVE_TIMEOUT_S": "6", "PULSE_PROXY_TIMEOUT_S": "5",
+        "env": {"PULSE_PLAN_POLL_S": "0.2", "PULSE_COLLECTIVE_TIMEOUT_S": "15", "PULSE_PROXY_TIMEOUT_S": "10",
                 "OMP_NUM_THREADS": "1"},
     }  # fmt: skip
     r = s.post("/v1/jobs", body)
@@ -149,7 +149,7 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
         pace.write_text("0.3")  # steps enough left for a relaunch on a loaded machine
         psutil.Process(rank_pid(job, 1)).kill()
         killed_at = max(latest_step(REDIS_URL, job).values())
-        wait_for(lambda: 1 in s.get(f"/v1/jobs/{job}/plan")["excluded"], timeout=30, what="rank 1 excluded")
+        wait_for(lambda: 1 in s.get(f"/v1/jobs/{job}/plan")["excluded"], timeout=60, what="rank 1 excluded")
 
         def back() -> bool:  # the relaunched rank 1 stepping again under the Trainer, refused under the bare loop
             if framework == "trainer":

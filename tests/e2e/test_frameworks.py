@@ -144,6 +144,11 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
             what="3 more steps on every rank, the carried rank included",
         )
         s.agent(victim, "--label", f"nvlink_domain={DOMAIN[victim]}", "--label", "rack=r0")  # re-attaches
+        # rank 2 computes again on every rank before the kill: a rank killed while another is still
+        # carried can split the live ranks on a loaded machine (an open bug: docs/design/resilience.md)
+        wait_for(lambda: not s.get(f"/v1/jobs/{job}/plan")["proxies"], timeout=60, what="rank 2 computing again")
+        restored = s.get(f"/v1/jobs/{job}/plan")["generation"]
+        wait_for(lambda: len(first_step_with(REDIS_URL, job, restored)) == 4, timeout=60, what="that plan on 4 ranks")
 
         # a killed rank: the survivors go on through their log lines and checkpoints
         pace.write_text("0.3")  # steps enough left for a relaunch on a loaded machine

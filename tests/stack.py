@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -85,6 +86,16 @@ class Stack:
             if line.startswith(series + " "):
                 return float(line.split()[1])
         raise AssertionError(f"{series} not on /metrics")
+
+    def wait_job_metrics(self, job: str, names: Sequence[str], *, timeout: float) -> None:
+        """Until /metrics has the series ``pulse_job_<name>{job="<job>"}`` for each of ``names``."""
+        wanted = [f'pulse_job_{m}{{job="{job}"}}' for m in names]
+        wait_for(
+            lambda: all(w in http().get(f"{self.api}/metrics", timeout=5).text for w in wanted),
+            timeout=timeout,
+            what=f"{wanted} on /metrics",
+            every=0.3,
+        )
 
     def get(self, path: str, **kw: Any) -> Any:
         r = http().get(f"{self.api}{path}", timeout=5, **kw)
@@ -182,6 +193,11 @@ def latest_step(url: str, job: str) -> dict[int, int]:
         if r.job == job:
             out[r.rank] = max(r.step, out.get(r.rank, 0))
     return out
+
+
+def rank_outcomes(out: Path, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """What each rank of a fixture script wrote at its end (``<out>/rank<N>.json``)."""
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in ranks}
 
 
 def registrations(url: str) -> list[wire.RankRegistration]:

@@ -21,7 +21,6 @@ processes (simulated telemetry, the real launcher, which runs it under ``python 
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import time
@@ -31,8 +30,8 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.stack import Stack, first_step_with, latest_step, rank_pid, registrations, reports
-from tests.support import REDIS_URL, REPO, http, wait_for
+from tests.stack import Stack, first_step_with, latest_step, rank_outcomes, rank_pid, registrations, reports
+from tests.support import REDIS_URL, REPO, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -80,20 +79,6 @@ def _start(
     return r.json()["id"], out
 
 
-def _metrics_seen(s: Stack, job: str) -> None:
-    wanted = [f'pulse_job_{m}{{job="{job}"}}' for m in ("step", "loss", "step_time_seconds")]
-    wait_for(
-        lambda: all(w in http().get(f"{s.api}/metrics", timeout=5).text for w in wanted),
-        timeout=120,
-        what=f"{wanted} on /metrics",
-        every=0.3,
-    )
-
-
-def _outcome(out: Path, ranks: list[int]) -> dict[int, dict[str, Any]]:
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in ranks}
-
-
 @pytest.mark.parametrize(("stage", "backward"), [(1, "torch"), (2, "engine")])
 def test_a_users_script_is_rerouted_around_a_silent_node(
     redis_url: str, tmp_path: Path, stage: int, backward: str
@@ -101,7 +86,7 @@ def test_a_users_script_is_rerouted_around_a_silent_node(
     s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="180")
     try:
         job, out = _start(s, tmp_path, stage=stage, backward=backward, max_steps=70)
-        _metrics_seen(s, job)
+        s.wait_job_metrics(job, ("step", "loss", "step_time_seconds"), timeout=120)
         wait_for(lambda: len(first_step_with(REDIS_URL, job, 1)) == 4, timeout=120, what="plan generation 1 on 4 ranks")
         node_of = {g.rank: g.node for g in registrations(redis_url) if g.job == job}
         victim = node_of[2]
@@ -125,7 +110,7 @@ def test_a_users_script_is_rerouted_around_a_silent_node(
         )
         s.agent(victim, "--label", f"nvlink_domain={DOMAIN[victim]}", "--label", "rack=r0")  # re-attaches
         s.wait_state(job, "SUCCEEDED", timeout=180)
-        done = _outcome(out, [0, 1, 2, 3])
+        done = rank_outcomes(out, [0, 1, 2, 3])
         assert {d["steps"] for d in done.values()} == {70}, done
         assert len({d["digest"] for d in done.values()}) == 1, done  # one model on every rank
     except AssertionError as exc:
@@ -145,7 +130,7 @@ def test_a_users_script_survives_a_killed_rank_without_a_restart(
             s, tmp_path, stage=stage, backward=backward, max_steps=steps,
             env={"PULSE_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "PULSE_ZERO_MIRROR_STEPS": "2"},
         )  # fmt: skip
-        _metrics_seen(s, job)
+        s.wait_job_metrics(job, ("step", "loss", "step_time_seconds"), timeout=120)
         wait_for(lambda: latest_step(REDIS_URL, job).get(1, 0) >= 5, timeout=120, what="rank 1 past step 5")
         psutil.Process(rank_pid(job, 1)).kill()
         killed_at = time.monotonic()
@@ -199,7 +184,7 @@ def test_a_users_script_survives_a_killed_rank_without_a_restart(
                     gone = {int(q) for q in re.findall(r"\d+", line.split("state_lost=[")[1].split("]")[0])}
                     assert gone <= {1} | also, line
             assert all(regs.count(r) == 2 for r in {1} | also), regs
-        done = _outcome(out, [0, 1, 2, 3] if stage else [0, 2, 3])
+        done = rank_outcomes(out, [0, 1, 2, 3] if stage else [0, 2, 3])
         assert {d["steps"] for d in done.values()} == {steps}, done
         assert len({d["digest"] for d in done.values()}) == 1, done
         assert excluded_s < 20, excluded_s

@@ -16,7 +16,6 @@ optimizer files, and Accelerate's first resumes in a stock world of four (``--re
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -28,8 +27,8 @@ import pytest
 import torch
 
 from clusterpulse.wire import REJOIN_REFUSED_EXIT
-from tests.stack import Stack, first_step_with, latest_step, rank_pid, registrations
-from tests.support import REDIS_URL, REPO, free_port, http, pulse_env, wait_all, wait_for
+from tests.stack import Stack, first_step_with, latest_step, rank_outcomes, rank_pid, registrations
+from tests.support import REDIS_URL, REPO, free_port, pulse_env, wait_all, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -66,20 +65,6 @@ def _start(s: Stack, tmp_path: Path, script: Path, args: list[str], *, name: str
     return r.json()["id"], out
 
 
-def _metrics_seen(s: Stack, job: str) -> None:
-    wanted = [f'pulse_job_{m}{{job="{job}"}}' for m in ("step", "loss")]
-    wait_for(
-        lambda: all(w in http().get(f"{s.api}/metrics", timeout=5).text for w in wanted),
-        timeout=180,
-        what=f"{wanted} on /metrics",
-        every=0.3,
-    )
-
-
-def _outcome(out: Path, ranks: list[int]) -> dict[int, dict[str, Any]]:
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in ranks}
-
-
 def _step_of(checkpoint: str | int) -> int:
     return int(checkpoint) if isinstance(checkpoint, int) else int(checkpoint.split("-")[1])
 
@@ -101,7 +86,7 @@ def _resumed(tmp_path: Path, script: Path, args: list[str], checkpoint: Path) ->
     wait_all(procs, timeout=180)
     logs = "\n".join((out / f"rank{r}.log").read_text(errors="replace")[-2000:] for r in range(4))
     assert [p.returncode for p in procs] == [0, 0, 0, 0], logs
-    return _outcome(out, [0, 1, 2, 3])
+    return rank_outcomes(out, [0, 1, 2, 3])
 
 
 @pytest.mark.parametrize("framework", ["trainer", "accelerate"])
@@ -122,7 +107,7 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
         )  # fmt: skip
         s.wait_state(job, "RUNNING", timeout=240)
         assert s.job(job)["reporting"] in ("steps", "none")
-        _metrics_seen(s, job)
+        s.wait_job_metrics(job, ("step", "loss"), timeout=180)
         assert s.job(job)["reporting"] == "steps"
         wait_for(lambda: len(first_step_with(REDIS_URL, job, 1)) == 4, timeout=60, what="plan generation 1 on 4 ranks")
 
@@ -169,12 +154,12 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
             # once each, and rank 1 again: no restart. A survivor that misses the collective
             # timeout on a loaded machine is excluded and relaunched too; the job survives that as well
             assert regs.count(1) >= 2 and set(regs) == {0, 1, 2, 3}, regs
-            done = _outcome(out, [0, 1, 2, 3])
+            done = rank_outcomes(out, [0, 1, 2, 3])
         else:  # refused: the loop counts its own steps; the survivors finish
             assert sorted(regs) == [0, 1, 2, 3], regs
             node = s.job(job)["node_status"][node_of[1]]
             assert node["exit_code"] == REJOIN_REFUSED_EXIT, node  # and it was not relaunched again
-            done = _outcome(out, [0, 2, 3])
+            done = rank_outcomes(out, [0, 2, 3])
         assert {d["step"] for d in done.values()} == {steps}, done
         # the step lost to the kill counts on the engine as in the framework (so a rank taken back,
         # which takes the engine's step, logs and checkpoints at the live ranks' steps)

@@ -42,7 +42,7 @@ from agent.node_commands import NodeCommands
 from agent.ranks import rank_targets, read_process_table
 from agent.server_time import ServerTime
 from clusterpulse import wire
-from clusterpulse.proc import alive, is_job_store
+from clusterpulse.proc import alive, is_job_store, rank_threads
 from clusterpulse.retry import Backoff
 
 log = logging.getLogger("pulse.agent.launcher")
@@ -367,6 +367,7 @@ class Launcher:
                 if self.hosts_store:  # the first node's agent hosts the store; each rank checks it is the job's
                     env.update(TORCHELASTIC_USE_AGENT_STORE="True", PULSE_JOB_STORE="1")
                 env.update(self.rank_env(cmd, i))
+                env.update(rank_threads(env, max(1, cmd.gpus_per_node)))
                 # A shell records the exit code in a file, so a restarted agent that re-attaches
                 # (and so is no longer the parent) can still read how the ranks ended.
                 rc_file = self.state_dir / f"{cmd.job}.{i}.rc"

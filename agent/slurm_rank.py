@@ -33,6 +33,7 @@ from agent import job_commands
 from agent.ranks import catches, read_process
 from agent.server_time import ServerTime
 from clusterpulse import wire
+from clusterpulse.proc import rank_threads
 from clusterpulse.retry import Backoff
 
 log = logging.getLogger("pulse.agent.slurm_rank")
@@ -143,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("expected -- and the rank's command line")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     env = {**os.environ, **rank_env(os.environ)}
+    env.update(rank_threads(env, int(env.get("LOCAL_WORLD_SIZE") or 1)))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # the rank got it too: wait for its exit (docs/design/slurm-rank.md)
     signal.signal(signal.SIGUSR2, lambda *_: None)  # not SIG_IGN, which the rank would inherit through exec

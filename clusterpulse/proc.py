@@ -1,15 +1,25 @@
 """Whether a process of this host is alive: one answer for the agent's launcher (are a job's ranks
 still running?) and the orchestrator's leader lease (is the holder a dead process here?); whether a
-recorded pid is still a job's store (pids are reused). And the one log line format of every
-``pulse`` process and the processes they start."""
+recorded pid is still a job's store (pids are reused). The one log line format of every
+``pulse`` process and the processes they start, and the thread default of a node's ranks."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 LOG_FORMAT = "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+
+
+def rank_threads(environ: Mapping[str, str], local_world_size: int) -> dict[str, str]:
+    """What torchrun adds for several ranks on one node: ``OMP_NUM_THREADS=1`` unless the job or
+    the host set it. Otherwise each rank's torch starts an OpenMP pool of one thread per core and
+    the node's pools spin against each other."""
+    if local_world_size > 1 and "OMP_NUM_THREADS" not in environ:
+        return {"OMP_NUM_THREADS": "1"}
+    return {}
 
 
 def alive(pid: int) -> bool:

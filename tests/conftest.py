@@ -7,6 +7,11 @@ DeepSpeed's CPU ops are compiled into ``TORCH_EXTENSIONS_DIR``, by default in th
 environment (``.venv/torch_extensions``): torch rebuilds an op whenever the build file names other
 paths, so two checkouts sharing ``~/.cache/torch_extensions`` (a clean CI clone beside a working
 tree) rebuild each other's ops and wait minutes on each other's lock files.
+
+Every process the tests start runs with ``OMP_NUM_THREADS=1`` unless the run sets it: the suite
+runs several jobs' ranks at once on a few cores, and torch's OpenMP pools (one thread per core
+in each rank) spin against each other; what torchrun and the agent do for several ranks on a
+node (``clusterpulse.proc.rank_threads``), for the whole machine.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from services import db
 from tests.support import JOB_PORT_BASE, REDIS_URL, REPO, fresh_database
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

@@ -13,6 +13,11 @@ take it back. The frameworks read their world from that process group, so for su
 
 A bare Accelerate loop or Lightning counts its own steps where the library cannot reach them: a
 relaunched rank is refused there (:mod:`trainer.run`).
+
+On every rank (:func:`install_writers`): while a plan leaves rank 0 out, its stand-in
+(:func:`trainer.world.stands_in_for_rank_zero`) also does the Trainer's main-process writing and
+logging, so a checkpoint taken then holds ``trainer_state.json`` and the model's weights and can be
+resumed.
 """
 
 from __future__ import annotations
@@ -21,12 +26,59 @@ import weakref
 from types import ModuleType
 from typing import Any
 
+from trainer import world
 from trainer.imports import after_import
 
 
 def install(*, rank: int, world_size: int) -> None:
     after_import("accelerate.state", lambda state: _job_world(state, rank=rank, world_size=world_size))
     after_import("transformers.trainer", _align_steps)
+
+
+def install_writers() -> None:
+    after_import("transformers.training_args", _stand_in_args)
+    after_import("transformers.trainer", _stand_in_trainer)
+    after_import("transformers.distributed.mixin", _stand_in_model)
+
+
+def _stand_in_model(module: ModuleType) -> None:
+    """``save_pretrained`` also asks that this be torch.distributed's rank 0."""
+    cls = getattr(module, "DistributedMixin", None)
+    if cls is None or not hasattr(cls, "should_save_on_this_rank"):
+        return
+    original = cls.should_save_on_this_rank
+
+    def should_save_on_this_rank(self: Any, is_main_process: bool) -> bool:
+        return bool(original(self, is_main_process)) or (is_main_process and world.stands_in_for_rank_zero())
+
+    cls.should_save_on_this_rank = should_save_on_this_rank
+
+
+def _stand_in_args(module: ModuleType) -> None:
+    cls = module.TrainingArguments
+    or_stand_in(cls, "should_save", per_node="save_on_each_node")
+    or_stand_in(cls, "should_log", per_node="log_on_each_node")
+
+
+def _stand_in_trainer(module: ModuleType) -> None:
+    cls = module.Trainer
+    original = cls.is_world_process_zero
+
+    def is_world_process_zero(self: Any) -> bool:
+        return bool(original(self)) or world.stands_in_for_rank_zero()
+
+    cls.is_world_process_zero = is_world_process_zero
+
+
+def or_stand_in(cls: type, name: str, *, per_node: str) -> None:
+    """Property ``name`` of ``cls`` also true on rank 0's stand-in, unless ``per_node`` is set (a
+    writer on every node: the stand-in's node has its own)."""
+    getter = getattr(cls, name).fget
+
+    def get(obj: Any) -> bool:
+        return bool(getter(obj)) or (not getattr(obj, per_node) and world.stands_in_for_rank_zero())
+
+    setattr(cls, name, property(get, doc=getter.__doc__))
 
 
 def _job_world(state: ModuleType, *, rank: int, world_size: int) -> None:

@@ -11,6 +11,9 @@ Every checkpoint a framework or script takes (the Trainer's ``save_steps``, Acce
   them, and none for the lost rank. Instead partition ``r`` of the job's layout is assembled on its
   writer (``r``, or its stand-in: the next live rank in ring order) with one reduce per state over
   the live ranks and written under ``r``'s name: what DeepSpeed writes for ``r`` with nobody lost.
+- ``save_checkpoint``: what DeepSpeed writes on global rank 0 alone (the ``latest`` file a resume
+  without a tag reads, ZeRO's ``zero_to_fp32.py``) is written by the state's source while rank 0
+  is out (:func:`save_rank_zero_files`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import inspect
 import os
 from typing import Any
 
@@ -32,6 +36,8 @@ from trainer.zero_repartition import MASTER, GroupLayout, layouts, members_of
 def install(engine: Any, groups: PlanGroups, *, partitioned: bool) -> None:
     """Route ``engine``'s checkpoint files through :func:`save_model_states` and, for a ZeRO 1-2
     optimizer (``partitioned``), :func:`save` (once, at attach)."""
+    whole = engine.save_checkpoint
+    engine.save_checkpoint = functools.wraps(whole)(functools.partial(save_rank_zero_files, engine, whole, groups))
     states = engine._save_checkpoint
     engine._save_checkpoint = functools.partial(save_model_states, engine, states, groups)
     if partitioned:
@@ -49,6 +55,25 @@ def save_model_states(engine: Any, original: Any, groups: PlanGroups, *args: Any
         original(*args, **kwargs)
     finally:
         engine.save_non_zero_checkpoint, engine.seq_dp_world_size = writer, size
+
+
+def save_rank_zero_files(engine: Any, original: Any, groups: PlanGroups, *args: Any, **kwargs: Any) -> Any:
+    """DeepSpeed's ``save_checkpoint``; then, on the state's source while that is not rank 0, the
+    files DeepSpeed leaves to global rank 0: ``latest`` (unless ``save_latest`` is off or a
+    decoupled checkpoint engine commits it later) and ZeRO's recovery script."""
+    out = original(*args, **kwargs)
+    if groups.rank != groups.source or groups.rank == 0:
+        return out
+    call = inspect.signature(original).bind(*args, **kwargs)
+    call.apply_defaults()
+    save_dir, tag = call.arguments["save_dir"], call.arguments["tag"]
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if engine.save_zero_checkpoint:
+        engine._copy_recovery_script(save_dir)
+    if call.arguments["save_latest"] and not engine.checkpoint_engine.is_decoupled():
+        with open(os.path.join(save_dir, "latest"), "w") as fh:
+            fh.write(tag)
+    return out
 
 
 def save(engine: Any, original: Any, save_path: str, tag: str, *, world: int, rank: int) -> None:

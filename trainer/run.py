@@ -93,6 +93,7 @@ def install(settings: TrainerSettings) -> None:
     """Make this process's ``deepspeed.initialize`` attach the protocol (module docstring)."""
     rendezvous.install(settings)
     world.install()
+    frameworks.install_writers()
     if settings.rejoin:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         world.install(alone=world.View(world_size=size, rank=rank, members=(rank,), group=None))

@@ -103,6 +103,15 @@ def use(*, view: Provider | None, survive: Survive | None) -> None:
         _survive = survive
 
 
+def stands_in_for_rank_zero() -> bool:
+    """This rank does rank 0's writing now: a plan in force leaves rank 0 out and this rank is its
+    stand-in (what fills rank 0's slot). Never a rank alone (a relaunched rank not yet taken back)."""
+    view = _provider()
+    if view is None or view.group is None or 0 in view.members:
+        return False
+    return view.table[0] == view.rank
+
+
 def original(name: str) -> Callable[..., Any]:
     """The unwrapped ``torch.distributed`` function ``name``."""
     return _originals.get(name) or getattr(dist.distributed_c10d, name)

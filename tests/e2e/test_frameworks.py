@@ -6,16 +6,19 @@ GPT-2 from its config, ``"auto"`` DeepSpeed values); ``accelerate_train.py`` an 
 ``accelerator.save_state``). Neither imports ClusterPulse; each logs every 2 steps (a gather on
 the world group) and checkpoints every 20. On four ``pulse agent`` processes, at ZeRO 0 and 2:
 the job is RUNNING and its step and loss reach /metrics; SIGKILL one node's agent and a neighbour
-carries that node's rank; SIGKILL rank 1 and the survivors go on, through their next log lines
-and their next periodic checkpoint, without a restart. The relaunched rank 1 is taken back under
-the Trainer (its step counter set to the live ranks'), refused under the bare Accelerate loop
-(which counts its own steps); the job SUCCEEDS with one model on every rank. At ZeRO 2 the
-checkpoints after the kill are the job's: the Trainer's record the world of four and hold four
-optimizer files, and Accelerate's first resumes in a stock world of four (``--resume``).
+carries that node's rank; SIGKILL a rank (rank 0 under the Trainer, its main process; rank 1 under
+Accelerate) and the survivors go on, through their next log lines and their next periodic
+checkpoint, without a restart. The relaunched rank is taken back under the Trainer (its step
+counter set to the live ranks'), refused under the bare Accelerate loop (which counts its own
+steps); the job SUCCEEDS with one model on every rank. The Trainer's checkpoints after the kill
+hold its state and the weights (rank 0's stand-in writes them while it is out); at ZeRO 2 they
+record the world of four and hold four optimizer files, and Accelerate's first resumes in a stock
+world of four (``--resume``).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -137,27 +140,40 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
 
         # a killed rank: the survivors go on through their log lines and checkpoints
         pace.write_text("0.3")  # steps enough left for a relaunch on a loaded machine
-        psutil.Process(rank_pid(job, 1)).kill()
+        killed = 0 if framework == "trainer" else 1
+        psutil.Process(rank_pid(job, killed)).kill()
         killed_at = max(latest_step(REDIS_URL, job).values())
-        wait_for(lambda: 1 in s.get(f"/v1/jobs/{job}/plan")["excluded"], timeout=60, what="rank 1 excluded")
+        wait_for(lambda: killed in s.get(f"/v1/jobs/{job}/plan")["excluded"], timeout=60, what="the rank excluded")
+        if framework == "trainer":  # a checkpoint taken wholly while rank 0 is out: quickly to the next one
+            wait_for(
+                lambda: all(latest_step(REDIS_URL, job).get(r, 0) > killed_at + 1 for r in (1, 2, 3)),
+                timeout=60, what="2 steps on every survivor",
+            )  # fmt: skip
+            since = max(latest_step(REDIS_URL, job).values())
+            pace.write_text("0")
+            wait_for(
+                lambda: any(_step_of(c.parent.name) > since for c in (out / "checkpoints").glob("checkpoint-*/trainer_state.json")),
+                timeout=60, what="a checkpoint while rank 0 is out",
+            )  # fmt: skip
+            pace.write_text("0.3")
 
-        def back() -> bool:  # the relaunched rank 1 stepping again under the Trainer, refused under the bare loop
+        def back() -> bool:  # the relaunched rank stepping again under the Trainer, refused under the bare loop
             if framework == "trainer":
-                return latest_step(REDIS_URL, job).get(1, 0) > killed_at + 1
-            return bool(s.job(job)["node_status"][node_of[1]].get("exit_code") == REJOIN_REFUSED_EXIT)
+                return latest_step(REDIS_URL, job).get(killed, 0) > killed_at + 1
+            return bool(s.job(job)["node_status"][node_of[killed]].get("exit_code") == REJOIN_REFUSED_EXIT)
 
-        wait_for(back, timeout=120, what="the relaunched rank 1 back (Trainer) or refused (Accelerate)")
+        wait_for(back, timeout=120, what="the relaunched rank back (Trainer) or refused (Accelerate)")
         pace.write_text("0")
         s.wait_state(job, "SUCCEEDED", timeout=240)
         regs = [g.rank for g in registrations(redis_url) if g.job == job]
         if framework == "trainer":  # the relaunched rank is taken back, its Trainer on the live ranks' step
             # once each, and rank 1 again: no restart. A survivor that misses the collective
             # timeout on a loaded machine is excluded and relaunched too; the job survives that as well
-            assert regs.count(1) >= 2 and set(regs) == {0, 1, 2, 3}, regs
+            assert regs.count(killed) >= 2 and set(regs) == {0, 1, 2, 3}, regs
             done = rank_outcomes(out, [0, 1, 2, 3])
         else:  # refused: the loop counts its own steps; the survivors finish
             assert sorted(regs) == [0, 1, 2, 3], regs
-            node = s.job(job)["node_status"][node_of[1]]
+            node = s.job(job)["node_status"][node_of[killed]]
             assert node["exit_code"] == REJOIN_REFUSED_EXIT, node  # and it was not relaunched again
             done = rank_outcomes(out, [0, 2, 3])
         assert {d["step"] for d in done.values()} == {steps}, done
@@ -167,8 +183,15 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
         assert len({d["digest"] for d in done.values()}) == 1, done  # one model on every rank
         for rank, d in done.items():
             assert [x for x in d["logged"] if x > killed_at + 2], (rank, killed_at, d)  # log lines after the kill
-        later = [c for c in done[0][saved] if _step_of(c) > killed_at]
-        assert later, (killed_at, done[0][saved])  # a periodic checkpoint after the kill
+        later = [c for c in done[2][saved] if _step_of(c) > killed_at]
+        assert later, (killed_at, done[2][saved])  # a periodic checkpoint after the kill
+        if framework == "trainer":  # resumable: the main process's part written, by rank 0's stand-in while it was out
+            for name in (c for c in later if _step_of(c) > since):  # (one cut short by the kill is not mended)
+                state = json.loads((out / "checkpoints" / name / "trainer_state.json").read_text())
+                assert state["global_step"] == _step_of(name), (name, state["global_step"])
+                assert (out / "checkpoints" / name / "model.safetensors").is_file(), name
+                assert (out / "checkpoints" / name / "latest").read_text() == f"global_step{_step_of(name)}", name
+                assert stage == 0 or (out / "checkpoints" / name / "zero_to_fp32.py").is_file(), name
         if stage == 2 and framework == "trainer":  # written for the job's world, by whoever was live
             for name in later:
                 (states,) = (out / "checkpoints" / name).glob("global_step*/mp_rank_00_model_states.pt")

@@ -17,7 +17,7 @@ relaunched rank is refused there (:mod:`trainer.run`).
 On every rank (:func:`install_writers`): while a plan leaves rank 0 out, its stand-in
 (:func:`trainer.world.stands_in_for_rank_zero`) also does the Trainer's main-process writing and
 logging, so a checkpoint taken then holds ``trainer_state.json`` and the model's weights and can be
-resumed.
+resumed; a Trainer checkpoint during which a rank died is taken again, whole.
 """
 
 from __future__ import annotations
@@ -63,11 +63,22 @@ def _stand_in_args(module: ModuleType) -> None:
 def _stand_in_trainer(module: ModuleType) -> None:
     cls = module.Trainer
     original = cls.is_world_process_zero
+    checkpoint = cls._save_checkpoint
 
     def is_world_process_zero(self: Any) -> bool:
         return bool(original(self)) or world.stands_in_for_rank_zero()
 
+    def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        """Taken again, whole, when a rank died during it (:func:`trainer.job_checkpoint.whole`)."""
+        from trainer import job_checkpoint, resilience
+
+        r = resilience.current()
+        if r is None or r.reroute is None:
+            return checkpoint(self, *args, **kwargs)
+        return job_checkpoint.whole(lambda: checkpoint(self, *args, **kwargs), r.reroute)
+
     cls.is_world_process_zero = is_world_process_zero
+    cls._save_checkpoint = _save_checkpoint
 
 
 def or_stand_in(cls: type, name: str, *, per_node: str) -> None:

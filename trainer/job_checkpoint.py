@@ -11,9 +11,11 @@ Every checkpoint a framework or script takes (the Trainer's ``save_steps``, Acce
   them, and none for the lost rank. Instead partition ``r`` of the job's layout is assembled on its
   writer (``r``, or its stand-in: the next live rank in ring order) with one reduce per state over
   the live ranks and written under ``r``'s name: what DeepSpeed writes for ``r`` with nobody lost.
-- ``save_checkpoint``: what DeepSpeed writes on global rank 0 alone (the ``latest`` file a resume
-  without a tag reads, ZeRO's ``zero_to_fp32.py``) is written by the state's source while rank 0
-  is out (:func:`save_rank_zero_files`).
+- ``save_checkpoint``: taken again, whole, when the live ranks recovered inside it (a rank died
+  mid-save, so the first try wrote only part of the checkpoint); and what DeepSpeed writes on
+  global rank 0 alone (the ``latest`` file a resume without a tag reads, ZeRO's
+  ``zero_to_fp32.py``) is written by the state's source while rank 0 is out
+  (:func:`save_checkpoint`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import copy
 import functools
 import inspect
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,12 +35,14 @@ from trainer.groups import PlanGroups
 from trainer.stand_ins import stand_ins
 from trainer.zero_repartition import MASTER, GroupLayout, layouts, members_of
 
+T = TypeVar("T")
+
 
 def install(engine: Any, groups: PlanGroups, *, partitioned: bool) -> None:
     """Route ``engine``'s checkpoint files through :func:`save_model_states` and, for a ZeRO 1-2
     optimizer (``partitioned``), :func:`save` (once, at attach)."""
     whole = engine.save_checkpoint
-    engine.save_checkpoint = functools.wraps(whole)(functools.partial(save_rank_zero_files, engine, whole, groups))
+    engine.save_checkpoint = functools.wraps(whole)(functools.partial(save_checkpoint, engine, whole, groups))
     states = engine._save_checkpoint
     engine._save_checkpoint = functools.partial(save_model_states, engine, states, groups)
     if partitioned:
@@ -57,11 +62,24 @@ def save_model_states(engine: Any, original: Any, groups: PlanGroups, *args: Any
         engine.save_non_zero_checkpoint, engine.seq_dp_world_size = writer, size
 
 
-def save_rank_zero_files(engine: Any, original: Any, groups: PlanGroups, *args: Any, **kwargs: Any) -> Any:
-    """DeepSpeed's ``save_checkpoint``; then, on the state's source while that is not rank 0, the
-    files DeepSpeed leaves to global rank 0: ``latest`` (unless ``save_latest`` is off or a
-    decoupled checkpoint engine commits it later) and ZeRO's recovery script."""
-    out = original(*args, **kwargs)
+def whole(save: Callable[[], T], groups: PlanGroups, *, tries: int = 3) -> T:
+    """``save()``, and again while the plan in force changed during it: the live ranks recovered
+    inside one of its collectives (a rank died mid-save), so the try wrote part of the checkpoint
+    for the old world. Every live rank went through that recovery, so all of them save again."""
+    for _ in range(tries - 1):
+        before = groups.salt
+        out = save()
+        if groups.salt == before:
+            return out
+    return save()
+
+
+def save_checkpoint(engine: Any, original: Any, groups: PlanGroups, *args: Any, **kwargs: Any) -> Any:
+    """DeepSpeed's ``save_checkpoint``, whole (:func:`whole`); then, on the state's source while
+    that is not rank 0, the files DeepSpeed leaves to global rank 0: ``latest`` (unless
+    ``save_latest`` is off or a decoupled checkpoint engine commits it later) and ZeRO's recovery
+    script."""
+    out = whole(lambda: original(*args, **kwargs), groups)
     if groups.rank != groups.source or groups.rank == 0:
         return out
     call = inspect.signature(original).bind(*args, **kwargs)

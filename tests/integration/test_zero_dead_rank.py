@@ -9,6 +9,11 @@ too only if its neighbours' connections close when they give the broken group up
 DeepSpeed's optimizer still held the group, they stayed open and rank 1 waited the whole 60 s.
 So the survivors must recover, re-home the partitions and finish the run well inside one
 collective timeout of the death.
+
+And a rank that dies in the middle of a checkpoint (``dies_in_save.py``): rank 0, the writer of the
+model states, dies as it starts writing them, the job's store hosted outside it as the agent
+hosts it. The survivors recover in the checkpoint's last barrier and take it again, whole: it
+holds the model states for the world of four and all four ZeRO partitions, and ``latest`` names it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import pytest
 import redis
 import torch
+from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
 from clusterpulse import wire
 from tests.stack import first_step_with
@@ -116,3 +122,55 @@ def test_survivors_of_a_rank_dead_in_zeros_norm_all_reduce_do_not_wait_out_the_t
     for n in SURVIVORS[1:]:
         for got, want in zip(params[n], params[0], strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_checkpoint_a_rank_died_in_is_taken_again_whole(redis_url: str, tmp_path: Path) -> None:
+    job = f"zero1-save-{os.getpid()}"
+    r = redis.Redis.from_url(redis_url)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # rank 0 can die
+    victim, survivors, die_at, steps = 0, (1, 2, 3), 6, 9
+
+    def start(rank: int) -> subprocess.Popen[bytes]:
+        env = pulse_env(
+            RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            TORCHELASTIC_USE_AGENT_STORE="True", PULSE_REDIS_URL=redis_url, PULSE_JOB_ID=job, PULSE_NODE=f"zs-{rank}",
+            PULSE_DEEPSPEED_CONFIG=json.dumps(config(1)), PULSE_PLAN_POLL_S="0.1", PULSE_COLLECTIVE_TIMEOUT_S="10",
+            PULSE_ZERO_MIRROR_STEPS="1", PULSE_TEST_DIE_AT_STEP=str(die_at if rank == victim else 0),
+        )  # fmt: skip
+        script = SCRIPT.with_name("dies_in_save.py")
+        argv = [str(script), "--max-steps", str(steps), "--save-every", "3", "--out", str(out)]
+        with (out / f"rank{rank}.log").open("ab") as log:
+            return subprocess.Popen([sys.executable, "-u", "-m", "trainer.run", *argv], env=env, stdout=log, stderr=log)
+
+    def logs() -> dict[int, str]:
+        return {n: (out / f"rank{n}.log").read_text(errors="replace")[-4000:] for n in range(WORLD)}
+
+    r.set(wire.job_plan_key(job), wire.encode(_plan(job, 1, list(range(WORLD)), [])))
+    procs = {rank: start(rank) for rank in range(WORLD)}
+    try:
+        try:
+            wait_for(lambda: procs[victim].poll() is not None, timeout=150, what="rank 0's death", every=0.1)
+            r.set(wire.job_plan_key(job), wire.encode(_plan(job, 2, list(survivors), [victim])))
+            for n in survivors:
+                procs[n].wait(timeout=120)
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            raise AssertionError(f"{exc}\n{logs()}") from None
+        assert procs[victim].returncode == -9, logs()[victim]
+        assert [procs[n].returncode for n in survivors] == [0, 0, 0], logs()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:  # a failed run leaves no rank behind
+                p.kill()
+                p.wait(10)
+        r.delete(wire.job_plan_key(job))
+        del store
+    for step in (die_at, steps):
+        folder = out / "checkpoints" / f"step{step}"
+        states = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        assert states["dp_world_size"] == WORLD, folder.name
+        parts = sorted(p.name for p in folder.glob("zero_pp_rank_*_optim_states.pt"))
+        assert parts == [f"zero_pp_rank_{n}_mp_rank_00_optim_states.pt" for n in range(WORLD)], (folder.name, parts)
+    assert (out / "checkpoints" / "latest").read_text() == f"step{steps}"  # written by rank 0's stand-in

@@ -20,6 +20,13 @@ from trainer.collective import ReroutedAllReduce
 from trainer.follow import RecoveryError
 
 
+def params_sum(engine: Any) -> float:
+    """A fingerprint of this rank's model: its parameters' sum in float64, equal on every live rank
+    while they hold one model (what a harness compares when a run ends)."""
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum().item() for p in engine.module.parameters()))
+
+
 def _optimizer(engine: Any) -> Any:
     return getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed may wrap the torch optimizer
 

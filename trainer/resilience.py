@@ -39,7 +39,7 @@ from clusterpulse import wire
 from trainer import deepspeed_reroute, rendezvous, world, zero_repartition
 from trainer.checkpoint import EmergencyCheckpoint
 from trainer.collective import ReroutedAllReduce
-from trainer.engine_state import check_partitions, materialize_optimizer_state, skip_step, take_state
+from trainer.engine_state import check_partitions, materialize_optimizer_state, params_sum, skip_step, take_state
 from trainer.follow import JobFinished, PlanFollower, RecoveryError, forget_invitation
 from trainer.mfu import peak_flops
 from trainer.report import StepTimer, TrainerReporter
@@ -317,7 +317,7 @@ class Resilience:
                     unreachable=unreachable, written=written)  # fmt: skip
         limit = self.settings.max_steps
         if limit is not None and engine.global_steps >= limit:
-            self._leave(f"PULSE_MAX_STEPS={limit}")
+            self._leave(f"PULSE_MAX_STEPS={limit} params_sum={params_sum(self.engine)!r}")
 
     # --- survival ------------------------------------------------------------------------------------
 

@@ -70,5 +70,6 @@ def test_short_campaign_keeps_training_through_every_fault(tmp_path: Path) -> No
             assert f["detection_s"] is not None, f  # a plan excluded the rank
             assert f["rank"] == 0 and f["rejoin_s"] is not None, (f, shown)  # relaunched, it joined again
     assert result["params_finite"], shown
+    assert result["models_agree"], shown  # every rank that reached the end holds one model
     assert result["final_loss"] is not None and result["final_step"] == result["steps_expected"], shown
     assert Path(result["png"]).stat().st_size > 0

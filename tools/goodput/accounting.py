@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 from typing import Any
 
@@ -37,6 +38,19 @@ def finite_report(r: wire.TrainerReport) -> bool:
     if (r.event or "").split(" ", 1)[0] in ("nonfinite_loss", "nonfinite_grad_norm"):
         return False
     return all(v is None or math.isfinite(v) for v in (r.loss, r.grad_norm))
+
+
+def final_models(logs: list[str], job: str) -> dict[int, str]:
+    """rank -> the model fingerprint (``params_sum``) each rank of ``job`` logged as it left at
+    ``PULSE_MAX_STEPS`` (its last such line), from the ranks' log texts."""
+    pattern = re.compile(
+        rf"event=leaving job={re.escape(job)} rank=(\d+) step=\d+ reason=PULSE_MAX_STEPS=\d+ params_sum=(\S+)"
+    )
+    out: dict[int, str] = {}
+    for text in logs:
+        for m in pattern.finditer(text):
+            out[int(m.group(1))] = m.group(2)
+    return out
 
 
 def mean_loss_by_step(run: Run) -> dict[int, float]:

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from clusterpulse.states import TERMINAL_JOB_STATES, JobState
-from tools.goodput.accounting import Accounting, finite_report, mean_loss_by_step, percentiles
+from tools.goodput.accounting import Accounting, final_models, finite_report, mean_loss_by_step, percentiles
 from tools.goodput.inject import FaultInjector
 from tools.goodput.model import (
     CAMPAIGN_FAULTS,
@@ -309,6 +309,8 @@ class Campaign:
         lost_by_kind = acc.steps_lost_by_kind(runs, end=end, finished=finished, steps_expected=steps_expected)
         samples = acc.samples(last, steps_done)
         diff = None if final_loss is None or ff.final_loss is None else final_loss - ff.final_loss
+        logs = [p.read_text(errors="replace") for p in (self.workdir / "agents").glob(f"*/{last.job}.log")]
+        models = final_models(logs, last.job)
         noise = ff.noise
         return {
             "ranks": self.args.ranks,
@@ -338,6 +340,8 @@ class Campaign:
             "loss_noise": round(noise, 5) if math.isfinite(noise) else None,
             "final_loss_within_noise": diff is not None and math.isfinite(noise) and abs(diff) <= 3 * noise,
             "params_finite": all(finite_report(r) for run in runs for _, r in run.reports),
+            "final_models": models,
+            "models_agree": len(set(models.values())) == 1 if models else None,
             "false_degraded": acc.false_degraded(first),
             "lost_events": sum(1 for f in self.faults if not f.event and not f.note.startswith("rank already")),
             "plan_generations": len({p["generation"] for _, p in mon.plans if p.get("job") == last.job}),

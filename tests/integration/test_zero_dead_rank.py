@@ -45,7 +45,7 @@ STEPS = 12
 DIE_AT_STEP = 6
 COLLECTIVE_TIMEOUT_S = 60.0
 AFTER_DEATH_S = 40.0  # the survivors' whole rest of the run, well under one collective timeout
-SCRIPT = REPO / "tests" / "fixtures" / "scripts" / "dies_in_norm.py"
+SCRIPTS = REPO / "tests" / "fixtures" / "scripts"
 
 
 def config(stage: int) -> dict[str, Any]:
@@ -62,6 +62,28 @@ def _plan(job: str, generation: int, participants: list[int], excluded: list[int
     return wire.Plan(job=job, generation=generation, participants=participants, proxies={}, excluded=excluded)
 
 
+def _start(script: str, rank: int, out: Path, argv: list[str], **env: str) -> subprocess.Popen[bytes]:
+    """One rank of a fixture ``script`` under ``python -m trainer.run``, logging to ``out``."""
+    env = pulse_env(
+        RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+        PULSE_PLAN_POLL_S="0.1", PULSE_ZERO_MIRROR_STEPS="1", OMP_NUM_THREADS="1", **env,
+    )  # fmt: skip
+    line = [sys.executable, "-u", "-m", "trainer.run", str(SCRIPTS / script), *argv, "--out", str(out)]
+    with (out / f"rank{rank}.log").open("ab") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(line, env=env, stdout=log, stderr=log)
+
+
+def _logs(out: Path) -> dict[int, str]:
+    return {n: (out / f"rank{n}.log").read_text(errors="replace")[-4000:] for n in range(WORLD)}
+
+
+def _kill_left(procs: dict[int, subprocess.Popen[bytes]]) -> None:
+    for p in procs.values():
+        if p.poll() is None:  # a failed run leaves no rank behind
+            p.kill()
+            p.wait(10)
+
+
 @pytest.mark.parametrize("stage", [2])  # stage 1 holds the group the same way; one world is enough here
 def test_survivors_of_a_rank_dead_in_zeros_norm_all_reduce_do_not_wait_out_the_timeout(
     redis_url: str, tmp_path: Path, stage: int
@@ -73,19 +95,15 @@ def test_survivors_of_a_rank_dead_in_zeros_norm_all_reduce_do_not_wait_out_the_t
     port = free_port()
 
     def start(rank: int) -> subprocess.Popen[bytes]:
-        env = pulse_env(
-            RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            PULSE_REDIS_URL=redis_url, PULSE_JOB_ID=job, PULSE_NODE=f"zd-{rank}",
-            PULSE_DEEPSPEED_CONFIG=json.dumps(config(stage)), PULSE_PLAN_POLL_S="0.1",
-            PULSE_COLLECTIVE_TIMEOUT_S=str(COLLECTIVE_TIMEOUT_S), PULSE_ZERO_MIRROR_STEPS="1", OMP_NUM_THREADS="1",
+        return _start(
+            "dies_in_norm.py", rank, out, ["--backward", "engine", "--max-steps", str(STEPS)],
+            MASTER_PORT=str(port), PULSE_REDIS_URL=redis_url, PULSE_JOB_ID=job, PULSE_NODE=f"zd-{rank}",
+            PULSE_DEEPSPEED_CONFIG=json.dumps(config(stage)), PULSE_COLLECTIVE_TIMEOUT_S=str(COLLECTIVE_TIMEOUT_S),
             PULSE_TEST_DIE_AT_STEP=str(DIE_AT_STEP if rank == VICTIM else 0),
         )  # fmt: skip
-        argv = [str(SCRIPT), "--backward", "engine", "--max-steps", str(STEPS), "--out", str(out)]
-        with (out / f"rank{rank}.log").open("ab") as log:  # the child keeps its own copy of the descriptor
-            return subprocess.Popen([sys.executable, "-u", "-m", "trainer.run", *argv], env=env, stdout=log, stderr=log)
 
     def logs() -> dict[int, str]:
-        return {n: (out / f"rank{n}.log").read_text(errors="replace")[-4000:] for n in range(WORLD)}
+        return _logs(out)
 
     r.set(wire.job_plan_key(job), wire.encode(_plan(job, 1, list(range(WORLD)), [])))
     procs = {rank: start(rank) for rank in range(WORLD)}
@@ -106,10 +124,7 @@ def test_survivors_of_a_rank_dead_in_zeros_norm_all_reduce_do_not_wait_out_the_t
             raise AssertionError(f"survivors still running {AFTER_DEATH_S}s after the death\n{logs()}") from None
         assert [p.returncode for p in survivors] == [0, 0, 0], logs()
     finally:
-        for p in procs.values():
-            if p.poll() is None:  # a failed run leaves no rank behind
-                p.kill()
-                p.wait(10)
+        _kill_left(procs)
         r.delete(wire.job_plan_key(job))
     text = logs()
     for n in SURVIVORS:
@@ -134,19 +149,15 @@ def test_a_checkpoint_a_rank_died_in_is_taken_again_whole(redis_url: str, tmp_pa
     victim, survivors, die_at, steps = 0, (1, 2, 3), 6, 9
 
     def start(rank: int) -> subprocess.Popen[bytes]:
-        env = pulse_env(
-            RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            TORCHELASTIC_USE_AGENT_STORE="True", PULSE_REDIS_URL=redis_url, PULSE_JOB_ID=job, PULSE_NODE=f"zs-{rank}",
-            PULSE_DEEPSPEED_CONFIG=json.dumps(config(1)), PULSE_PLAN_POLL_S="0.1", PULSE_COLLECTIVE_TIMEOUT_S="10",
-            PULSE_ZERO_MIRROR_STEPS="1", PULSE_TEST_DIE_AT_STEP=str(die_at if rank == victim else 0),
+        return _start(
+            "dies_in_save.py", rank, out, ["--max-steps", str(steps), "--save-every", "3"],
+            MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", PULSE_REDIS_URL=redis_url, PULSE_JOB_ID=job,
+            PULSE_NODE=f"zs-{rank}", PULSE_DEEPSPEED_CONFIG=json.dumps(config(1)), PULSE_COLLECTIVE_TIMEOUT_S="10",
+            PULSE_TEST_DIE_AT_STEP=str(die_at if rank == victim else 0),
         )  # fmt: skip
-        script = SCRIPT.with_name("dies_in_save.py")
-        argv = [str(script), "--max-steps", str(steps), "--save-every", "3", "--out", str(out)]
-        with (out / f"rank{rank}.log").open("ab") as log:
-            return subprocess.Popen([sys.executable, "-u", "-m", "trainer.run", *argv], env=env, stdout=log, stderr=log)
 
     def logs() -> dict[int, str]:
-        return {n: (out / f"rank{n}.log").read_text(errors="replace")[-4000:] for n in range(WORLD)}
+        return _logs(out)
 
     r.set(wire.job_plan_key(job), wire.encode(_plan(job, 1, list(range(WORLD)), [])))
     procs = {rank: start(rank) for rank in range(WORLD)}
@@ -161,10 +172,7 @@ def test_a_checkpoint_a_rank_died_in_is_taken_again_whole(redis_url: str, tmp_pa
         assert procs[victim].returncode == -9, logs()[victim]
         assert [procs[n].returncode for n in survivors] == [0, 0, 0], logs()
     finally:
-        for p in procs.values():
-            if p.poll() is None:  # a failed run leaves no rank behind
-                p.kill()
-                p.wait(10)
+        _kill_left(procs)
         r.delete(wire.job_plan_key(job))
         del store
     for step in (die_at, steps):

@@ -105,8 +105,13 @@ def use(*, view: Provider | None, survive: Survive | None) -> None:
 
 def stands_in_for_rank_zero() -> bool:
     """This rank does rank 0's writing now: a plan in force leaves rank 0 out and this rank is its
-    stand-in (what fills rank 0's slot). Never a rank alone (a relaunched rank not yet taken back)."""
-    view = _provider()
+    stand-in (what fills rank 0's slot). Never a rank alone (a relaunched rank not yet taken back).
+    The view makes the live ranks' group at first use; when that fails (a rank died meanwhile) the
+    answer is no, and the next collective recovers as usual."""
+    try:
+        view = _provider()
+    except RuntimeError:
+        return False
     if view is None or view.group is None or 0 in view.members:
         return False
     return view.table[0] == view.rank

@@ -67,3 +67,14 @@ def test_the_stand_in_also_saves_unless_every_node_has_its_writer(views: list[wo
     assert not Patched(1, save_on_each_node=True).should_save
     views.append(_view(1, (0, 1, 2, 3)))
     assert not Patched(1).should_save
+
+
+def test_a_view_that_cannot_make_its_group_answers_no() -> None:
+    def broken() -> world.View:
+        raise RuntimeError("gloo could not connect the group")
+
+    world.use(view=broken, survive=None)
+    try:
+        assert not world.stands_in_for_rank_zero()
+    finally:
+        world.use(view=lambda: None, survive=None)

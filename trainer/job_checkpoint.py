@@ -62,16 +62,27 @@ def save_model_states(engine: Any, original: Any, groups: PlanGroups, *args: Any
         engine.save_non_zero_checkpoint, engine.seq_dp_world_size = writer, size
 
 
+_taking = 0  # how many whole() calls are under way in this process (a Trainer checkpoint holds DeepSpeed's)
+
+
 def whole(save: Callable[[], T], groups: PlanGroups, *, tries: int = 3) -> T:
     """``save()``, and again while the plan in force changed during it: the live ranks recovered
     inside one of its collectives (a rank died mid-save), so the try wrote part of the checkpoint
-    for the old world. Every live rank went through that recovery, so all of them save again."""
-    for _ in range(tries - 1):
-        before = groups.salt
-        out = save()
-        if groups.salt == before:
-            return out
-    return save()
+    for the old world. Every live rank went through that recovery, so all of them save again.
+    Inside another ``whole`` it runs once: the outer one takes everything again, this included."""
+    global _taking
+    if _taking:
+        return save()
+    _taking += 1
+    try:
+        for _ in range(tries - 1):
+            before = groups.salt
+            out = save()
+            if groups.salt == before:
+                return out
+        return save()
+    finally:
+        _taking -= 1
 
 
 def save_checkpoint(engine: Any, original: Any, groups: PlanGroups, *args: Any, **kwargs: Any) -> Any:

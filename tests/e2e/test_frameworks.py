@@ -167,7 +167,7 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
         s.wait_state(job, "SUCCEEDED", timeout=240)
         regs = [g.rank for g in registrations(redis_url) if g.job == job]
         if framework == "trainer":  # the relaunched rank is taken back, its Trainer on the live ranks' step
-            # once each, and rank 1 again: no restart. A survivor that misses the collective
+            # once each, and the killed rank again: no restart. A survivor that misses the collective
             # timeout on a loaded machine is excluded and relaunched too; the job survives that as well
             assert regs.count(killed) >= 2 and set(regs) == {0, 1, 2, 3}, regs
             done = rank_outcomes(out, [0, 1, 2, 3])
@@ -186,7 +186,7 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
         later = [c for c in done[2][saved] if _step_of(c) > killed_at]
         assert later, (killed_at, done[2][saved])  # a periodic checkpoint after the kill
         if framework == "trainer":  # resumable: the main process's part written, by rank 0's stand-in while it was out
-            for name in (c for c in later if _step_of(c) > since):  # (one cut short by the kill is not mended)
+            for name in (c for c in later if _step_of(c) > since):  # begun with rank 0 already out
                 state = json.loads((out / "checkpoints" / name / "trainer_state.json").read_text())
                 assert state["global_step"] == _step_of(name), (name, state["global_step"])
                 assert (out / "checkpoints" / name / "model.safetensors").is_file(), name

@@ -102,17 +102,14 @@ def test_survivors_of_a_rank_dead_in_zeros_norm_all_reduce_do_not_wait_out_the_t
             PULSE_TEST_DIE_AT_STEP=str(DIE_AT_STEP if rank == VICTIM else 0),
         )  # fmt: skip
 
-    def logs() -> dict[int, str]:
-        return _logs(out)
-
     r.set(wire.job_plan_key(job), wire.encode(_plan(job, 1, list(range(WORLD)), [])))
     procs = {rank: start(rank) for rank in range(WORLD)}
     try:
         try:
             wait_for(lambda: procs[VICTIM].poll() is not None, timeout=150, what="rank 3's death", every=0.1)
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{logs()}") from None
-        assert procs[VICTIM].returncode == -9, logs()[VICTIM]
+            raise AssertionError(f"{exc}\n{_logs(out)}") from None
+        assert procs[VICTIM].returncode == -9, _logs(out)[VICTIM]
         # the orchestrator's answer to the rank's exit: a plan without it
         r.set(wire.job_plan_key(job), wire.encode(_plan(job, 2, list(SURVIVORS), [VICTIM])))
         survivors = [procs[n] for n in SURVIVORS]
@@ -121,12 +118,12 @@ def test_survivors_of_a_rank_dead_in_zeros_norm_all_reduce_do_not_wait_out_the_t
             for p in survivors:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"survivors still running {AFTER_DEATH_S}s after the death\n{logs()}") from None
-        assert [p.returncode for p in survivors] == [0, 0, 0], logs()
+            raise AssertionError(f"survivors still running {AFTER_DEATH_S}s after the death\n{_logs(out)}") from None
+        assert [p.returncode for p in survivors] == [0, 0, 0], _logs(out)
     finally:
         _kill_left(procs)
         r.delete(wire.job_plan_key(job))
-    text = logs()
+    text = _logs(out)
     for n in SURVIVORS:
         assert re.search(r"event=recovered job=\S+ rank=\d+ generation=2 ", text[n]), text[n]
         assert "event=zero_repartitioned" in text[n], text[n]
@@ -156,9 +153,6 @@ def test_a_checkpoint_a_rank_died_in_is_taken_again_whole(redis_url: str, tmp_pa
             PULSE_TEST_DIE_AT_STEP=str(die_at if rank == victim else 0),
         )  # fmt: skip
 
-    def logs() -> dict[int, str]:
-        return _logs(out)
-
     r.set(wire.job_plan_key(job), wire.encode(_plan(job, 1, list(range(WORLD)), [])))
     procs = {rank: start(rank) for rank in range(WORLD)}
     try:
@@ -168,9 +162,9 @@ def test_a_checkpoint_a_rank_died_in_is_taken_again_whole(redis_url: str, tmp_pa
             for n in survivors:
                 procs[n].wait(timeout=120)
         except (AssertionError, subprocess.TimeoutExpired) as exc:
-            raise AssertionError(f"{exc}\n{logs()}") from None
-        assert procs[victim].returncode == -9, logs()[victim]
-        assert [procs[n].returncode for n in survivors] == [0, 0, 0], logs()
+            raise AssertionError(f"{exc}\n{_logs(out)}") from None
+        assert procs[victim].returncode == -9, _logs(out)[victim]
+        assert [procs[n].returncode for n in survivors] == [0, 0, 0], _logs(out)
     finally:
         _kill_left(procs)
         r.delete(wire.job_plan_key(job))

@@ -336,6 +336,7 @@ async def run_node_agent(
             server_time=server_time,
             command_ttl_s=settings.job_command_ttl_s,
             server_time_wait_s=settings.redis_timeout_s,  # the first heartbeat goes out at once
+            hang_after_s=settings.hang_after_s,
         )
         tasks.append(asyncio.create_task(launcher.run(stop)))
     log.info("event=agent_started node=%s source=%s interval_s=%g labels=%s", node, desc, interval_s, labels)

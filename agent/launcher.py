@@ -11,7 +11,8 @@ their deadline), and the last one handled is kept in ``state_dir``. Each is idem
 - **stop**: SIGTERM to the process group, SIGKILL after ``grace_s``; the job's store too;
 - **checkpoint**: SIGUSR2 to each rank process that catches it, once per request id.
 
-When every rank has exited it reports a ``JobStatus(exited)`` with the first non-zero exit code.
+When every rank has exited it reports a ``JobStatus(exited)`` with the first non-zero exit code; a
+rank that cannot run for ``hang_after_s`` (stopped, frozen: ``agent/hung.py``), a ``JobStatus(hung)``.
 Running jobs are recorded in ``state_dir/jobs.json``: a restarted agent re-attaches to live ranks
 and reports the ones that died meanwhile as ``lost``; it adopts the stores of the jobs it
 re-attached and ends the others of its state directory (``agent/store_keeper.py``). Why the agent
@@ -37,6 +38,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from agent import store_keeper
+from agent.hung import watch_hung
 from agent.job_commands import DEFAULT_TTL_S
 from agent.node_commands import NodeCommands
 from agent.ranks import rank_targets, read_process_table
@@ -67,6 +69,11 @@ class RunningJob:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)  # empty when re-attached
     stopping: bool = False
     checkpoints: list[str] = field(default_factory=list)  # checkpoint request ids already signalled
+    ended: bool = False  # every rank has exited
+
+    @property
+    def running(self) -> bool:
+        return not (self.stopping or self.ended)
 
 
 CHECKPOINTS_KEPT = 64
@@ -121,8 +128,10 @@ class Launcher:
         server_time: ServerTime | None = None,
         command_ttl_s: float = DEFAULT_TTL_S,
         server_time_wait_s: float = 0.0,
+        hang_after_s: float = 1.0,
     ) -> None:
         self.node = node
+        self.hang_after_s = hang_after_s  # a rank blocked this long is hung (agent/hung.py); 0: never
         self.server_time = server_time or ServerTime()  # what a command's not_after is compared with
         self.command_ttl_s = command_ttl_s  # how long a command without a not_after stays current
         self.server_time_wait_s = server_time_wait_s  # at start, for the first heartbeat to tell the server's time
@@ -280,22 +289,6 @@ class Launcher:
         protocol (``trainer/run.py`` says why a runner and not an import hook)."""
         return [[self.python, "-u", "-m", "trainer.run", *cmd.argv] for _ in range(max(1, cmd.gpus_per_node))]
 
-    @staticmethod
-    def rank_env(cmd: wire.JobCommand, local_rank: int) -> dict[str, str]:
-        """The torch.distributed environment of one rank: what ``deepspeed.launcher.launch`` sets."""
-        local = max(1, cmd.gpus_per_node)
-        return {
-            "RANK": str(cmd.node_rank * local + local_rank),
-            "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(cmd.nodes * local),
-            "LOCAL_WORLD_SIZE": str(local),
-            "LOCAL_SIZE": str(local),
-            "CROSS_RANK": str(cmd.node_rank),
-            "CROSS_SIZE": str(cmd.nodes),
-            "MASTER_ADDR": cmd.master_addr,
-            "MASTER_PORT": str(cmd.master_port),
-        }
-
     def _start_store(self, cmd: wire.JobCommand) -> None:
         """The job's store on its first node (docs/design/launcher.md); one per job, kept across relaunches.
 
@@ -366,7 +359,7 @@ class Launcher:
                 env = {**os.environ, **self.env, **cmd.env, "PULSE_JOB_ID": cmd.job, "PULSE_NODE": self.node}
                 if self.hosts_store:  # the first node's agent hosts the store; each rank checks it is the job's
                     env.update(TORCHELASTIC_USE_AGENT_STORE="True", PULSE_JOB_STORE="1")
-                env.update(self.rank_env(cmd, i))
+                env.update(rank_env(cmd, i))
                 env.update(rank_threads(env, max(1, cmd.gpus_per_node)))
                 # A shell records the exit code in a file, so a restarted agent that re-attaches
                 # (and so is no longer the parent) can still read how the ranks ended.
@@ -398,6 +391,15 @@ class Launcher:
         self._save()
         await self._status(cmd.job, cmd.node_rank, "started", pids=rj.pids, detail=detail)
         self._spawn(self._watch(rj))
+        if self.hang_after_s > 0:
+
+            def say(**kw: Any) -> None:
+                self._spawn(self._status(cmd.job, cmd.node_rank, "hung", **kw))
+
+            self._spawn(
+                watch_hung(rj.pids, node_rank=cmd.node_rank, say=say, hang_after_s=self.hang_after_s,
+                           poll_s=self.poll_s, running=lambda: rj.running)
+            )  # fmt: skip
 
     async def _watch(self, rj: RunningJob) -> None:
         """Wait for every rank; then report the exit. For re-attached ranks the code comes from
@@ -419,6 +421,7 @@ class Launcher:
                 code = None if None in codes_read else next((c for c in codes_read if c), 0)
                 break
             await asyncio.sleep(self.poll_s)
+        rj.ended = True
         self.jobs.pop(rj.job, None)
         self._save()
         if code is None:
@@ -501,6 +504,22 @@ class Launcher:
 
     def _tail(self, job: str) -> str:
         return tail(self.state_dir / f"{job}.log")
+
+
+def rank_env(cmd: wire.JobCommand, local_rank: int) -> dict[str, str]:
+    """The torch.distributed environment of one rank: what ``deepspeed.launcher.launch`` sets."""
+    local = max(1, cmd.gpus_per_node)
+    return {
+        "RANK": str(cmd.node_rank * local + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(cmd.nodes * local),
+        "LOCAL_WORLD_SIZE": str(local),
+        "LOCAL_SIZE": str(local),
+        "CROSS_RANK": str(cmd.node_rank),
+        "CROSS_SIZE": str(cmd.nodes),
+        "MASTER_ADDR": cmd.master_addr,
+        "MASTER_PORT": str(cmd.master_port),
+    }
 
 
 class StoreError(Exception):

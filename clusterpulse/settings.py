@@ -77,6 +77,8 @@ class Settings(BaseSettings):
     # a job still short of that after this long FAILS and its ranks are stopped.
     job_start_timeout_s: float = Field(300.0, gt=0)
     job_stop_grace_s: float = Field(10.0, ge=0)
+    # A rank process none of whose threads can run (stopped, uninterruptible) this long is hung (0: never)
+    hang_after_s: float = Field(1.0, ge=0)
     job_resend_s: float = Field(5.0, gt=0)
     job_max_rejoins: int = Field(10, ge=0)  # relaunches per node and job of excluded ranks (0: never)
     # Job commands (wire.JobCommand, agent/current.py): a launch or checkpoint is acted on only for

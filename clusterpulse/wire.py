@@ -348,7 +348,9 @@ class JobStatus(msgspec.Struct, kw_only=True, frozen=True):
 
     ``started`` (the preflight passed and the ranks run; ``pids``), ``exited`` (``exit_code``,
     the tail of the log), ``preflight_failed`` (``detail`` says what), ``lost`` (the agent
-    restarted and the ranks it had started are gone without an exit code it could read).
+    restarted and the ranks it had started are gone without an exit code it could read),
+    ``hung`` (``rank``'s process has not been able to run for a while, ``detail`` says how long
+    and why: not a state of the node's share, which still runs, but word for the plans).
 
     ``rank``: None for the node's share of the job (the agents); the one rank the status is about
     for a job that runs in Slurm, whose ranks each have a supervisor of their own
@@ -359,7 +361,7 @@ class JobStatus(msgspec.Struct, kw_only=True, frozen=True):
     job: str
     node: NodeName
     node_rank: NonNegInt
-    state: Literal["started", "exited", "preflight_failed", "lost"]
+    state: Literal["started", "exited", "preflight_failed", "lost", "hung"]
     exit_code: int | None = None
     pids: list[int] = []
     detail: Annotated[str, msgspec.Meta(max_length=8192)] = ""

@@ -17,7 +17,9 @@ The protocols, the beats that speed up a survey, and the limits: docs/design/fol
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 import threading
 import time
 import traceback
@@ -32,6 +34,7 @@ from torch.distributed import DistError
 from clusterpulse import wire
 from clusterpulse.retry import Backoff, is_transient
 from trainer.collective import ReroutedAllReduce
+from trainer.hang import Beat, HangWatch, silent_ranks
 from trainer.route import PlanError, Route, state_source
 
 log = logging.getLogger("pulse.trainer.follow")
@@ -49,6 +52,7 @@ class PlanFollower:
         socket_timeout_s: float = 2.0,
         beat_s: float | None = None,
         silent_beats: float = 4.0,
+        hang_silence_s: float | None = 2.0,
     ) -> None:
         if poll_s <= 0:
             raise ValueError(f"poll_s={poll_s}: expected a positive number of seconds")
@@ -74,6 +78,8 @@ class PlanFollower:
         self.joined: tuple[int, ...] = ()
         """Ranks the switch at the last :meth:`boundary` brought back (restarted ranks that
         :meth:`join` ed): every live rank then takes :attr:`source`'s state."""
+        self._boundary_at = time.monotonic()  # the last step boundary (or recovery)
+        self._steps: collections.deque[float] = collections.deque(maxlen=16)  # the time between boundaries
         self._stop = threading.Event()
         self._redis = redis.Redis.from_url(
             redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
@@ -82,11 +88,24 @@ class PlanFollower:
         self.thread.start()
         self.beat_s = beat_s
         self.silent_beats = silent_beats
-        self._beat: threading.Thread | None = None
+        self.beat: Beat | None = None  # the liveness beat and, with ``watch``, the watch (trainer.hang)
         if beat_s is not None:
-            self._beat_store = reroute.store  # resolved here: the thread must not race its lazy lookup
-            self._beat = threading.Thread(target=self._beat_loop, name=f"pulse-beat-{reroute.rank}", daemon=True)
-            self._beat.start()
+            port = self._redis.connection_pool.connection_kwargs.get("port")
+            self.beat = Beat(
+                job=job, groups=reroute, store=reroute.store, beat_s=beat_s, silence_s=hang_silence_s or 0.0,
+                watch=hang_silence_s is not None,
+                latest=lambda: self._latest, stalled=self._stalled, keep_ports=[int(port)] if port else [],
+            )  # fmt: skip
+
+    @property
+    def watch(self) -> HangWatch | None:
+        return None if self.beat is None else self.beat.watch
+
+    def _stalled(self, now: float) -> bool:
+        """No step boundary for longer than one takes (1.5 x the median of the last few, at least
+        two beats): the training thread cannot put a new plan in force at a boundary."""
+        step = statistics.median(self._steps) if self._steps else 0.0
+        return now - self._boundary_at >= max(2 * (self.beat_s or 0.0), 1.5 * step)
 
     @property
     def latest(self) -> wire.Plan | None:
@@ -116,6 +135,9 @@ class PlanFollower:
         """
         self._calls += 1
         self.joined = ()
+        now = time.monotonic()
+        self._steps.append(now - self._boundary_at)
+        self._boundary_at = now
         if self._calls % self.every or newer is False:
             return None
         reroute = self.reroute
@@ -296,6 +318,7 @@ class PlanFollower:
         self.switches += 1
         self._reported_missing.clear()
         self.source = reroute.source
+        self._boundary_at = time.monotonic()
         log.warning(
             "event=recovered job=%s rank=%d generation=%d role=%s excluded=%s after_s=%.2f",
             self.job, reroute.rank, agreed.plan.generation, reroute.role, agreed.plan.excluded,
@@ -323,7 +346,8 @@ class PlanFollower:
         expected = [r for r in range(route.world_size) if route.role(r) != "excluded"]
         excluded_before = set(route.excluded)
         started = time.monotonic()
-        beats: dict[int, tuple[float | None, float]] = {}  # rank -> (its last beat, when that was first seen)
+        # rank -> (its last beat, when that was first seen); what the watch saw stand still counts
+        beats: dict[int, tuple[float | None, float]] = self.watch.evidence() if self.watch is not None else {}
         reported = False
         while True:
             elapsed = time.monotonic() - started
@@ -358,39 +382,18 @@ class PlanFollower:
     def _silent(self, missing: list[int], beats: dict[int, tuple[float | None, float]]) -> list[int]:
         """The ``missing`` ranks whose beat stands still (:func:`silent_ranks`): their whole
         process is stopped or gone (a live rank still waiting in its collective beats on)."""
-        assert self.beat_s is not None
-        store = self.reroute.store
-
-        def read(rank: int) -> float | None:
-            key = _beat_key(self.job, rank)
-            return float(store.get(key)) if store.check([key]) else None
-
+        assert self.beat_s is not None and self.beat is not None
         return silent_ranks(
-            missing, beats, read,
+            missing, beats, self.beat.read,
             beat_s=self.beat_s, now=time.monotonic(), wall=time.time(), silent_beats=self.silent_beats,
         )  # fmt: skip
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
         self.thread.join(timeout)
-        if self._beat is not None:
-            self._beat.join(timeout)
+        if self.beat is not None:
+            self.beat.close(timeout)
         self._redis.close()
-
-    # --- the liveness beat -----------------------------------------------------------------------
-
-    def _beat_loop(self) -> None:
-        """Write this rank's wall-clock time into ``pulse/<job>/beat/<rank>`` in the job's store
-        every ``beat_s``: a thread of its own, so it goes on while the training thread waits in a
-        collective, and stops only when the whole process does (SIGSTOP, a crash). :meth:`recover`
-        reads it (docs/design/follow.md)."""
-        assert self.beat_s is not None
-        key = _beat_key(self.job, self.reroute.rank)
-        while not self._stop.wait(self.beat_s):
-            try:
-                self._beat_store.set(key, f"{time.time():.3f}")
-            except Exception as exc:  # the store's host gone or slow: recovery falls back on survey_s
-                log.debug("event=beat_failed job=%s rank=%d error=%r", self.job, self.reroute.rank, str(exc))
 
     # --- the reading thread ----------------------------------------------------------------------
 
@@ -410,6 +413,8 @@ class PlanFollower:
         latest = self._latest
         if latest is None or plan.generation > latest.generation:
             self._latest = plan
+            if self.watch is not None:
+                self.watch.plan_check()
 
     def _run(self) -> None:
         backoff = Backoff()
@@ -453,43 +458,6 @@ class RecoveryError(RuntimeError):
 
 class JobFinished(RecoveryError):
     """A restarted rank waiting to rejoin found the job finished: nothing is left to do."""
-
-
-def silent_ranks(
-    missing: list[int],
-    beats: dict[int, tuple[float | None, float]],
-    read: Callable[[int], float | None],
-    *,
-    beat_s: float,
-    now: float,
-    wall: float,
-    silent_beats: float = 4.0,
-) -> list[int]:
-    """The ``missing`` ranks whose liveness beat stands still, updating ``beats`` (rank -> (the
-    beat last read, the monotonic ``now`` it was first read at)) with ``read(rank)`` (the wall
-    time the rank last beat, None if it never did).
-
-    Silent: the beat has not moved here for ``silent_beats * beat_s`` (4 by default,
-    ``PULSE_SILENT_BEATS``); or for ``1.5 * beat_s`` when it is also ``silent_beats * beat_s`` old
-    by ``wall`` (this rank's clock). The second only shortens the wait for
-    a beat that has long stood still; a live peer's beat moves every ``beat_s``, so a clock that
-    runs behind never makes it silent."""
-    for r in missing:
-        last = read(r)
-        if r not in beats or beats[r][0] != last:
-            beats[r] = (last, now)
-    out = []
-    for r in missing:
-        last, since = beats[r]
-        still = now - since
-        old = last is not None and wall - last >= silent_beats * beat_s
-        if still >= silent_beats * beat_s or (old and still >= 1.5 * beat_s):
-            out.append(r)
-    return out
-
-
-def _beat_key(job: str, rank: int) -> str:
-    return f"pulse/{job}/beat/{rank}"
 
 
 def _admit_key(job: str, salt: str) -> str:

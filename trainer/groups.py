@@ -9,9 +9,10 @@ a dropped group is destroyed: docs/design/collective.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch._C._distributed_c10d import PrefixStore, Store  # torch.distributed r
 from torch.distributed.distributed_c10d import GroupName, _get_default_store, _register_pg_in_world, _world
 
 from clusterpulse.wire import Plan
+from trainer import sockets
 from trainer.route import DEFAULT_BUCKET_BYTES, RerouteError, Role, Route, StepBudget, parse_plan, state_source
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,8 @@ TAG_RESULT = 2  # carrier -> degraded: the reduced bucket plus the contributor c
 TAG_AGREE = 3  # carrier -> degraded: what the root broadcast at a step boundary
 
 _MIN_WAIT_S = 0.001  # gloo reads a wait timeout of 0 as "no timeout"
+
+_SOCKETS: dict[str, dict[int, str]] = {}  # group name -> the sockets its backend opened (make_group)
 
 
 def wait_work(work: dist.Work, timeout_s: float) -> None:
@@ -67,7 +71,18 @@ def _destroy(group: dist.ProcessGroup | None) -> None:
     gloo then closes its connections (docs/design/collective.md). Works still referenced (a failed
     collective's, in a traceback) keep them open until they go too."""
     if group is not None and group in _world.pg_map:
+        _SOCKETS.pop(group.group_name, None)
         dist.destroy_process_group(group)
+
+
+def cut(group: dist.ProcessGroup, *, keep_ports: Collection[int] = ()) -> int:
+    """Make every collective blocked on ``group`` fail now (docs/design/hang.md): NCCL's own
+    abort; on gloo, shut its connections down (:func:`trainer.sockets.shut_down`). Returns the
+    connections cut (0 for NCCL)."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        group.abort()
+        return 0
+    return sockets.shut_down(_SOCKETS.get(group.group_name, {}), keep_ports=keep_ports)
 
 
 def make_group(store: Store, *, name: str, members: Sequence[int], rank: int, timeout: timedelta) -> dist.ProcessGroup:
@@ -81,6 +96,7 @@ def make_group(store: Store, *, name: str, members: Sequence[int], rank: int, ti
     group_name = GroupName(name)
     size = len(members)
     prefix = PrefixStore(f"{name}/", store)
+    before = sockets.open_sockets()
     group = dist.ProcessGroup(prefix, group_rank, size)
     backend: dist.Backend | Any
     if dist.get_backend() == "nccl":
@@ -108,6 +124,7 @@ def make_group(store: Store, *, name: str, members: Sequence[int], rank: int, ti
         backend_config=config,
         rank_mapping={r: i for i, r in enumerate(members)},
     )
+    _SOCKETS[name] = sockets.opened(before, sockets.open_sockets())
     return group
 
 
@@ -344,6 +361,17 @@ class PlanGroups:
         self.missing = {}
         self._pending_sends = []
         self._drop_groups()
+
+    def cut(self, *, keep_ports: Collection[int] = ()) -> int:
+        """From another thread: make a collective the training thread is blocked in on any group
+        of the plan in force fail now (a peer the plan counts on is hung: docs/design/hang.md);
+        the failure then takes the path of a dead peer's. Returns the connections cut."""
+        groups = [g for g in [*list(self._groups.values()), *list(self._world_groups.values())] if g is not None]
+        total = 0
+        for group in groups:
+            with contextlib.suppress(ValueError, RuntimeError):  # destroyed meanwhile: nothing to cut
+                total += cut(group, keep_ports=keep_ports)
+        return total
 
     def _drop_groups(self) -> None:
         groups, self._groups, world, self._world_groups = self._groups, {}, self._world_groups, {}

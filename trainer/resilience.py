@@ -14,9 +14,9 @@ boundary:
 - **exclusion**: a rank the plan excludes leaves with exit code 0 at the boundary;
 - **rejoin** (``PULSE_REJOIN=1``): a relaunched rank waits until the live ranks take it back;
 - **emergency checkpoint**: SIGUSR2 asks for one, saved by every live rank at the same boundary;
-- the script's **world-group collectives** run over the live ranks (:mod:`trainer.world`).
-
-The reasoning, the limits and what is refused: ``docs/design/resilience.md``.
+- the script's **world-group collectives** run over the live ranks (:mod:`trainer.world`);
+- **a hung peer** (stopped, beating no more) is left within seconds (:mod:`trainer.hang`).
+Why, the limits and what is refused: ``docs/design/resilience.md``.
 """
 
 from __future__ import annotations
@@ -185,6 +185,7 @@ class Resilience:
             poll_s=s.plan_poll_s,
             beat_s=s.beat_period_s,
             silent_beats=s.silent_beats,
+            hang_silence_s=s.hang_silence_s if s.hang_watch else None,
         )
 
     def _rider_values(self) -> list[float]:
@@ -341,8 +342,7 @@ class Resilience:
 
         written: str | None = None
         for _ in range(5):  # another rank may die while the survivors recover
-            # Every participant notices within about one collective timeout; a degraded rank
-            # only when its carrier's answer does not come (peer_timeout_s).
+            # a participant notices within a collective timeout, a degraded rank within peer_timeout_s
             survey_s = 2 * s.collective_timeout_s
             if reroute.route is not None and reroute.route.proxies:
                 survey_s = reroute.peer_timeout_s + s.collective_timeout_s

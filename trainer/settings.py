@@ -29,6 +29,8 @@ class TrainerSettings(BaseSettings):
     recovery_timeout_s: float = Field(120.0, gt=0)
     beat_s: float | None = Field(None, gt=0)
     silent_beats: float = Field(4.0, gt=1)
+    hang_watch: bool = True
+    hang_silence_s: float = Field(2.0, gt=0)
     plan_poll_s: float = Field(1.0, gt=0)
     max_recoveries: int = Field(3, ge=0)
     max_steps: int | None = Field(None, ge=1)
@@ -65,12 +67,13 @@ class TrainerSettings(BaseSettings):
 
     @property
     def beat_period_s(self) -> float | None:
-        """The liveness beat: ``PULSE_BEAT_S``, else a tenth of the collective timeout within 0.05 .. 1 s."""
+        """The liveness beat: ``PULSE_BEAT_S``, else a tenth of the collective timeout within
+        0.05 .. 0.25 s (a hung rank is then known in about a second: ``trainer.hang``)."""
         if not self.survives:
             return None
         if self.beat_s is not None:
             return self.beat_s
-        return min(1.0, max(0.05, self.collective_timeout_s / 10))
+        return min(0.25, max(0.05, self.collective_timeout_s / 10))
 
 
 def load_trainer_settings(**overrides: Any) -> TrainerSettings:

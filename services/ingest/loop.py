@@ -196,7 +196,8 @@ class Ingest(Tick):
                 except wire.WireError as exc:
                     log.warning("event=job_status_rejected reason=%s detail=%s", exc.reason, exc)
                     continue
-                self.shared.job_statuses.append(st)
+                if st.state != "hung":  # word about one rank, not a state of the node's share (it runs)
+                    self.shared.job_statuses.append(st)
                 self._ranks_exited(st, entry_time(entry_id))
             return
         if stream == observations.OBSERVATION_STREAM:
@@ -208,9 +209,10 @@ class Ingest(Tick):
 
     def _ranks_exited(self, st: wire.JobStatus, at: float) -> None:
         """A node's ranks (or, in Slurm, one rank: ``st.rank``) of a plan-following job exited
-        non-zero or were lost: exclude them (services/plans/keeper.py), so the others train on and the job
-        lifecycle does not fail the job."""
-        if st.state not in ("exited", "lost") or (st.state == "exited" and st.exit_code == 0):
+        non-zero or were lost, or one rank is hung (its agent saw it unable to run: agent/hung.py):
+        exclude them (services/plans/keeper.py), so the others train on and the job lifecycle does
+        not fail the job."""
+        if st.state not in ("exited", "lost", "hung") or (st.state == "exited" and st.exit_code == 0):
             return
         if self.shared.job_states.get(st.job, ("", 0.0))[0] != JobState.RUNNING:
             return  # stopping (ranks exit on SIGTERM), or not started by us
@@ -226,6 +228,7 @@ class Ingest(Tick):
             self.shared.ranks_changed = True
             code = "" if st.exit_code is None else f" with {st.exit_code}"
             who = f"the ranks on {st.node}" if st.rank is None else f"it {st.state} on {st.node}"
+            who += f" ({st.detail})" if st.state == "hung" else ""
             reason = f"job {st.job} rank {rank}: {who}{code}; excluded until it registers again"
             self.outbox.append(ClusterEvent(EventKind.RANK_UNREACHABLE, reason, at, st.node))
 

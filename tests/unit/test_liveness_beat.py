@@ -1,8 +1,18 @@
-"""Which missing ranks a survivor calls silent from their liveness beat (trainer/follow.py)."""
+"""Which ranks a rank calls silent from their liveness beat (trainer/hang.py: silent_ranks)."""
 
 from __future__ import annotations
 
-from trainer.follow import silent_ranks
+import contextlib
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, cast
+
+from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
+from torch.distributed import DistStoreError
+
+from trainer.hang import Beat, beat_key, silent_ranks
 
 BEAT_S = 0.2
 
@@ -38,3 +48,30 @@ def test_a_live_peer_whose_clock_runs_behind_is_never_silent() -> None:
     for i in range(40):  # 8 s of polls every 0.2 s, the peer beating every 0.2 s
         assert _poll({1: wall - 5.0 + 0.001 * i}, beats, now=now, wall=wall) == []
         now, wall = now + BEAT_S, wall + BEAT_S
+
+
+def test_the_beat_goes_on_while_the_training_thread_waits_in_the_store() -> None:
+    """The training thread's client blocks in a key wait (a group's rendezvous does): the beat has a
+    connection of its own and keeps beating (a shared client held it for the whole wait)."""
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    shared = TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=3), wait_for_workers=False)
+    groups = cast(Any, SimpleNamespace(rank=1, route=None, salt=""))  # what Beat reads of PlanGroups
+    beat = Beat(job="j", groups=groups, store=shared, beat_s=0.05, silence_s=0.2)
+    waiting = threading.Thread(target=_wait_for_a_key_never_set, args=(shared,))
+    try:
+        waiting.start()
+        time.sleep(0.3)  # the shared client is now blocked in its get
+        seen = set()
+        for _ in range(10):
+            seen.add(master.get(beat_key("j", 1)))
+            time.sleep(0.1)
+        assert waiting.is_alive()  # still blocked while we looked
+        assert len(seen) >= 5, seen
+    finally:
+        beat.close()
+        waiting.join(5)
+
+
+def _wait_for_a_key_never_set(store: TCPStore) -> None:
+    with contextlib.suppress(DistStoreError):  # its 3 s timeout
+        store.get("never-set")

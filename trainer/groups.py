@@ -35,6 +35,12 @@ TAG_AGREE = 3  # carrier -> degraded: what the root broadcast at a step boundary
 
 _MIN_WAIT_S = 0.001  # gloo reads a wait timeout of 0 as "no timeout"
 
+JOIN_CONNECT_S = 10.0
+"""At most how long a group that takes a rank back waits for its members to connect (the
+collective timeout if shorter): the rank back is polling for its invitation, so a member that
+does not come within this is hung or dead, and the switch fails instead of waiting out the
+collective timeout (docs/design/hang.md)."""
+
 _SOCKETS: dict[str, dict[int, str]] = {}  # group name -> the sockets its backend opened (make_group)
 
 
@@ -85,11 +91,20 @@ def cut(group: dist.ProcessGroup, *, keep_ports: Collection[int] = ()) -> int:
     return sockets.shut_down(_SOCKETS.get(group.group_name, {}), keep_ports=keep_ports)
 
 
-def make_group(store: Store, *, name: str, members: Sequence[int], rank: int, timeout: timedelta) -> dist.ProcessGroup:
+def make_group(
+    store: Store,
+    *,
+    name: str,
+    members: Sequence[int],
+    rank: int,
+    timeout: timedelta,
+    connect: timedelta | None = None,
+) -> dist.ProcessGroup:
     """A process group of ``members`` (global ranks, ascending) made through ``store`` under ``name``,
     with the default group's backend (gloo, or NCCL on GPUs), registered with ``torch.distributed``
     so its collectives take global ranks. Only members call it; it returns once every member has
-    connected (gloo raises after ``timeout`` otherwise). Unlike ``dist.new_group`` it needs
+    connected (gloo raises after ``connect``, by default ``timeout``, otherwise; its collectives
+    then time out after ``timeout``). Unlike ``dist.new_group`` it needs
     neither the world group nor every process's call, so a rank started after the others can make
     it too. ``name`` must be new to ``store``."""
     group_rank = list(members).index(rank)
@@ -110,7 +125,9 @@ def make_group(store: Store, *, name: str, members: Sequence[int], rank: int, ti
         config = "cuda:nccl"
     else:
         device = torch.device("cpu")
-        backend = dist.ProcessGroupGloo(PrefixStore("cpu/", prefix), group_rank, size, timeout=timeout)
+        backend = dist.ProcessGroupGloo(PrefixStore("cpu/", prefix), group_rank, size, timeout=connect or timeout)
+        if connect is not None:
+            backend._set_default_timeout(timeout)  # the rendezvous is over: the collectives' own
         kind = dist.ProcessGroup.BackendType.GLOO
         config = "cpu:gloo"
     group._set_default_backend(kind)
@@ -277,12 +294,13 @@ class PlanGroups:
                 _destroy(groups.pop(members))  # a group holding a rank that left (or came back) is dead
         self._dead_pairs = {pair: why for pair, why in self._dead_pairs.items() if not set(joined) & set(pair)}
         name = f"{plan.job}/{plan.generation if salt is None else salt}" if plan is not None else ""
+        back = bool(joined)  # a rank back may hang before it connects: do not wait for it long
         if route is not None and route.trivial and self.collective_timeout_s is not None:
-            self._group(route.participants, timeout_s=self.collective_timeout_s, salt=name)
+            self._group(route.participants, timeout_s=self.collective_timeout_s, salt=name, back=back)
         if route is not None and not route.trivial:
             for degraded, carrier in route.proxies:
                 self._pair_group(carrier, degraded, salt=name)
-            self._group(route.participants, timeout_s=self.collective_timeout_s, salt=name)
+            self._group(route.participants, timeout_s=self.collective_timeout_s, salt=name, back=back)
             for degraded in route.carried_by(self.rank):
                 reason = self._dead_pairs.get((self.rank, degraded))
                 if reason is not None:
@@ -301,14 +319,19 @@ class PlanGroups:
         self.left = frozenset(gone)
         self.salt = name
 
-    def _group(self, members: tuple[int, ...], *, timeout_s: float | None, salt: str) -> dist.ProcessGroup | None:
+    def _group(
+        self, members: tuple[int, ...], *, timeout_s: float | None, salt: str, back: bool = False
+    ) -> dist.ProcessGroup | None:
+        """The group of ``members`` under ``salt``, made at first use; with ``back`` (the switch
+        takes ranks back) its members must connect within :data:`JOIN_CONNECT_S`."""
         if members in self._groups:
             return self._groups[members]
         if self.rank not in members:
             return None  # only members connect: nobody waits on a rank outside the group
         timeout = timedelta(minutes=30) if timeout_s is None else timedelta(seconds=timeout_s)
+        connect = min(timeout, timedelta(seconds=JOIN_CONNECT_S)) if back else None
         name = f"pulse/{salt}/{','.join(map(str, members))}"
-        group = make_group(self.store, name=name, members=members, rank=self.rank, timeout=timeout)
+        group = make_group(self.store, name=name, members=members, rank=self.rank, timeout=timeout, connect=connect)
         self._groups[members] = group
         return group
 

@@ -100,6 +100,7 @@ HEAVY = {
     "tests/e2e/test_frameworks.py": 277,
     "tests/e2e/test_job_ends.py": 48,
     "tests/e2e/test_goodput.py": 110,
+    "tests/e2e/test_hung_rank.py": 120,
     "tests/e2e/test_reroute.py": 30,
     "tests/e2e/test_trainer_example.py": 31,
     "tests/integration/test_any_script_exact.py": 102,

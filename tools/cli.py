@@ -268,7 +268,7 @@ def _tool_commands(sub: Subparsers) -> None:
 
 
 def _bench_commands(sub: Subparsers) -> None:
-    """`pulse bench ...`: ingest, agent, soak, goodput."""
+    """`pulse bench ...`: ingest, agent, soak, goodput, recovery."""
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     bi = bsub.add_parser("ingest", help="heartbeat ingest, detection latency and /metrics render")
@@ -330,6 +330,39 @@ def _bench_commands(sub: Subparsers) -> None:
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(fn=cmd_bench)
     _goodput_command(bsub)
+    _recovery_command(bsub)
+
+
+def _recovery_command(bsub: Subparsers) -> None:
+    """`pulse bench recovery`: what a dead, hung or lost participant costs (tools/recovery/bench.py)."""
+    br = bsub.add_parser(
+        "recovery",
+        help="time a dead rank, a hung rank and a lost machine cost the survivors, ZeRO 0 and 2",
+        description="Runs an MLP job on a private stack per case, fails its last rank (SIGKILL; SIGSTOP; "
+        "SIGSTOP of its agent and itself) and prints the longest gap in the survivors' steps minus their "
+        "median step (tools/recovery/bench.py).",
+    )
+    br.add_argument("--ranks", type=int, default=3)
+    br.add_argument("--stages", type=int, nargs="+", default=[0, 2], choices=(0, 1, 2), help="ZeRO stages (0 2)")
+    br.add_argument("--kinds", nargs="+", default=["dead", "hung", "lost"], choices=("dead", "hung", "lost"))
+    br.add_argument("--width", type=int, default=2048, help="the MLP's hidden width (2048)")
+    br.add_argument("--warmup-s", type=float, default=8.0, help="training before the failure, s (8)")
+    br.add_argument("--observe-s", type=float, default=15.0, help="how long after the failure gaps count, s (15)")
+    br.add_argument("--collective-timeout", type=float, default=None, help="PULSE_COLLECTIVE_TIMEOUT_S (default 60)")
+    br.add_argument("--no-hang-watch", dest="hang_watch", action="store_false", help="PULSE_HANG_WATCH=false")
+    br.add_argument("--torchft", action="store_true", help="the same workload under torchft, side by side")
+    br.add_argument(
+        "--torchft-timeout", type=float, default=5.0, help="torchft's second run: every timeout at this, s (5)"
+    )
+    br.add_argument("--json", action="store_true", help="one line of JSON")
+    br.set_defaults(fn=cmd_recovery)
+
+
+def cmd_recovery(args: argparse.Namespace) -> int:
+    from tools.recovery.bench import run_bench
+
+    rc: int = run_bench(args)
+    return rc
 
 
 def _goodput_command(bsub: Subparsers) -> None:

@@ -1,0 +1,34 @@
+"""What a failure cost a rank, from its step-end times (tools/recovery/gaps.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools.recovery.gaps import cost, read_times
+
+
+def test_the_cost_is_the_longest_gap_around_the_failure_less_the_median_step() -> None:
+    times = [0.1 * i for i in range(50)]  # 0.1 s steps up to 4.9
+    times += [4.9 + 1.3, 4.9 + 1.4, 4.9 + 1.5]  # a 1.3 s gap across the failure at 5.0
+    got = cost(times, fault=5.0, observe_s=10.0)
+    assert got is not None
+    assert got[0] == pytest.approx(1.2) and got[1] == pytest.approx(0.1)
+
+
+def test_gaps_long_after_the_window_and_ranks_that_did_not_step_on_both_sides_do_not_count() -> None:
+    times = [0.1 * i for i in range(50)] + [5.0 + 0.1 * i for i in range(1, 110)] + [30.0]
+    got = cost(times, fault=5.0, observe_s=10.0)  # the 15 s gap starts after the window
+    assert got is not None and got[0] == pytest.approx(0.1)  # the one step missing at 5.0
+    assert cost([0.1 * i for i in range(50)], fault=5.0, observe_s=10.0) is None  # never stepped again
+    assert cost([6.0, 6.1, 6.2], fault=5.0, observe_s=10.0) is None  # nothing before
+
+
+def test_a_half_written_last_line_is_left_out(tmp_path: Path) -> None:
+    p = tmp_path / "rank0.times"
+    p.write_text("1.5\n2.5\n3.")
+    assert read_times(p) == [1.5, 2.5, 3.0]
+    p.write_text("1.5\n2.5\nx")
+    assert read_times(p) == [1.5, 2.5]
+    assert read_times(tmp_path / "none.times") == []

@@ -104,8 +104,10 @@ async def watch_hung(
     hung = HungRanks(hang_after_s)
     first = node_rank * len(wrappers)  # this share's first global rank (agent.launcher.rank_env)
     pids: dict[int, int] = {}
+    looked = 0.0
     while running():
-        if len(pids) < len(wrappers):  # a rank not started yet (or re-attached): look again
+        if len(pids) < len(wrappers) and time.monotonic() - looked >= 1.0:  # a rank not started yet: look
+            looked = time.monotonic()  # (a pass over all of /proc: once a second at most)
             pids = rank_processes(wrappers, await asyncio.to_thread(read_process_table, list(wrappers)))
         states = {first + i: blocked(pid) for i, pid in pids.items()}
         for rank in hung.observe(states, time.monotonic()):

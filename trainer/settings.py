@@ -68,12 +68,12 @@ class TrainerSettings(BaseSettings):
     @property
     def beat_period_s(self) -> float | None:
         """The liveness beat: ``PULSE_BEAT_S``, else a tenth of the collective timeout within
-        0.05 .. 0.25 s (a hung rank is then known in about a second: ``trainer.hang``)."""
+        0.05 .. 0.5 s (four beats or more in ``PULSE_HANG_SILENCE_S``: ``trainer.hang``)."""
         if not self.survives:
             return None
         if self.beat_s is not None:
             return self.beat_s
-        return min(0.25, max(0.05, self.collective_timeout_s / 10))
+        return min(0.5, max(0.05, self.collective_timeout_s / 10))
 
 
 def load_trainer_settings(**overrides: Any) -> TrainerSettings:

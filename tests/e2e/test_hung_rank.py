@@ -17,29 +17,18 @@ import signal
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.stack import Stack, rank_pid
-from tests.support import REPO, wait_for
+from tests.support import wait_for
+from tools.recovery.bench import SCRIPT, deepspeed_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 NODES = ["hg-0", "hg-1", "hg-2"]
-SCRIPT = REPO / "tools" / "recovery" / "mlp_train.py"
 COLLECTIVE_TIMEOUT_S = 60.0  # the default: a survivor that waited for it would show
 SLOW_FROM_S = 8.0
-
-
-def _config(stage: int) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": 16,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 1_000_000_000,
-    }
 
 
 def _times(out: Path, rank: int) -> list[float]:
@@ -60,7 +49,7 @@ def _start(s: Stack, tmp_path: Path, *, stage: int, seconds: float, argv: tuple[
         "nodes": len(NODES),
         "gpus_per_node": 1,
         "entrypoint": [str(SCRIPT), "--width", "256", "--seconds", str(seconds), "--out", str(out), *argv],
-        "deepspeed_config": _config(stage),
+        "deepspeed_config": deepspeed_config(stage),
         "env": {"PULSE_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S), "OMP_NUM_THREADS": "1",
                 "PULSE_JOB_MAX_REJOINS": "0"},
     }  # fmt: skip
@@ -78,7 +67,7 @@ def test_a_hung_rank_is_left_in_seconds_not_the_collective_timeout(
     s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="180")
     stopped: list[int] = []
     try:
-        job, out = _start(s, tmp_path, stage=stage, seconds=90)
+        job, out = _start(s, tmp_path, stage=stage, seconds=45)
         generation = s.get(f"/v1/jobs/{job}/plan")["generation"]
         pid = rank_pid(job, 2)
         if frozen == "machine":
@@ -121,7 +110,7 @@ def test_the_slow_and_the_briefly_stopped_are_never_excluded(redis_url: str, tmp
     s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="180")
     try:
         job, out = _start(
-            s, tmp_path, stage=0, seconds=60,
+            s, tmp_path, stage=0, seconds=SLOW_FROM_S + 36,
             argv=("--slow-rank", "1", "--slow-factor", "3", "--slow-after-s", str(SLOW_FROM_S), "--slow-for-s", "30"),
         )  # fmt: skip
         generation = s.get(f"/v1/jobs/{job}/plan")["generation"]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.ranks import ProcInfo, read_process_table
+from agent.ranks import rank_processes, read_process_table
 
 log = logging.getLogger("pulse.agent.launcher")
 
@@ -73,20 +73,6 @@ class HungRanks:
                 self.said.add(rank)
                 out.append(rank)
         return out
-
-
-def rank_processes(wrappers: Sequence[int], table: Mapping[int, ProcInfo]) -> dict[int, int]:
-    """Local rank -> its process: the child of its wrapper (``agent/launcher.py``) once it has
-    exec'd (its command line differs from the shell's)."""
-    out = {}
-    for i, wrapper in enumerate(wrappers):
-        shell = table.get(wrapper)
-        kids = sorted(
-            c for c, ci in table.items() if shell is not None and ci.ppid == wrapper and ci.argv != shell.argv
-        )
-        if kids:
-            out[i] = kids[0]
-    return out
 
 
 async def watch_hung(

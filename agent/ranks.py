@@ -69,7 +69,7 @@ def rank_targets(
         if info is None or argv[: len(head)] != head or len(argv) <= len(head) or not argv[len(head)].endswith(suffix):
             refused[pid] = "the rank's wrapper is gone (its pid is not this job's wrapper)"
             continue
-        children = sorted(c for c, ci in table.items() if ci.ppid == pid and ci.argv != argv)
+        children = rank_children(pid, table)
         if not children:
             refused[pid] = "the wrapper has no rank process (exited, or not yet started)"
             continue
@@ -82,6 +82,20 @@ def rank_targets(
                     "kill it): the trainer library is not loaded there yet"
                 )
     return Targets(tuple(out), refused)
+
+
+def rank_children(wrapper: int, table: Mapping[int, ProcInfo]) -> list[int]:
+    """The processes under ``wrapper`` that are its rank: its children once they have exec'd (a
+    child whose command line is still the shell's has only forked)."""
+    shell = table.get(wrapper)
+    if shell is None:
+        return []
+    return sorted(c for c, ci in table.items() if ci.ppid == wrapper and ci.argv != shell.argv)
+
+
+def rank_processes(wrappers: Sequence[int], table: Mapping[int, ProcInfo]) -> dict[int, int]:
+    """Local rank -> its process, for the wrappers (``agent/launcher.py``) whose rank has started."""
+    return {i: kids[0] for i, wrapper in enumerate(wrappers) if (kids := rank_children(wrapper, table))}
 
 
 def _status_caught(text: str) -> int:

@@ -104,7 +104,6 @@ class HangWatch:
         job: str,
         groups: PlanGroups,
         read: Callable[[int], float | None],
-        beat_s: float,
         silence_s: float,
         latest: Callable[[], Plan | None] = lambda: None,
         stalled: Callable[[float], bool] = lambda now: False,
@@ -113,7 +112,6 @@ class HangWatch:
         self.job = job
         self.groups = groups
         self.read = read
-        self.beat_s = beat_s
         self.silence_s = silence_s
         self.latest = latest
         self.stalled = stalled
@@ -208,7 +206,7 @@ class Beat:
         if watch:
             keep = {*keep_ports, *([store.port] if isinstance(store, TCPStore) else [])}
             self.watch = HangWatch(
-                job=job, groups=groups, read=self.read, beat_s=beat_s, silence_s=silence_s, latest=latest,
+                job=job, groups=groups, read=self.read, silence_s=silence_s, latest=latest,
                 stalled=stalled, keep_ports=keep,
             )  # fmt: skip
         self._stop = threading.Event()

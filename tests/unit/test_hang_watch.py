@@ -62,7 +62,6 @@ def _watch(groups: Groups, beats: dict[int, float | None], **kw: Any) -> HangWat
         job="j",
         groups=cast(Any, groups),  # the part of PlanGroups the watch uses
         read=beats.get,
-        beat_s=BEAT_S,
         silence_s=SILENCE_S,
         keep_ports=(6379,),
         **kw,

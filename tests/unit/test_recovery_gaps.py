@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.recovery.gaps import cost, read_times
+from tools.recovery.gaps import cost, read_times, survivors
 
 
 def test_the_cost_is_the_longest_gap_around_the_failure_less_the_median_step() -> None:
@@ -32,3 +32,17 @@ def test_a_half_written_last_line_is_left_out(tmp_path: Path) -> None:
     p.write_text("1.5\n2.5\nx")
     assert read_times(p) == [1.5, 2.5]
     assert read_times(tmp_path / "none.times") == []
+
+
+def test_the_survivors_figure_is_the_largest_and_a_survivor_that_never_stepped_again_is_named(
+    tmp_path: Path,
+) -> None:
+    before = [0.1 * i for i in range(50)]
+    (tmp_path / "rank0.times").write_text("\n".join(map(str, [*before, 5.4, 5.5])) + "\n")  # 0.5 s gap
+    (tmp_path / "rank1.times").write_text("\n".join(map(str, [*before, 6.4, 6.5])) + "\n")  # 1.5 s gap
+    got = survivors(tmp_path, 3, fault=5.0, observe_s=10.0, what="hung")
+    assert got["by_rank"] == {0: pytest.approx(0.4), 1: pytest.approx(1.4)}
+    assert got["cost_s"] == pytest.approx(1.4) and got["step_s"] == pytest.approx(0.1)
+    (tmp_path / "rank1.times").write_text("\n".join(map(str, before)) + "\n")
+    with pytest.raises(ValueError, match=r"hung: only ranks \[0\] stepped"):
+        survivors(tmp_path, 3, fault=5.0, observe_s=10.0, what="hung")

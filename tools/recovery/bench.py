@@ -34,7 +34,7 @@ from typing import Any
 
 from tools.goodput.model import STACK_ENV, CampaignError, wait_until
 from tools.goodput.stack import Stack, rank_pids
-from tools.recovery.gaps import cost, read_times
+from tools.recovery.gaps import read_times, survivors
 
 SCRIPT = Path(__file__).with_name("mlp_train.py")
 KINDS = ("dead", "hung", "lost")
@@ -109,24 +109,11 @@ def run_one(workdir: Path, *, kind: str, stage: int, args: argparse.Namespace) -
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGCONT)
         stack.close()
-    costs: dict[int, float] = {}
-    steps: list[float] = []
-    for rank in range(args.ranks - 1):
-        got = cost(read_times(out / f"rank{rank}.times"), fault=fault, observe_s=args.observe_s)
-        if got is not None:
-            costs[rank], step = round(got[0], 3), got[1]
-            steps.append(step)
-    if len(costs) < args.ranks - 1:
-        raise CampaignError(
-            f"{kind} at ZeRO {stage}: only ranks {sorted(costs)} stepped both before the failure and within "
-            f"--observe-s {args.observe_s:g} after it (a survivor waiting out the collective timeout needs more)"
-        )
-    return {
-        "cost_s": max(costs.values()),
-        "by_rank": costs,
-        "step_s": round(max(steps), 4),
-        "excluded": plan.get("excluded", []),
-    }
+    try:
+        lost = survivors(out, args.ranks, fault=fault, observe_s=args.observe_s, what=f"{kind} at ZeRO {stage}")
+    except ValueError as exc:
+        raise CampaignError(str(exc)) from None
+    return {**lost, "excluded": plan.get("excluded", [])}
 
 
 def run_bench(args: argparse.Namespace) -> int:

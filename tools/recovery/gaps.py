@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import statistics
 from pathlib import Path
+from typing import Any
 
 
 def read_times(path: Path) -> list[float]:
@@ -30,3 +31,23 @@ def cost(times: list[float], *, fault: float, observe_s: float) -> tuple[float, 
         return None
     step = statistics.median(before[len(before) // 2 :])  # after the first steps' warm-up
     return max(around) - step, step
+
+
+def survivors(folder: Path, ranks: int, *, fault: float, observe_s: float, what: str) -> dict[str, Any]:
+    """The cost of ``fault`` to each of ranks 0 .. ``ranks`` - 2 (the last one failed), from the
+    ``rank<N>.times`` in ``folder``: ``cost_s`` (the largest), ``by_rank`` and ``step_s`` (the
+    slowest median step). Raises :class:`ValueError` naming ``what`` when a survivor did not step
+    both before the fault and within ``observe_s`` after it."""
+    by_rank: dict[int, float] = {}
+    steps: list[float] = []
+    for rank in range(ranks - 1):
+        got = cost(read_times(folder / f"rank{rank}.times"), fault=fault, observe_s=observe_s)
+        if got is not None:
+            by_rank[rank] = round(got[0], 3)
+            steps.append(got[1])
+    if len(by_rank) < ranks - 1:
+        raise ValueError(
+            f"{what}: only ranks {sorted(by_rank)} stepped both before the failure and within {observe_s:g} s "
+            "after it (a survivor waiting out a collective timeout needs a longer --observe-s)"
+        )
+    return {"cost_s": max(by_rank.values()), "by_rank": by_rank, "step_s": round(max(steps), 4)}

@@ -23,7 +23,7 @@ from typing import Any
 
 from tools.goodput.model import CampaignError, wait_until
 from tools.harness import child_env
-from tools.recovery.gaps import cost, read_times
+from tools.recovery.gaps import read_times, survivors
 
 SCRIPT = Path(__file__).with_name("torchft_train.py")
 
@@ -67,14 +67,10 @@ def run_one(workdir: Path, *, kind: str, timeout_s: float | None, args: argparse
                 os.kill(p.pid, signal.SIGKILL)
             p.wait(10)
         lighthouse.shutdown()
-    costs = {}
-    for group in range(args.ranks - 1):
-        got = cost(read_times(workdir / f"rank{group}.times"), fault=fault, observe_s=observe_s)
-        if got is not None:
-            costs[group] = round(got[0], 3)
-    if len(costs) < args.ranks - 1:
-        raise CampaignError(f"torchft {kind}: survivors without steps on both sides: {sorted(costs)}")
-    return {"cost_s": max(costs.values()), "by_rank": costs}
+    try:
+        return survivors(workdir, args.ranks, fault=fault, observe_s=observe_s, what=f"torchft {kind}")
+    except ValueError as exc:
+        raise CampaignError(str(exc)) from None
 
 
 def run_torchft(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -7,8 +7,8 @@ rank leaves while the others still wait for it in a collective. Each rank append
 wall time at the end of every optimizer step to ``OUT/rank<RANK>.times``, one number a line,
 flushed at once, so that a rank stopped or killed mid-run still leaves what it did, and the
 benchmark reads the survivors' gaps (``tools/recovery/bench.py``). ``--slow-rank R`` makes rank R a
-straggler: from ``--slow-after-s`` for ``--slow-for-s`` each of its steps takes ``--slow-factor``
-times its median step before that (it sleeps the difference).
+straggler: from ``--slow-after-s`` for ``--slow-for-s`` each of its steps, from one step's end to
+the next, takes ``--slow-factor`` times its median step before that (it sleeps the difference).
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ def main() -> None:
                 continue
             now = time.time()
             if rank == args.slow_rank and slow_from <= now < slow_to and steps:
-                time.sleep((args.slow_factor - 1) * statistics.median(steps[-20:]))
+                # its step, end to end, takes slow_factor times its median step before (a sleep after
+                # the compute alone fell short: the peers computed while it slept)
+                time.sleep(max(0.0, last + args.slow_factor * statistics.median(steps[-20:]) - now))
             elif now < slow_from:
                 steps.append(now - last)
             last = time.time()

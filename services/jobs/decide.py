@@ -126,6 +126,12 @@ def decide(
     return JobDecision(state, "", relaunch=relaunch)
 
 
+def node_ranks(nodes: Sequence[str], node: str, *, per_node: int) -> range:
+    """The global ranks ``node`` runs: its place among the job's ``nodes`` times ``per_node``."""
+    i = list(nodes).index(node)
+    return range(i * per_node, (i + 1) * per_node)
+
+
 def _with_rank_exits(
     nodes: Sequence[str], status: Mapping[str, Mapping[str, object]], exits: Mapping[int, int], *, per_node: int
 ) -> Mapping[str, Mapping[str, object]]:
@@ -133,8 +139,8 @@ def _with_rank_exits(
     exited with the first non-zero code (else 0), whatever its agent said last: a node whose
     agent died would otherwise stay started until it is LOST."""
     out = dict(status)
-    for i, n in enumerate(nodes):
-        codes = [exits.get(i * per_node + j) for j in range(per_node)]
+    for n in nodes:
+        codes = [exits.get(r) for r in node_ranks(nodes, n, per_node=per_node)]
         if out.get(n, {}).get("state") == "exited" or any(c is None for c in codes):
             continue
         code = next((c for c in codes if c), 0)

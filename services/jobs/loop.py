@@ -24,6 +24,7 @@ from clusterpulse.settings import Settings
 from clusterpulse.states import ACTIVE_JOB_STATES, EventKind, JobState, NodeState
 from services import db
 from services.clock import RedisClock
+from services.jobs.decide import decide, node_ranks, rejoinable
 from services.leader import FENCED_COMMANDS, LeaderLease, commands_args
 from services.models import JobRow
 from services.runner import Tick
@@ -117,6 +118,10 @@ class JobReconciler(Tick):
             shared.job_statuses[:0] = statuses  # not stored: try again next tick
             raise
         for send in sends:
+            if send.rejoin:  # the ranks' exits were their predecessors' (Progress.forget_exits)
+                per_node = max(1, int(send.spec.get("gpus_per_node", 1)))
+                for node in send.only:
+                    shared.progress.forget_exits(send.job, node_ranks(send.nodes, node, per_node=per_node))
             await self.send(send)
 
     async def send(self, send: Send) -> None:
@@ -161,8 +166,6 @@ class JobReconciler(Tick):
         )  # fmt: skip
 
     def _reconcile_db(self, statuses: list[wire.JobStatus], now: float) -> list[Send]:
-        from services.jobs.decide import decide, rejoinable
-
         sends: list[Send] = []
         excluded, joined = self._excluded_nodes, self._joined  # snapshots taken on the event loop
         healthy = self._healthy_excluded

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from clusterpulse import wire
@@ -93,6 +94,9 @@ class Progress:
         if report.exit_code is not None:  # the rank's last word: how it ended, not a step
             self.exits.setdefault(report.job, {})[report.rank] = (report.exit_code, received_at)
             return report
+        exits = self.exits.get(report.job, {})
+        if report.rank in exits:  # it steps again: a rank relaunched to rejoin; its exit was its predecessor's
+            del exits[report.rank]
         job = self.jobs.setdefault(report.job, JobProgress(report.job))
         prev = job.ranks.get(report.rank)
         if prev is None or report.step >= prev.report.step:
@@ -103,9 +107,19 @@ class Progress:
         gone = [j for j, p in self.jobs.items() if now - p.last_at > self.stale_after]
         for j in gone:
             del self.jobs[j]
-        for j in [j for j, e in self.exits.items() if now - max(at for _, at in e.values()) > self.stale_after]:
+        for j in [
+            j for j, e in self.exits.items() if now - max((at for _, at in e.values()), default=0.0) > self.stale_after
+        ]:
             del self.exits[j]
         return gone
+
+    def forget_exits(self, job: str, ranks: Iterable[int]) -> None:
+        """Drop the exits of ``ranks``, launched anew to rejoin: an exit is one incarnation's last
+        word, and a node whose every rank had left (excluded, exit 0) must not count as done while
+        its new ranks are being taken back (services/jobs/decide.py)."""
+        exits = self.exits.get(job, {})
+        for rank in ranks:
+            exits.pop(rank, None)
 
     def exit_codes(self, job: str) -> dict[int, int]:
         """rank -> the exit code the rank reported as it left (``TrainerReport.exit_code``)."""

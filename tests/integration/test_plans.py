@@ -4,6 +4,7 @@ changes, publication (key + channel), persistence across a restart."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import redis
 import redis.asyncio as aioredis
@@ -201,5 +202,63 @@ def test_an_excluded_healthy_node_is_relaunched_to_rejoin_up_to_the_cap_across_a
     asyncio.run(_with_orchestrator(settings, first))
     n1_status({"state": "started"})  # relaunched; it dies again while the orchestrator is restarted
     asyncio.run(_with_orchestrator(settings, restarted))
+    client.close()
+    engine.dispose()
+
+
+def test_a_node_taken_back_is_not_done_on_its_predecessors_exit(redis_url: str, sqlite_url: str) -> None:
+    """n1's rank left as excluded (exit 0, its last word) and was relaunched and taken back; then
+    n0's rank is lost. n1 is the only node that counts, and its predecessor's exit 0 must not make
+    the job SUCCEEDED while its new rank trains (seen in a goodput campaign: SUCCEEDED at 774 of
+    2,227 steps)."""
+    settings = _settings(redis_url, sqlite_url, job_resend_s=0.05, job_max_rejoins=3)
+    spec = {"name": "j", "nodes": 2, "gpus_per_node": 1, "selector": {}, "entrypoint": ["-m", "x"]}
+    db.upgrade(sqlite_url)
+    engine = db.make_engine(sqlite_url)
+    with db.session_factory(engine).begin() as s:
+        db.create_job(
+            s, job_id="j", name="j", spec=spec, assigned_nodes=["n0", "n1"], master_addr="127.0.0.1",
+            master_port=29500, idempotency_key=None, at=1.0, actor="t",
+        )  # fmt: skip
+        db.set_job_state(s, job_id="j", state="RUNNING", reason="test", at=1.0)
+        db.set_job_node_status(s, job_id="j", node="n0", status={"state": "started"}, at=1.0)
+        db.set_job_node_status(s, job_id="j", node="n1", status={"state": "exited", "exit_code": 0}, at=1.0)
+    client = redis.Redis.from_url(redis_url)
+
+    def state() -> str:
+        with Session(engine) as s:
+            row = db.get_job(s, job_id="j")
+        assert row is not None
+        return row.state
+
+    def register(orch: Orchestrator, rank: int, node: str) -> None:
+        orch.plans.register(wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=rank, node=node, world_size=2))
+        orch.shared.ranks_changed = True
+
+    async def body(orch: Orchestrator) -> None:
+        assert orch.cluster is not None
+        for rank, node in enumerate(("n0", "n1")):
+            orch.cluster.restore(
+                name=node, state="HEALTHY", since=0.0, reason="", last_seen=None, schedulable=True,
+                labels={}, telemetry={},
+            )  # fmt: skip
+            register(orch, rank, node)
+        await _until(lambda: "j" in orch.plans.plans)
+        left = wire.TrainerReport(v=wire.PROTOCOL_VERSION, job="j", rank=1, node="n1", step=40, exit_code=0)
+        orch.shared.progress.ingest(wire.encode(left), received_at=time.time())  # n1's rank left as excluded
+        orch.plans.node_exited("j", "n1")
+        await _until(lambda: client.xlen(wire.node_commands_key("n1")) >= 1)  # relaunched
+        with db.session_factory(engine).begin() as s:
+            db.set_job_node_status(s, job_id="j", node="n1", status={"state": "started"}, at=3.0)
+        register(orch, 1, "n1")  # the new rank registers and is taken back
+        await _until(lambda: "n1" not in orch.plans.excluded_nodes("j"))
+        orch.plans.node_exited("j", "n0")  # then n0's rank is lost
+        with db.session_factory(engine).begin() as s:
+            db.set_job_node_status(s, job_id="j", node="n0", status={"state": "exited", "exit_code": -9}, at=4.0)
+        await _until(lambda: "n0" in orch.plans.excluded_nodes("j"))
+        await asyncio.sleep(0.5)  # many ticks
+        assert state() == "RUNNING"
+
+    asyncio.run(_with_orchestrator(settings, body))
     client.close()
     engine.dispose()

@@ -54,3 +54,18 @@ def test_bad_reports_are_counted_and_stale_jobs_expire() -> None:
     assert p.rejected == {"json": 1, "version": 1}
     p.ingest(_report(0, 1), received_at=10.0)
     assert p.expire(now=69.0) == [] and p.expire(now=71.0) == ["j1"] and not p.jobs
+
+
+def test_a_ranks_exit_is_forgotten_when_it_steps_again_or_is_relaunched() -> None:
+    # rank 1 left as excluded (exit 0) and was relaunched: its new incarnation's first step voids
+    # the exit, else the job could count the node as done while the rank trains (services/jobs/decide.py)
+    p = Progress(stale_after=60.0)
+    p.ingest(_report(1, 7, exit_code=0), received_at=1.0)
+    p.ingest(_report(2, 7, exit_code=0), received_at=1.0)
+    assert p.exit_codes("j1") == {1: 0, 2: 0}
+    p.ingest(_report(1, 9), received_at=2.0)
+    assert p.exit_codes("j1") == {2: 0}
+    p.forget_exits("j1", range(2, 4))  # the relaunch of the node of ranks 2-3
+    assert p.exit_codes("j1") == {}
+    p.forget_exits("j9", [0])  # a job with no exits: nothing to forget
+    assert p.expire(now=100.0) == ["j1"] and not p.exits  # an emptied record expires too

@@ -1,9 +1,10 @@
 """The agent loop: sample every interval, build heartbeats, publish them in one round trip.
 
 One loop serves one node (``pulse agent``) or many simulated ones (``pulse simulate``). The GPU
-sample is taken on the heartbeat's own schedule; IPMI runs in its own task on its own interval
-under a timeout, so a slow or hung BMC never delays a heartbeat: the heartbeat carries the latest
-power reading and says whether it is current (``ok``), ``stale`` or ``unavailable``.
+sample and the network ports (``agent/nics.py``) are read on the heartbeat's own schedule, off the
+event loop on a real node (NVML calls and sysfs reads block); IPMI runs in its own task on its own
+interval under a timeout, so a slow or hung BMC never delays a heartbeat: the heartbeat carries
+the latest power reading and says whether it is current (``ok``), ``stale`` or ``unavailable``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Literal, Protocol
 
 import redis.asyncio as aioredis
 
+from agent.nics import NicSource
 from agent.publisher import HeartbeatPublisher
 from agent.server_time import ServerTime
 from agent.simulated import FaultSpec, SimulatedNode
@@ -31,6 +33,11 @@ from clusterpulse.retry import Backoff
 from clusterpulse.settings import Settings
 
 log = logging.getLogger("pulse.agent")
+
+NicReading = tuple[str, list[wire.NicPort]]  # (host boot, ports): what NicSource.read gives
+# The windows of a NodeAgent built without settings (tests, the soak): the settings' defaults.
+_NIC_RATE_WINDOW_S: float = Settings.model_fields["nic_rate_window_s"].default
+_NIC_ERROR_WINDOW_S: float = Settings.model_fields["nic_error_window_s"].default
 
 
 class GpuSource(Protocol):
@@ -73,16 +80,27 @@ class NodeAgent:
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     seq: int = 0
     clock_offset_s: float = 0.0  # added to sent_at: a skewed node clock (tests only)
+    # The node's network ports: a real node's from sysfs (:func:`open_nic_source`); a simulated
+    # node's, when not given, from its simulator through a history of the settings' default windows.
+    nics: NicSource | None = None
+
+    def __post_init__(self) -> None:
+        if self.nics is None and self.sim is not None:
+            self.nics = simulated_nics(self.sim, rate_window_s=_NIC_RATE_WINDOW_S, error_window_s=_NIC_ERROR_WINDOW_S)
 
     @property
     def silent(self) -> bool:
         return self.sim is not None and "silent" in self.sim.faults
 
-    def heartbeat(self, gpus: list[wire.GpuSample]) -> wire.Heartbeat:
+    def heartbeat(self, gpus: list[wire.GpuSample], nics: NicReading | None = None) -> wire.Heartbeat:
+        """The next heartbeat. ``nics``: a real node's ports as :func:`sample_nics` read them off
+        the loop (None: none published); a simulated node's are read here, in memory, like its power."""
         ipmi: Literal["ok", "stale", "unavailable", "simulated"]
         if self.sim is not None:
             psus, fans = self.sim.power()
             ipmi = "simulated"
+            if nics is None and self.nics is not None:
+                nics = self.nics.read(time.monotonic())
         else:
             psus, fans = self.power.psus, self.power.fans
             if self.power.read_at is None:
@@ -91,6 +109,7 @@ class NodeAgent:
                 ipmi = "stale"
             else:
                 ipmi = "ok"
+        host_boot, ports = nics or ("", [])
         self.seq += 1
         return wire.Heartbeat(
             v=wire.PROTOCOL_VERSION,
@@ -106,6 +125,8 @@ class NodeAgent:
             gpus=gpus,
             psus=psus,
             fans=fans,
+            nics=ports,
+            host_boot=host_boot,
         )
 
 
@@ -164,6 +185,18 @@ async def sample_gpus(agent: NodeAgent) -> list[wire.GpuSample]:
     return await asyncio.to_thread(agent.gpu.sample)  # NVML calls block; keep the loop free
 
 
+async def sample_nics(agent: NodeAgent) -> NicReading | None:
+    """A real node's ports, read in a thread (sysfs reads block: on mlx5 each counter file is a
+    firmware query). None for a simulated node: :meth:`NodeAgent.heartbeat` reads its own."""
+    if agent.nics is None or agent.sim is not None:
+        return None
+    try:
+        return await asyncio.to_thread(agent.nics.read, time.monotonic())
+    except Exception as exc:  # a sysfs laid out as nothing we know: the heartbeat goes out without ports
+        log.warning("event=nics_unreadable node=%s error=%r going_on=no_ports", agent.node, str(exc))
+        return None
+
+
 async def run_agents(
     agents: Sequence[NodeAgent],
     publisher: HeartbeatPublisher,
@@ -179,7 +212,7 @@ async def run_agents(
     ticks = 0
     while not stop.is_set() and (max_ticks is None or ticks < max_ticks):
         apply_faults(agents, faults, time.monotonic() - started)
-        beats = [a.heartbeat(await sample_gpus(a)) for a in agents if not a.silent]
+        beats = [a.heartbeat(await sample_gpus(a), await sample_nics(a)) for a in agents if not a.silent]
         await publisher.publish(beats)
         ticks += 1
         next_tick += interval_s
@@ -265,6 +298,22 @@ def open_gpu_source(source: str, *, node: str, gpus: int, settings: Settings) ->
     return NodeAgentParts(gpu=nvml, sim=None, gpu_source="nvml"), "NVML"
 
 
+def simulated_nics(sim: SimulatedNode, *, rate_window_s: float, error_window_s: float) -> NicSource:
+    """A simulated node's ports (``SimulatedNode.raw_ports``), folded as a real node's are."""
+    return NicSource(
+        lambda now: (sim.host_boot, sim.raw_ports(now)), rate_window_s=rate_window_s, error_window_s=error_window_s
+    )
+
+
+def open_nic_source(settings: Settings, sim: SimulatedNode | None) -> NicSource:
+    """The node's ports: sysfs under ``PULSE_SYSFS_ROOT`` on a real node (a node without
+    InfiniBand/RoCE publishes none), the simulator's on a simulated one; the settings' windows."""
+    rate_s, error_s = settings.nic_rate_window_s, settings.nic_error_window_s
+    if sim is not None:
+        return simulated_nics(sim, rate_window_s=rate_s, error_window_s=error_s)
+    return NicSource.sysfs(settings.sysfs_root, rate_window_s=rate_s, error_window_s=error_s)
+
+
 @dataclass
 class NodeAgentParts:
     gpu: GpuSource | None
@@ -305,6 +354,7 @@ async def run_node_agent(
         sim=parts.sim,
         ipmi_stale_after_s=3 * settings.ipmi_interval_s + settings.ipmi_timeout_s,
         clock_offset_s=settings.agent_clock_offset_s,
+        nics=open_nic_source(settings, parts.sim),
     )
     client = _redis(settings)
     server_time = ServerTime()  # learned from the heartbeats' entry ids; job commands' deadlines use it
@@ -377,6 +427,7 @@ async def run_simulation(
                 interval_s=interval_s,
                 labels=topology_labels(i),
                 sim=sim,
+                nics=open_nic_source(settings, sim),
             )
         )
     known = {a.node for a in agents}

@@ -15,31 +15,64 @@ pcie_x8         GPU 0's link trained at x8 on an x16 slot
 xid             GPU 0 reports XID 48 (double-bit ECC error), a fatal one
 ecc             GPU 1's volatile uncorrectable ECC counter goes up
 gpu_lost        GPU 7 has fallen off the bus (NVML_ERROR_GPU_IS_LOST)
+nic_down        the last HCA's port goes DOWN (phys_state Disabled); its link_downed goes up by one
+nic_rate        mlx5_0's port trains at 200 Gb/s (4X HDR) instead of 400 (4X NDR)
+nic_errors      mlx5_1's port counts 200 symbol errors and 15 receive errors a second (a bad cable)
+nccl_tcp        NCCL on its socket transport over IPoIB: no RDMA, the netdevs (and so the ports) at 2 GB/s
 silent          the agent stops publishing (handled by the agent loop)
 ==============  ===========================================================================
+
+Each GPU has an HCA beside it (``mlx5_<i>``, ConnectX-7, 400 Gb/s NDR InfiniBand, netdev
+``ib<i>``), carrying the job's traffic: about 20 GB/s of RDMA data each way while healthy, with a
+little IPoIB beside it (:meth:`SimulatedNode.raw_ports`).
 """
 
 from __future__ import annotations
 
 import random
 import re
+import time
 import zlib
 from dataclasses import dataclass
 
-from clusterpulse.wire import FanSample, GpuSample, PsuSample
+from agent.nic_history import RawPort
+from clusterpulse.wire import NIC_COUNTERS, FanSample, GpuSample, PsuSample
 
-FAULT_KINDS = ("thermal", "power_brake", "psu_imbalance", "pcie_x8", "xid", "ecc", "gpu_lost", "silent")
+FAULT_KINDS = (
+    "thermal",
+    "power_brake",
+    "psu_imbalance",
+    "pcie_x8",
+    "xid",
+    "ecc",
+    "gpu_lost",
+    "nic_down",
+    "nic_rate",
+    "nic_errors",
+    "nccl_tcp",
+    "silent",
+)
 # The throttle reason each throttling fault sets on every GPU (the orchestrator's health model
 # decides which reasons count as sustained throttling: services/health/decide.py SUSTAINED_THROTTLE).
 THROTTLE_OF = {"thermal": "thermal", "power_brake": "power_brake"}
-# Faults that never clear by themselves: the volatile ECC counter stays up until a GPU reset.
-PERMANENT_FAULTS = frozenset({"ecc"})
+# Faults that never clear by themselves: the volatile ECC counter stays up until a GPU reset; a
+# port's link_downed and symbol errors stay in the agent's error window (an hour by default).
+PERMANENT_FAULTS = frozenset({"ecc", "nic_down", "nic_errors"})
+# Faults a job sees and the node's health does not: NCCL on TCP is an event on the job
+# (services/health/nics.py over_tcp), never a DEGRADED by itself.
+JOB_FAULTS = frozenset({"nccl_tcp"})
+# The network port faults (tests/unit/test_nic_health.py reads each as its real failure)
+NIC_FAULTS = ("nic_down", "nic_rate", "nic_errors", "nccl_tcp")
 
 GPU_NAME = "NVIDIA H200"
 MEMORY_TOTAL = 143_771 * 1024 * 1024
 POWER_LIMIT_W = 750.0
 BUS_VOLTS = 54.0
 BASE_POWER_W = 1200.0  # CPUs, NICs, fans, drives: the rest of the node
+HCA_MODEL = "MT4129"  # ConnectX-7
+RDMA_BYTES_PER_S = 20e9  # each way, per HCA, while a job trains
+IPOIB_BYTES_PER_S = 1e6
+TCP_BYTES_PER_S = 2e9  # nccl_tcp: what NCCL's socket transport pushes through the netdev
 
 
 @dataclass(frozen=True)
@@ -83,6 +116,9 @@ class SimulatedNode:
         self._ecc_uncorrected = 0
         self._xid_counts: dict[str, int] = {}
         self._last_power: list[float] = [0.0] * gpus
+        self.host_boot = f"{zlib.crc32(node.encode()):08x}-0000-4000-8000-000000000000"
+        self._nic_counters = [dict.fromkeys(NIC_COUNTERS, 0) for _ in range(max(1, gpus))]
+        self._nic_at: float | None = None
 
     # The GPU source interface (same as agent.nvml.NvmlSource) ---------------------------------
     def open(self) -> None:
@@ -152,6 +188,44 @@ class SimulatedNode:
                     pcie_link_gen_max=5,
                     nvlink_up=18,
                     nvlink_total=18,
+                )
+            )
+        return out
+
+    # The network ports (same fields as agent.nics reads from sysfs) ----------------------------
+    def raw_ports(self, now: float | None = None) -> list[RawPort]:
+        """One HCA per GPU, its counters moved on by the time since the last reading."""
+        now = time.monotonic() if now is None else now
+        dt = 0.0 if self._nic_at is None else max(0.0, now - self._nic_at)
+        self._nic_at = now
+        f = self.faults
+        out = []
+        for i, counters in enumerate(self._nic_counters):
+            down = "nic_down" in f and i == len(self._nic_counters) - 1
+            rdma = 0.0 if down or "nccl_tcp" in f else RDMA_BYTES_PER_S
+            tcp = 0.0 if down else TCP_BYTES_PER_S if "nccl_tcp" in f else IPOIB_BYTES_PER_S
+            for side in ("xmit", "rcv"):  # the port carries IPoIB's packets too; IB counts 4-octet words
+                counters[f"port_{side}_data"] += int((rdma + tcp) / 4 * dt)
+            counters["netdev_tx_bytes"] += int(tcp * dt)
+            counters["netdev_rx_bytes"] += int(tcp * dt)
+            if down and counters["link_downed"] == 0:
+                counters["link_downed"] = 1
+            if "nic_errors" in f and i == 1:
+                counters["symbol_error"] += round(200 * dt)
+                counters["port_rcv_errors"] += round(15 * dt)
+            half = "nic_rate" in f and i == 0
+            out.append(
+                RawPort(
+                    device=f"mlx5_{i}",
+                    port=1,
+                    state="DOWN" if down else "ACTIVE",
+                    phys_state="Disabled" if down else "LinkUp",
+                    rate_gbps=200.0 if half else 400.0,
+                    link_layer="InfiniBand",
+                    model=HCA_MODEL,
+                    netdev=f"ib{i}",
+                    gpu=i if i < self.gpus else None,
+                    counters=dict(counters),
                 )
             )
         return out

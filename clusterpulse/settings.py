@@ -49,6 +49,13 @@ class Settings(BaseSettings):
     ipmi_interval_s: float = Field(30.0, gt=0)
     ipmi_timeout_s: float = Field(10.0, gt=0)
     xid_window_s: float = Field(300.0, gt=0)
+    # Network ports (agent/nics.py): the root under which /sys and /proc are read (tests point it
+    # at a fake tree laid out like a real node's), and the two trailing windows each counter's
+    # increase is published over (wire.NicPort: ``recent`` for the per-second and per-minute rules,
+    # ``errors`` for the per-hour ones and for any increase of a link-down counter)
+    sysfs_root: str = "/"
+    nic_rate_window_s: float = Field(60.0, gt=0)
+    nic_error_window_s: float = Field(3600.0, gt=0)
     # Tests only (tests/faults): seconds added to the time the agent stamps on its heartbeats
     # (``sent_at``), a node whose clock is off. Health never reads that time; it is only reported.
     agent_clock_offset_s: float = 0.0
@@ -64,6 +71,18 @@ class Settings(BaseSettings):
     psu_output_imbalance_amperes: float = Field(8.0, gt=0)
     psu_input_imbalance_amperes: float = Field(1.5, gt=0)
     gpu_power_peer_gap_ratio: float = Field(0.05, gt=0, lt=1)
+    # Network ports (services/health/nics.py, docs/design/fabric.md): the rate every port should
+    # run at (0: a node label ``nic_rate_gbps``, else the rate most of the node's ports of the same
+    # model run at); error rates over the agent's windows; heartbeats a port may be missing from
+    # sysfs before it counts as gone; and the netdev rate with flat RDMA data that means TCP
+    nic_expected_rate_gbps: float = Field(0.0, ge=0)
+    nic_symbol_error_warn_per_s: float = Field(10.0, ge=0)
+    nic_symbol_error_fatal_per_hour: float = Field(120.0, ge=0)
+    nic_link_error_recovery_per_min: float = Field(5.0, ge=0)
+    nic_port_rcv_errors_per_s: float = Field(10.0, ge=0)
+    nic_port_xmit_discards_per_s: float = Field(100.0, ge=0)
+    nic_missing_heartbeats: int = Field(3, ge=1)
+    nic_tcp_bytes_per_s: float = Field(50e6, gt=0)
 
     # Gradient aggregation plans (services/plans/decide.py)
     max_proxied_per_rank: int = Field(1, ge=1)

@@ -53,6 +53,7 @@ class EventKind(StrEnum):
     RANK_UNREACHABLE = "rank_unreachable"
     RANK_REJOIN = "rank_rejoin"
     STRAGGLER = "straggler"
+    NCCL_OVER_TCP = "nccl_over_tcp"  # a job's traffic on a node left the fabric (services/health/nics.py)
     CHECKPOINT_REQUESTED = "checkpoint_requested"
     CHECKPOINT_WRITTEN = "checkpoint_written"
     TOKEN_CREATED = "token_created"

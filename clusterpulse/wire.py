@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 
@@ -106,6 +106,59 @@ class FanSample(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     ok: bool | None = None
 
 
+# The counters a port carries (agent/nics.py reads them; services/health/nics.py judges them).
+# ``netdev_tx_bytes``/``netdev_rx_bytes`` are the bytes of the netdev the port backs (IPoIB or the
+# RoCE interface): traffic that left the fabric for TCP shows there and not in ``port_*_data``.
+NicCounter = Literal[
+    "link_downed",
+    "link_error_recovery",
+    "symbol_error",
+    "port_rcv_errors",
+    "port_xmit_discards",
+    "excessive_buffer_overrun_errors",
+    "local_link_integrity_errors",
+    "port_xmit_data",
+    "port_rcv_data",
+    "netdev_tx_bytes",
+    "netdev_rx_bytes",
+]
+NIC_COUNTERS: tuple[str, ...] = get_args(NicCounter)
+
+
+class NicPort(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """One InfiniBand/RoCE port, as its agent read it from sysfs and folded into its history.
+
+    ``counters`` are the values as read (they reset when the host reboots or someone clears
+    them). ``recent``/``errors`` are each counter's increase over the agent's two trailing windows
+    (``recent_s``/``errors_s`` seconds, at most ``PULSE_NIC_RATE_WINDOW_S`` and
+    ``PULSE_NIC_ERROR_WINDOW_S``), counting from zero after a counter went down (a reset is not an
+    error) and from nothing after a new host boot; zero increases are left out. ``missing`` is how
+    many heartbeats in a row the port was not in sysfs (then the rest is its last reading).
+    ``gpu`` is the GPU nearest to the port in the PCI tree (None: not known).
+    """
+
+    device: Label  # mlx5_3
+    port: NonNegInt
+    state: Label = ""  # ACTIVE, DOWN, INIT, ARMED
+    phys_state: Label = ""  # LinkUp, Polling, Disabled, ...
+    rate_gbps: NonNegFloat | None = None
+    link_layer: Label = ""  # InfiniBand, Ethernet (RoCE)
+    model: Label = ""  # the HCA's hca_type or board_id: ports of one model are peers
+    netdev: Label = ""
+    gpu: NonNegInt | None = None
+    missing: NonNegInt = 0
+    counters: dict[NicCounter, NonNegInt] = {}
+    recent: dict[NicCounter, NonNegInt] = {}
+    recent_s: NonNegFloat = 0.0
+    errors: dict[NicCounter, NonNegInt] = {}
+    errors_s: NonNegFloat = 0.0
+
+    @property
+    def name(self) -> str:
+        """How a reason names the port: ``mlx5_3 port 1``."""
+        return f"{self.device} port {self.port}"
+
+
 class Heartbeat(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """What an agent publishes every interval.
 
@@ -115,6 +168,8 @@ class Heartbeat(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     ``addr`` is where the node's peers reach it (the rendezvous address of a job whose first node
     it is, ``agent/address.py``); empty from an agent that predates it. Added without a version
     bump: decoders on both sides ignore fields they do not know and default those they miss.
+    ``nics`` are the node's network ports (empty on a node without InfiniBand/RoCE: judged as
+    before); ``host_boot`` is the kernel's boot id, which their counters' baseline follows.
     """
 
     v: int
@@ -130,6 +185,8 @@ class Heartbeat(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     gpus: Annotated[list[GpuSample], msgspec.Meta(max_length=64)] = []
     psus: Annotated[list[PsuSample], msgspec.Meta(max_length=32)] = []
     fans: Annotated[list[FanSample], msgspec.Meta(max_length=64)] = []
+    nics: Annotated[list[NicPort], msgspec.Meta(max_length=64)] = []
+    host_boot: Annotated[str, msgspec.Meta(max_length=64)] = ""  # /proc/sys/kernel/random/boot_id
 
 
 TOPOLOGY_LABELS = ("nvlink_domain", "switch", "rack")

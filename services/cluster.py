@@ -36,6 +36,7 @@ class NodeView:
     dirty: bool = False  # seen since the last summary written to the database (services/persist/loop.py)
     stored: summary.Key | None = None  # the identity the database holds (services/persist/decide.py)
     scheduler: SlurmNode | None = None  # Slurm's view at the last sync (PULSE_SLURM=on), else None
+    tcp: tuple[str, ...] = ()  # ports whose traffic left the fabric, as of the newest heartbeat
 
     @property
     def latest(self) -> wire.Heartbeat | None:
@@ -63,6 +64,7 @@ class ClusterEvent:
     reason: str
     at: float
     node: str | None = None
+    job: str | None = None
 
 
 class Cluster:
@@ -122,6 +124,7 @@ class Cluster:
     ) -> None:
         view.health = health.observe_reading(view.health, reading, received_at=received_at, policy=self.policy)
         view.clock_skew_s = sent_at - received_at
+        view.tcp = reading.tcp
         view.labels = dict(labels)
         view.dirty = True
 

@@ -13,7 +13,8 @@ throttle reasons) keep each node's text from the previous scrape and reuse it wh
 are equal. A node whose telemetry is partial yields the series it has; one bad value never fails
 the scrape. ``shard``/``shards`` split one scrape into several (a stable hash of the node's name;
 the cluster-wide series are in shard 0), for parallel Prometheus scrapes
-(deploy/prometheus/prometheus.yml).
+(deploy/prometheus/prometheus.yml). Network ports are rendered by ``services/metrics_nics.py``
+the same way.
 
 Every name here is fixed by SPEC.md; units are in the names.
 """
@@ -33,6 +34,7 @@ from clusterpulse.wire import THROTTLE_REASONS
 from services.cluster import Cluster, NodeView
 from services.health.decide import STATES
 from services.jobs.progress import Progress
+from services.metrics_nics import NicRenderer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -171,6 +173,7 @@ class Renderer:
         self._split: dict[tuple[int, int], dict[tuple[str, str], _Kept]] = {}  # per (shard, shards)
         self._steady: dict[tuple[str, str], _Kept] = {}  # the last render's, of this shard
         self._kept: dict[tuple[str, str], _Kept] = {}  # this render's
+        self._nics = NicRenderer()  # network ports: services/metrics_nics.py
 
     def render(
         self,
@@ -215,6 +218,7 @@ class Renderer:
         reporting = [(name, v.latest) for name, v in views if v.latest is not None]
         self._gpus(fams, reporting)
         self._power(fams, reporting)
+        self._nics.render(fams.family, reporting, last=self._steady, kept=self._kept)
         self._split[(shard, shards)] = self._kept  # a removed node's text goes with it
         out = fams.lines()
         if shard == 0:

@@ -80,6 +80,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return rc
 
 
+def cmd_bench_nics(args: argparse.Namespace) -> int:
+    from tools.bench_nics import run_bench_nics
+
+    return run_bench_nics(args)
+
+
 def cmd_goodput(args: argparse.Namespace) -> int:
     from tools.goodput import run_goodput
 
@@ -268,7 +274,7 @@ def _tool_commands(sub: Subparsers) -> None:
 
 
 def _bench_commands(sub: Subparsers) -> None:
-    """`pulse bench ...`: ingest, agent, soak, goodput, recovery."""
+    """`pulse bench ...`: ingest, agent, nics, soak, goodput, recovery."""
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     bi = bsub.add_parser("ingest", help="heartbeat ingest, detection latency and /metrics render")
@@ -303,6 +309,15 @@ def _bench_commands(sub: Subparsers) -> None:
     ba.add_argument("--interval", type=float, default=1.0)
     ba.add_argument("--json", action="store_true")
     ba.set_defaults(fn=cmd_bench)
+    bn = bsub.add_parser(
+        "nics",
+        help="per-heartbeat cost of reading and folding 8 HCAs' ports, beside a heartbeat without them",
+        description="Reads a fake DGX H100 sysfs tree (tools/fake_sysfs.py) --reads times "
+        "and prints one JSON object (tools/bench_nics.py).",
+    )
+    bn.add_argument("--reads", type=int, default=2000, help="heartbeats timed (default 2000)")
+    bn.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
+    bn.set_defaults(fn=cmd_bench_nics)
     bs = bsub.add_parser(
         "soak",
         help="long run with random faults: orchestrator memory growth, false DEGRADED, lost events",

@@ -33,7 +33,7 @@ import redis
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from agent.simulated import FAULT_KINDS, PERMANENT_FAULTS, THROTTLE_OF
+from agent.simulated import FAULT_KINDS, JOB_FAULTS, PERMANENT_FAULTS, THROTTLE_OF
 from clusterpulse.states import EventKind, NodeState
 from services.health.decide import SUSTAINED_THROTTLE
 from tools.harness import HarnessError, PrivateRedis, child_env, free_port
@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 # a throttling fault degrades only once sustained, silence only after degraded_after, every other
 # fault at the next heartbeat.
 THROTTLE = frozenset(k for k, reason in THROTTLE_OF.items() if reason in SUSTAINED_THROTTLE)
-HARD = frozenset(FAULT_KINDS) - THROTTLE - {"silent"}
+NODE_FAULTS = tuple(k for k in FAULT_KINDS if k not in JOB_FAULTS)  # what the soak injects and judges
+HARD = frozenset(NODE_FAULTS) - THROTTLE - {"silent"}
 PERMANENT = PERMANENT_FAULTS
 T = TypeVar("T")
 BAD_STATES = frozenset({NodeState.DEGRADED, NodeState.LOST})
@@ -82,7 +83,7 @@ class Timing:
 
     @property
     def longest_detection(self) -> float:
-        return max(self.detect_within(k) for k in FAULT_KINDS)
+        return max(self.detect_within(k) for k in NODE_FAULTS)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def schedule(
     out: list[SoakFault] = []
     t = fault_every_s
     while t < duration_s:
-        kind = rng.choice(FAULT_KINDS)
+        kind = rng.choice(NODE_FAULTS)
         length = timing.longest_detection * rng.uniform(1.0, 1.5)
         done = t + length + (0.0 if kind in PERMANENT else timing.recover_within)
         idle = [n for n in nodes if busy_until.get(n, 0.0) <= t]

@@ -34,6 +34,11 @@ class NodePublic(BaseModel):
     gpus: list[dict[str, Any]]
     psus: list[dict[str, Any]]
     fans: list[dict[str, Any]]
+    nics: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="the node's InfiniBand/RoCE ports as its agent read them (docs/design/fabric.md); empty on a "
+        "node without any",
+    )
     faults: list[str]
     warnings: list[str]
     agent: dict[str, Any]
@@ -130,6 +135,11 @@ class JobPublic(BaseModel):
     )
     backend: str = "agents"
     slurm_job_id: str | None = None  # Slurm's id, once submitted (backend "slurm")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="what is wrong around a running job that does not stop it: a node whose ports' traffic "
+        "left the fabric (NCCL on TCP), with the figures",
+    )
 
 
 class JobsPublic(BaseModel):

@@ -165,8 +165,8 @@ def record_event(
     return ev
 
 
-def record_events(session: Session, *, events: Sequence[tuple[str, str | None, str, float]]) -> None:
-    """Many events, (kind, node, reason, at) each, in order, in one statement executed for many
+def record_events(session: Session, *, events: Sequence[tuple[str, str | None, str, float, str | None]]) -> None:
+    """Many events, (kind, node, reason, at, job) each, in order, in one statement executed for many
     rows (a cluster's first contact is one event per node). Objects added to the session before
     are flushed first, so the ids follow the order the events were decided in; each row carries
     the session's epoch, as the rows the ORM adds do (:func:`session_factory`)."""
@@ -175,8 +175,8 @@ def record_events(session: Session, *, events: Sequence[tuple[str, str | None, s
     session.connection().execute(
         EventRow.__table__.insert(),  # type: ignore[attr-defined]
         [
-            {"kind": k, "node": n, "reason": r, "at": at, "actor": "orchestrator", "epoch": epoch}
-            for k, n, r, at in events
+            {"kind": k, "node": n, "reason": r, "at": at, "job": job, "actor": "orchestrator", "epoch": epoch}
+            for k, n, r, at, job in events
         ],
     )
 

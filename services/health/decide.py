@@ -25,6 +25,7 @@ from operator import attrgetter
 from clusterpulse.settings import Settings
 from clusterpulse.states import NodeState
 from clusterpulse.wire import FATAL_XIDS, Heartbeat
+from services.health.nics import NicPolicy, judge, over_tcp
 
 SEVERITY = {NodeState.HEALTHY: 0, NodeState.SUSPECT: 1, NodeState.DEGRADED: 2, NodeState.LOST: 3}
 STATES = tuple(NodeState)
@@ -59,6 +60,7 @@ class Policy:
     psu_output_imbalance: float = _DEFAULT.psu_output_imbalance_amperes
     psu_input_imbalance: float = _DEFAULT.psu_input_imbalance_amperes
     power_peer_gap: float = _DEFAULT.gpu_power_peer_gap_ratio
+    nics: NicPolicy = field(default_factory=NicPolicy)
 
     @classmethod
     def from_settings(cls, s: Settings) -> Policy:
@@ -73,6 +75,7 @@ class Policy:
             psu_output_imbalance=s.psu_output_imbalance_amperes,
             psu_input_imbalance=s.psu_input_imbalance_amperes,
             power_peer_gap=s.gpu_power_peer_gap_ratio,
+            nics=NicPolicy.from_settings(s),
         )
 
 
@@ -146,6 +149,7 @@ class Reading:
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     throttled: tuple[str, ...] = ()  # "GPU i reason" for every sustained throttle reason seen
+    tcp: tuple[str, ...] = ()  # ports whose traffic left the fabric (services/health/nics.py over_tcp)
 
 
 def read(hb: Heartbeat, *, policy: Policy) -> Reading:
@@ -172,8 +176,14 @@ def read(hb: Heartbeat, *, policy: Policy) -> Reading:
         if g.temperature_celsius is not None and g.temperature_celsius >= policy.temperature_warn:
             warnings.append(f"GPU {g.index} at {g.temperature_celsius:.0f} C")
     _assess_power(hb, policy, faults, warnings)
+    tcp: tuple[str, ...] = ()
+    if hb.nics:
+        port_faults, port_warnings = judge(hb.nics, labels=hb.labels, policy=policy.nics)
+        faults.extend(port_faults)
+        warnings.extend(port_warnings)
+        tcp = over_tcp(hb.nics, policy=policy.nics)
     throttled = tuple(_throttled(hb)) if _throttling(hb) else ()
-    return Reading(tuple(faults), tuple(warnings), throttled)
+    return Reading(tuple(faults), tuple(warnings), throttled, tcp)
 
 
 def signals(reading: Reading, *, throttle_for: float, policy: Policy) -> Signals:

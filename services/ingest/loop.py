@@ -23,6 +23,7 @@ from clusterpulse.settings import Settings
 from clusterpulse.states import EventKind, JobState
 from services.clock import entry_time
 from services.cluster import ClusterEvent
+from services.health.nics import nccl_over_tcp
 from services.ingest import observations
 from services.ingest.decide import SenderCheck
 from services.ingest.screen import Entries, autoclaim, read_group, screen
@@ -76,6 +77,7 @@ class Ingest(Tick):
         self._folded_upto: dict[str, str] = {}  # per stream: the last entry id folded
         self._senders = SenderCheck()
         self._stragglers: set[tuple[str, int]] = set()
+        self._over_tcp: set[str] = set()  # nodes whose traffic left the fabric, said once (:meth:`_tcp`)
         self._checkpoints = checkpoints.WrittenLedger()  # (job, step) checkpoints already recorded
         self._reread = True  # fold what was given to this consumer first (:meth:`tick`)
 
@@ -245,8 +247,10 @@ class Ingest(Tick):
             cluster.received += 1
             if s.heartbeat is None:
                 cluster.rejected[s.rejected] += 1
-            elif (ev := cluster.fold(s.heartbeat, received_at=entry_time(s.entry_id))) is not None:
-                self.outbox.append(ev)
+            else:
+                if (ev := cluster.fold(s.heartbeat, received_at=entry_time(s.entry_id))) is not None:
+                    self.outbox.append(ev)
+                self._tcp(s.heartbeat.node, entry_time(s.entry_id))
 
     def _fold_observations(self, blob: bytes | None) -> None:
         """One entry of the ingest processes' observations (services/ingest/observations.py): each one
@@ -262,8 +266,25 @@ class Ingest(Tick):
             cluster.received += 1
             if o.rejected:
                 cluster.rejected[o.rejected] += 1
-            elif (ev := cluster.fold_observed(o)) is not None:
-                self.outbox.append(ev)
+            else:
+                if (ev := cluster.fold_observed(o)) is not None:
+                    self.outbox.append(ev)
+                self._tcp(o.node, o.at)
+
+    def _tcp(self, node: str, at: float) -> None:
+        """A node whose ports' traffic left the fabric (services/health/nics.py over_tcp): an event
+        on each job with ranks there, once until the traffic is back on the fabric."""
+        view = self.shared.cluster.nodes.get(node) if self.shared.cluster else None
+        if view is None or not view.tcp:
+            self._over_tcp.discard(node)
+            return
+        if node in self._over_tcp:
+            return
+        self._over_tcp.add(node)
+        for job in self.shared.plans.jobs_on(node):
+            reason = nccl_over_tcp(job, node, view.tcp)
+            log.warning("event=nccl_over_tcp job=%s node=%s reason=%r", job, node, reason)
+            self.outbox.append(ClusterEvent(EventKind.NCCL_OVER_TCP, reason, at, node, job))
 
     def _fold_report(self, payload: bytes | None, at: float) -> None:
         """One trainer report: job figures, the node's progress (for LOST), training events and

@@ -40,10 +40,11 @@ class Observed(msgspec.Struct, array_like=True, frozen=True, gc=False):
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     throttled: tuple[str, ...] = ()
+    tcp: tuple[str, ...] = ()
 
     @property
     def reading(self) -> health.Reading:
-        return health.Reading(self.faults, self.warnings, self.throttled)
+        return health.Reading(self.faults, self.warnings, self.throttled, self.tcp)
 
 
 _encoder = msgspec.msgpack.Encoder()

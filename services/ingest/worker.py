@@ -140,8 +140,9 @@ class IngestWorker(Tick):
             else:
                 r = health.read(hb, policy=self.policy)
                 items[s.entry_id] = observations.Observed(
-                    at, "", hb.node, hb.sent_at, len(hb.gpus), hb.labels, s.payload, r.faults, r.warnings, r.throttled
-                )
+                    at, "", hb.node, hb.sent_at, len(hb.gpus), hb.labels, s.payload, r.faults, r.warnings, r.throttled,
+                    r.tcp,
+                )  # fmt: skip
         n = 0
         while items:  # once, unless another process handed over part of the batch meanwhile
             blob = observations.encode_batch(list(items.values()))

@@ -115,7 +115,7 @@ class Outbox:
                 )
             for plain, run in groupby(batch, key=lambda i: type(i) is ClusterEvent):
                 if plain:  # a run of plain events: one statement for all of them
-                    events = [(e.kind, e.node, e.reason, e.at) for e in run if isinstance(e, ClusterEvent)]
+                    events = [(e.kind, e.node, e.reason, e.at, e.job) for e in run if isinstance(e, ClusterEvent)]
                     db.record_events(s, events=events)
                 else:
                     self._write_items(s, run)

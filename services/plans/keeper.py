@@ -56,6 +56,10 @@ class PlanKeeper:
         unreachable.discard(reg.rank)
         return back or before != job[reg.rank]
 
+    def jobs_on(self, node: str) -> list[str]:
+        """The jobs with a registered rank on ``node`` (a scan: asked only on a rare edge)."""
+        return sorted(job for job, ranks in self.ranks.items() if any(r.node == node for r in ranks.values()))
+
     def rank_unreachable(self, job: str, rank: int) -> bool:
         """A carrier gave up on ``rank``; True when that is news (the next replan excludes it)."""
         if rank not in self.ranks.get(job, {}):

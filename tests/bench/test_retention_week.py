@@ -59,7 +59,7 @@ def simulate(path: Path, *, nodes: int, days: float, fault_every: float, summary
             ],
             at=T0,
         )
-        db.record_events(s, events=[(EventKind.REGISTERED, n, "first heartbeat (gpus=8)", T0) for n in names])
+        db.record_events(s, events=[(EventKind.REGISTERED, n, "first heartbeat (gpus=8)", T0, None) for n in names])
     rng = random.Random(0)
     retention = Retention(sessions, days=days, batch=1000)
     minute, last_summary, last_prune = 60.0, T0, T0

@@ -38,8 +38,9 @@ DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 RUNBOOK_BASE = "https://github.com/clusterpulse/clusterpulse/blob/main/deploy/runbooks/"
 ORCHESTRATOR_SCRAPE_JOB = "clusterpulse-orchestrator"
 
-# SPEC.md, "Alerts": the fixed alert names, with what each one is about (its description must
-# name it). "cluster" alerts concern the control plane as a whole.
+# SPEC.md, "Alerts" (and the network ports of its third round): the fixed alert names, with what
+# each one is about (its description must name it). "port" alerts concern one network port of a
+# node (labels node, device, port); "cluster" alerts the control plane as a whole.
 SPEC_ALERTS: dict[str, str] = {
     "LowMFU": "job",
     "NodeDegraded": "node",
@@ -59,6 +60,10 @@ SPEC_ALERTS: dict[str, str] = {
     "OrchestratorDown": "cluster",
     "SlurmDrainBreakerOpen": "cluster",
     "SlurmSyncFailing": "cluster",
+    "NICLinkDown": "port",
+    "NICRateDegraded": "port",
+    "NICErrorsRising": "port",
+    "NCCLOverTCP": "port",
 }
 PER_NODE_HEARTBEAT_ALERTS = ("NodeHeartbeatStale", "NodeDegraded", "NodeLost")
 LOW_MFU_EXPR = "avg_over_time(pulse_job_mfu_ratio[5m]) < 0.3"

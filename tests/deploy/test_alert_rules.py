@@ -91,7 +91,13 @@ def test_alert_metadata(name: str) -> None:
         for key in ("summary", "description", "runbook_url"):
             assert str(annotations.get(key, "")).strip(), f"{name}: annotation {key} is missing or empty"
         assert annotations["runbook_url"] == f"{RUNBOOK_BASE}{name}.md", f"{name}: runbook_url"
-        named = {"node": ["node"], "gpu": ["node", "gpu"], "job": ["job"], "cluster": []}[scope]
+        named = {
+            "node": ["node"],
+            "gpu": ["node", "gpu"],
+            "port": ["node", "device", "port"],
+            "job": ["job"],
+            "cluster": [],
+        }[scope]
         for label in named:
             for key in ("summary", "description"):
                 assert re.search(rf"\$labels\.{label}\b", annotations[key]), (
@@ -153,6 +159,25 @@ def test_thresholds_follow_the_orchestrator_defaults() -> None:
     (power,) = rules_named("GPUPowerBelowPeers")
     factor = 1 - float(defaults["gpu_power_peer_gap_ratio"])  # type: ignore[arg-type]
     assert f"{factor:g} * node:pulse_gpu_power_watts:p75" in squash(power["expr"])
+
+
+def test_nic_thresholds_follow_the_orchestrator_defaults() -> None:
+    """The port rules repeat the health model's NIC thresholds (services/health/nics.py)."""
+    defaults = settings_defaults()
+    by_severity = {rule["labels"]["severity"]: squash(rule["expr"]) for rule in rules_named("NICErrorsRising")}
+    faults = by_severity["warning"]
+    for counter in ("link_downed", "excessive_buffer_overrun_errors", "local_link_integrity_errors"):
+        assert re.search(rf'counter=~"[a-z_|]*\b{counter}\b[a-z_|]*"\}}\[1h\]\) > 0', faults), counter
+    assert f'counter="symbol_error"}}[1h]) > {defaults["nic_symbol_error_fatal_per_hour"]:g}' in faults
+    recovery = f'counter="link_error_recovery"}}[5m]) * 60 > {defaults["nic_link_error_recovery_per_min"]:g}'
+    assert recovery in faults
+    assert f'counter="port_rcv_errors"}}[5m]) > {defaults["nic_port_rcv_errors_per_s"]:g}' in faults
+    discards = f'counter="port_xmit_discards"}}[5m]) > {defaults["nic_port_xmit_discards_per_s"]:g}'
+    assert discards in by_severity["info"]
+    (tcp,) = rules_named("NCCLOverTCP")
+    threshold = re.search(r'direction="tx"\}\[2m\]\)\) > ([\d.e]+)', squash(tcp["expr"]))
+    assert threshold, tcp["expr"]
+    assert float(threshold[1]) == defaults["nic_tcp_bytes_per_s"]
 
 
 def test_power_below_peers_compares_with_the_upper_quartile() -> None:
@@ -217,11 +242,13 @@ def test_runbook(name: str) -> None:
         assert section in text, f"{path.name}: section {section!r} missing"
     assert "pulse nodes cordon" in text, f"{path.name}: say when to run `pulse nodes cordon NODE`"
     scope = SPEC_ALERTS[name]
-    if scope in ("node", "gpu"):
+    if scope in ("node", "gpu", "port"):
         assert "pulse nodes show NODE" in text, f"{path.name}: `pulse nodes show NODE` missing"
         assert "pulse events --node NODE" in text, f"{path.name}: `pulse events --node NODE` missing"
     if scope == "gpu":
         assert "nvidia-smi -q -d ECC,PERFORMANCE" in text, f"{path.name}: nvidia-smi command missing"
+    if scope == "port":
+        assert "ibstat DEVICE" in text, f"{path.name}: `ibstat DEVICE` (the port as the HCA sees it) missing"
     if name in ("PSUCurrentImbalance", "GPUPowerBelowPeers", "NodeDegraded"):
         assert 'ipmitool sdr type "Power Supply"' in text, f"{path.name}: ipmitool command missing"
     if scope == "job":

@@ -118,6 +118,10 @@ def test_node_detail_content() -> None:
         "pulse_psu_input_current_amperes",
         "pulse_gpu_ecc_errors_total",
         "pulse_gpu_xid_errors_total",
+        "pulse_nic_port_up",
+        "pulse_nic_port_rate_gbps",
+        "pulse_nic_errors_total",
+        "pulse_nic_data_bytes_total",
     ):
         assert panels_using(d, metric), f"node detail: no panel for {metric}"
     both = [

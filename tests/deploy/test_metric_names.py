@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from metric_names import metric_names_by_file, metric_names_used
 
-# SPEC.md "Metrics" plus the node series the orchestrator documents alongside them.
+# SPEC.md "Metrics" (and its network ports) plus the series the orchestrator documents alongside them.
 EXPORTED = frozenset(
     {
         "pulse_node_state",
@@ -30,6 +30,11 @@ EXPORTED = frozenset(
         "pulse_psu_input_power_watts",
         "pulse_psu_ok",
         "pulse_fan_speed_rpm",
+        "pulse_nic_port_up",
+        "pulse_nic_port_rate_gbps",
+        "pulse_nic_port_info",
+        "pulse_nic_errors_total",
+        "pulse_nic_data_bytes_total",
         "pulse_job_state",
         "pulse_job_mfu_ratio",
         "pulse_job_step",
@@ -79,5 +84,7 @@ def test_alert_inputs_are_found() -> None:
         "pulse_psu_input_current_amperes",  # only through a recording rule
         "pulse_gpu_xid_errors_total",
         "pulse_nodes",  # only in a dashboard
+        "pulse_nic_port_info",  # only through a recording rule
+        "pulse_nic_data_bytes_total",
     ):
         assert name in used, name

@@ -19,6 +19,7 @@ import pytest
 from tests.slurm_cluster import SlurmCluster, available
 from tests.stack import Stack
 from tests.support import spawn, wait_for
+from tools.fake_sysfs import FakeSysfs
 
 NODES = [f"sn-{i:03d}" for i in range(8)]
 SYNC_S = 0.5  # PULSE_SLURM_SYNC_PERIOD_S
@@ -235,3 +236,25 @@ def test_slurm_down_never_stops_health_and_sync_catches_up(slurm: SlurmCluster, 
             assert drained(slurm)["sn-001"].startswith("clusterpulse: DEGRADED: ")
     finally:
         slurm.reset()
+
+
+def test_a_port_whose_link_went_down_drains_its_node_with_the_port_in_the_reason(
+    slurm: SlurmCluster, start: Start, tmp_path: Path
+) -> None:
+    """A real ``pulse agent`` on sn-007 reads a fake DGX H100 sysfs tree (PULSE_SYSFS_ROOT,
+    tools/fake_sysfs.py): ``link_downed`` +1 on one of its 8 ports degrades it (the other seven
+    are up) and drains it in Slurm with that port in the reason (docs/design/fabric.md)."""
+    fake = FakeSysfs.dgx_h100(tmp_path / "sn-007-root")
+    stack = start(7)  # sn-000 ... sn-006 simulated
+    agent_env = {**stack.env, "PULSE_SYSFS_ROOT": str(fake.root)}
+    args = ["agent", "--node", "sn-007", "--source", "auto", "--interval", "0.3", "--no-jobs"]
+    stack.procs["sn-007"] = spawn(args, env=agent_env, log=tmp_path / "sn-007.log")
+    with diagnosed(stack, slurm):
+        stack.wait_healthy(NODES, timeout=30)
+        assert len(stack.get("/v1/nodes/sn-007")["nics"]) == 8, "the 8 ports are in its heartbeat"
+        fake.bump("mlx5_5", "link_downed")
+        wait_for(lambda: "sn-007" in drained(slurm), timeout=20, what="sinfo showing sn-007 drained")
+        reason = drained(slurm)["sn-007"]
+        assert reason.startswith("clusterpulse: DEGRADED: ") and "mlx5_5 port 1: link_downed +1" in reason, reason
+        node = stack.get("/v1/nodes/sn-007")
+        assert node["state"] == "DEGRADED" and "mlx5_5 port 1: link_downed +1" in node["reason"]

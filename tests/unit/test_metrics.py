@@ -6,7 +6,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.daemon import NodeAgent
-from agent.simulated import FAULT_KINDS, SimulatedNode
+from agent.simulated import FAULT_KINDS, NIC_FAULTS, SimulatedNode
 from clusterpulse import wire
 from clusterpulse.states import NodeState
 from services.cluster import Cluster
@@ -33,6 +33,9 @@ SPEC_METRICS = {
     "pulse_psu_input_power_watts",
     "pulse_psu_ok",
     "pulse_fan_speed_rpm",
+    "pulse_nic_port_up",
+    "pulse_nic_port_rate_gbps",
+    "pulse_nic_errors",
     "pulse_heartbeats_received",
     "pulse_heartbeats_rejected",
     "pulse_health_transitions",
@@ -127,7 +130,7 @@ def test_each_simulated_fault_reads_as_its_real_failure() -> None:
         "ecc": ("fault", "uncorrectable ECC"),
         "gpu_lost": ("fault", "GPU 7 lost"),
     }
-    assert set(expect) | {"silent"} == set(FAULT_KINDS)
+    assert set(expect) | {"silent", *NIC_FAULTS} == set(FAULT_KINDS)  # NIC_FAULTS: tests/unit/test_nic_health.py
     for kind, (where, needle) in expect.items():
         sim = SimulatedNode("n", gpus=8, seed=3)
         sim.faults.add(kind)

@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import threading
 
-from agent.simulated import FAULT_KINDS
+from agent.simulated import FAULT_KINDS, JOB_FAULTS, PERMANENT_FAULTS
 from tools.soak import SeenTransition, SoakFault, Timing, judge, schedule, until_stopped
 
 TIMING = Timing(interval_s=2.0, degraded_after_s=12.0, throttle_sustain_s=6.0, recover_after=3, slack_s=8.0)
@@ -18,11 +18,11 @@ def test_schedule_is_deterministic_and_every_fault_fits_in_the_run() -> None:
     a = schedule(NODES, seed=7, fault_every_s=5.0, duration_s=600.0, timing=TIMING)
     assert a == schedule(NODES, seed=7, fault_every_s=5.0, duration_s=600.0, timing=TIMING)
     assert a != schedule(NODES, seed=8, fault_every_s=5.0, duration_s=600.0, timing=TIMING)
-    assert len(a) > 80 and {f.kind for f in a} == set(FAULT_KINDS)
+    assert len(a) > 80 and {f.kind for f in a} == set(FAULT_KINDS) - JOB_FAULTS  # a job's: not the soak's
     for f in a:
         assert f.end_s - f.start_s >= TIMING.detect_within(f.kind)  # long enough to be detected
         assert f.end_s + (TIMING.recover_within if f.clears else 0) <= 600.0
-        assert f.clears == (f.kind != "ecc")
+        assert f.clears == (f.kind not in PERMANENT_FAULTS)
 
 
 def test_schedule_never_overlaps_faults_on_one_node_nor_reuses_a_permanently_broken_one() -> None:

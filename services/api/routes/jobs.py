@@ -20,6 +20,7 @@ from services.api.schemas import (
     JobsPublic,
     PlanPublic,
 )
+from services.health.nics import nccl_over_tcp
 from services.jobs.checkpoints import CheckpointRefused, CheckpointUndelivered
 from services.jobs.decide import JOB_STATES
 from services.operator import IdempotencyKeyReused, PlacementRefused
@@ -60,7 +61,16 @@ def _job_public(orch: Orchestrator, row: Any) -> JobPublic:
         reporting="steps" if prog else None if row.state in (JobState.PENDING, JobState.STARTING) else "none",
         backend=row.spec.get("backend") or "agents",
         slurm_job_id=row.slurm_job_id,
+        warnings=_warnings(orch, row) if row.state == JobState.RUNNING else [],
     )
+
+
+def _warnings(orch: Orchestrator, row: Any) -> list[str]:
+    """What is wrong around a running job that does not stop it: its nodes' traffic over TCP."""
+    views = orch.cluster.nodes if orch.cluster is not None else {}
+    return [
+        nccl_over_tcp(row.id, node, views[node].tcp) for node in row.assigned_nodes if node in views and views[node].tcp
+    ]
 
 
 @router.post(

@@ -49,6 +49,7 @@ def node_public(view: NodeView, *, now: float, slurm: SlurmSync | None = None) -
         labels=view.labels,
         gpus=[msgspec.to_builtins(g) for g in hb.gpus] if hb else [],
         psus=[msgspec.to_builtins(p) for p in hb.psus] if hb else [],
+        nics=[msgspec.to_builtins(p) for p in hb.nics] if hb else [],
         fans=[msgspec.to_builtins(f) for f in hb.fans] if hb else [],
         faults=list(h.signals.faults),
         warnings=list(h.signals.warnings),

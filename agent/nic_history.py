@@ -6,17 +6,22 @@ orchestrator's rules (services/health/nics.py) then judge one heartbeat alone: t
 the state it needs, stay on the node that has them.
 
 - **A counter that goes down was reset** (a reboot of the HCA, ``perfquery -R``), not an error:
-  from there it counts on from its new value, so the increase over a window never goes negative
-  and never counts the reset itself.
+  from there it counts on from its new value, so an increase never goes negative and never
+  counts the reset itself.
 - **A new host boot starts a fresh baseline** (``host_boot``, the kernel's boot id): nothing
   before it is compared with anything after it.
 - **A port missing from a reading** is published again with its last values and ``missing``
   counting the readings in a row it was not there; it is forgotten only at a new host boot.
-- Windows: ``recent`` covers ``rate_window_s`` (the per-second and per-minute rules), ``errors``
-  covers ``error_window_s`` (the per-hour rules, and "any increase" of a link-down counter). Each
-  is the increase since the newest sample at or before the window's start (the oldest one while
-  the history is younger than the window), with the seconds it covers. Samples for the long
-  window are kept at most every ``error_window_s / 360``, so an hour costs 360 samples a port.
+- **Windows.** ``recent`` covers ``rate_window_s`` (the per-second and per-minute rules, and
+  the traffic NCCL-on-TCP compares), ``errors`` covers ``error_window_s`` (the per-hour rules,
+  and "any increase" of a link-down counter); each with the seconds it covers (since the port was
+  first read, when that is sooner).
+
+What is kept is what the windows need and no more, so that a node's history stays a few
+kilobytes however long it runs and a simulator of 16,384 nodes can hold them all: the error
+counters' increases only where there were any (a healthy port keeps none), and the two traffic
+counters the NCCL-on-TCP rule reads (``TRAFFIC``) as one sample a reading over the short window.
+The other counters are published as read, for the metrics.
 
 No I/O and no clock: ``now`` is an argument (monotonic seconds).
 """
@@ -28,7 +33,9 @@ from dataclasses import dataclass, field
 
 from clusterpulse import wire
 
-COARSE_SAMPLES = 360  # samples kept over the long window, at most
+# What the rules read an increase of: every error counter, and the traffic NCCL-on-TCP compares
+ERRORS = tuple(c for c in wire.NIC_COUNTERS if not c.endswith(("_data", "_bytes")))
+TRAFFIC = ("port_xmit_data", "netdev_tx_bytes")
 
 
 @dataclass(frozen=True)
@@ -50,22 +57,25 @@ class RawPort:
 @dataclass
 class _Port:
     last: RawPort
+    since: float  # when it was first read (this boot)
     raw: dict[str, int]  # the last value read of each counter
-    base: dict[str, int]  # what a counter had counted before its last reset
-    fine: deque[tuple[float, dict[str, int]]]  # (when, counted): over the short window
-    coarse: deque[tuple[float, dict[str, int]]]  # over the long one, thinned
+    base: dict[str, int] = field(default_factory=dict)  # what a counter had counted before its last reset
+    bursts: deque[tuple[float, dict[str, int]]] = field(default_factory=deque)  # (when, error increases), none empty
+    traffic: deque[tuple[float, tuple[int, ...]]] = field(default_factory=deque)  # (when, TRAFFIC counted)
     missing: int = 0
 
-
-def _prune(samples: deque[tuple[float, dict[str, int]]], start: float) -> None:
-    """Drop samples older than the newest one at or before ``start``: the first one left is the
-    window's baseline (the oldest while the history is younger than the window)."""
-    while len(samples) > 1 and samples[1][0] <= start:
-        samples.popleft()
+    def counted(self, name: str) -> int:
+        return self.base.get(name, 0) + self.raw.get(name, 0)
 
 
-def _increase(now_counted: dict[str, int], then: dict[str, int]) -> dict[str, int]:
-    return {c: v - then.get(c, 0) for c, v in now_counted.items() if v > then.get(c, 0)}
+def _sum_since(bursts: deque[tuple[float, dict[str, int]]], start: float) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for at, inc in reversed(bursts):
+        if at <= start:
+            break
+        for c, v in inc.items():
+            out[c] = out.get(c, 0) + v
+    return out
 
 
 class PortHistory:
@@ -96,31 +106,33 @@ class PortHistory:
     def _fold_port(self, key: tuple[str, int], r: RawPort, now: float) -> wire.NicPort:
         p = self.ports.get(key)
         if p is None:
-            counted = dict(r.counters)
-            p = _Port(r, dict(r.counters), {}, deque([(now, counted)]), deque([(now, counted)]))
-            self.ports[key] = p
+            p = self.ports[key] = _Port(r, now, dict(r.counters))
+            p.traffic.append((now, tuple(p.counted(c) for c in TRAFFIC)))
             return _published(r, 0, recent={}, recent_s=0.0, errors={}, errors_s=0.0)
+        before = {c: p.counted(c) for c in ERRORS}
         for c, v in r.counters.items():
             if v < p.raw.get(c, 0):  # reset: what it had counted stays counted
                 p.base[c] = p.base.get(c, 0) + p.raw[c]
-        p.raw = dict(r.counters)
-        counted = {c: p.base.get(c, 0) + v for c, v in r.counters.items()}
-        p.last, p.missing = r, 0
-        p.fine.append((now, counted))
-        _prune(p.fine, now - self.rate_window_s)
-        if len(p.coarse) > 1 and now - p.coarse[-2][0] < self.error_window_s / COARSE_SAMPLES:
-            p.coarse[-1] = (now, counted)  # the newest sample of a thinned stretch stands for it
-        else:
-            p.coarse.append((now, counted))
-        _prune(p.coarse, now - self.error_window_s)
-        (t_recent, recent), (t_errors, errors) = p.fine[0], p.coarse[0]
+        p.raw, p.last, p.missing = dict(r.counters), r, 0
+        burst = {c: n - before[c] for c in ERRORS if (n := p.counted(c)) > before[c]}
+        if burst:
+            p.bursts.append((now, burst))
+        while p.bursts and p.bursts[0][0] <= now - self.error_window_s:
+            p.bursts.popleft()
+        traffic = tuple(p.counted(c) for c in TRAFFIC)
+        p.traffic.append((now, traffic))
+        while len(p.traffic) > 1 and p.traffic[1][0] <= now - self.rate_window_s:
+            p.traffic.popleft()  # the first one left is the window's baseline
+        t0, then = p.traffic[0]
+        recent = _sum_since(p.bursts, now - self.rate_window_s)
+        recent.update({c: v - was for c, v, was in zip(TRAFFIC, traffic, then, strict=True) if v > was})
         return _published(
             r,
             0,
-            recent=_increase(counted, recent),
-            recent_s=now - t_recent,
-            errors=_increase(counted, errors),
-            errors_s=now - t_errors,
+            recent=recent,
+            recent_s=now - t0,
+            errors=_sum_since(p.bursts, now - self.error_window_s),
+            errors_s=min(now - p.since, self.error_window_s),
         )
 
 

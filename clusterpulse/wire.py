@@ -129,10 +129,12 @@ class NicPort(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """One InfiniBand/RoCE port, as its agent read it from sysfs and folded into its history.
 
     ``counters`` are the values as read (they reset when the host reboots or someone clears
-    them). ``recent``/``errors`` are each counter's increase over the agent's two trailing windows
+    them). ``recent``/``errors`` are increases over the agent's two trailing windows
     (``recent_s``/``errors_s`` seconds, at most ``PULSE_NIC_RATE_WINDOW_S`` and
-    ``PULSE_NIC_ERROR_WINDOW_S``), counting from zero after a counter went down (a reset is not an
-    error) and from nothing after a new host boot; zero increases are left out. ``missing`` is how
+    ``PULSE_NIC_ERROR_WINDOW_S``): ``recent`` of the error counters and of ``port_xmit_data`` and
+    ``netdev_tx_bytes``, ``errors`` of the error counters; counting from zero after a counter went
+    down (a reset is not an error) and from nothing after a new host boot; zero increases are
+    left out (agent/nic_history.py). ``missing`` is how
     many heartbeats in a row the port was not in sysfs (then the rest is its last reading).
     ``gpu`` is the GPU nearest to the port in the PCI tree (None: not known).
     """

@@ -95,15 +95,15 @@ def session(request: pytest.FixtureRequest) -> Iterator[Session]:
 # groups; the lock files (_heavy_slot) hold it under any other --dist too. Each module with its
 # tests' wall time in seconds (a clean-clone three-worker run), what the groups are balanced by.
 HEAVY = {
-    "tests/e2e/test_any_script.py": 157,
+    "tests/e2e/test_any_script.py": 118,
     "tests/e2e/test_demo.py": 85,
-    "tests/e2e/test_frameworks.py": 277,
+    "tests/e2e/test_frameworks.py": 140,
     "tests/e2e/test_job_ends.py": 48,
     "tests/e2e/test_goodput.py": 110,
-    "tests/e2e/test_hung_rank.py": 120,
+    "tests/e2e/test_hung_rank.py": 105,
     "tests/e2e/test_reroute.py": 30,
     "tests/e2e/test_trainer_example.py": 31,
-    "tests/integration/test_any_script_exact.py": 102,
+    "tests/integration/test_any_script_exact.py": 52,
     "tests/integration/test_any_script_rejoin.py": 89,
     "tests/integration/test_check_reroute.py": 38,
     "tests/integration/test_collective_gloo.py": 34,

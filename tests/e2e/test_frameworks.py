@@ -4,7 +4,7 @@
 GPT-2 from its config, ``"auto"`` DeepSpeed values); ``accelerate_train.py`` an Accelerate loop
 (a ``DeepSpeedPlugin``, ``accelerator.backward``, ``accelerator.gather`` for the log line,
 ``accelerator.save_state``). Neither imports ClusterPulse; each logs every 2 steps (a gather on
-the world group) and checkpoints every 20. On four ``pulse agent`` processes, at ZeRO 0 and 2:
+the world group) and checkpoints every 20. On four ``pulse agent`` processes, at ZeRO 2:
 the job is RUNNING and its step and loss reach /metrics; SIGKILL one node's agent and a neighbour
 carries that node's rank; SIGKILL a rank (rank 0 under the Trainer, its main process; rank 1 under
 Accelerate) and the survivors go on, through their next log lines and their next periodic
@@ -92,8 +92,11 @@ def _resumed(tmp_path: Path, script: Path, args: list[str], checkpoint: Path) ->
     return rank_outcomes(out, [0, 1, 2, 3])
 
 
+# ZeRO 2 only: its partitioned optimizer state is the harder survival, and the framework hooks
+# are the same at every stage; a killed rank at ZeRO 0 is test_any_script's and test_hung_rank's
+# (the suite's wall time: docs/testing.md).
 @pytest.mark.parametrize("framework", ["trainer", "accelerate"])
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [2])
 def test_a_framework_script_is_carried_and_survives_a_killed_rank(
     redis_url: str, tmp_path: Path, framework: str, stage: int
 ) -> None:

@@ -4,7 +4,8 @@ A real stack (orchestrator, one ``pulse agent`` per node, Redis) runs ``tools/re
 (a plain DeepSpeed script) as a job of three ranks, with the trainer's default collective timeout
 of 60 s. A rank SIGSTOPped (alive, its sockets open) blocks the others' all-reduce: its agent sees
 it cannot run, the orchestrator excludes it, and the survivors must leave the collective within
-seconds. A frozen machine (its agent stopped too) says nothing: the survivors hear its beat stop. A rank made three times slower for 30 s, and a rank
+seconds. A frozen machine (its agent stopped too) says nothing: the survivors hear its beat stop. A
+rank made three times slower for 15 s, and a rank
 stopped for half a second and resumed, are never excluded: the plan never changes.
 """
 
@@ -105,13 +106,13 @@ def test_a_hung_rank_is_left_in_seconds_not_the_collective_timeout(
 
 
 def test_the_slow_and_the_briefly_stopped_are_never_excluded(redis_url: str, tmp_path: Path) -> None:
-    """Rank 1 runs at three times its step for 30 s (a straggler: its beat goes on); rank 2 is
+    """Rank 1 runs at three times its step for 15 s (a straggler: its beat goes on); rank 2 is
     stopped for half a second, three times (its beat stands still less than the silence)."""
     s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="180")
     try:
         job, out = _start(
-            s, tmp_path, stage=0, seconds=SLOW_FROM_S + 36,
-            argv=("--slow-rank", "1", "--slow-factor", "3", "--slow-after-s", str(SLOW_FROM_S), "--slow-for-s", "30"),
+            s, tmp_path, stage=0, seconds=SLOW_FROM_S + 21,
+            argv=("--slow-rank", "1", "--slow-factor", "3", "--slow-after-s", str(SLOW_FROM_S), "--slow-for-s", "15"),
         )  # fmt: skip
         generation = s.get(f"/v1/jobs/{job}/plan")["generation"]
         pid = rank_pid(job, 2)
@@ -129,8 +130,8 @@ def test_the_slow_and_the_briefly_stopped_are_never_excluded(redis_url: str, tmp
         t0 = slow[0]
         gaps = [(a - t0, b - a) for a, b in itertools.pairwise(slow)]
         before = statistics.median(g for at, g in gaps if 2 < at < SLOW_FROM_S - 1)
-        during = statistics.median(g for at, g in gaps if SLOW_FROM_S + 2 < at < SLOW_FROM_S + 25)
-        assert during >= 2.5 * before, (before, during)  # it was a straggler for those 30 s
+        during = statistics.median(g for at, g in gaps if SLOW_FROM_S + 2 < at < SLOW_FROM_S + 13)
+        assert during >= 2.5 * before, (before, during)  # it was a straggler for those 15 s
         logs = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
         assert "event=peer_hung" not in logs and "event=collective_failed" not in logs
         assert "rank_unreachable" not in [e["kind"] for e in s.events()]

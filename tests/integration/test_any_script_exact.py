@@ -67,7 +67,8 @@ def _run(redis_url: str, tmp: Path, *, job: str, stage: int, backward: str) -> l
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize(("stage", "backward"), [(1, "torch"), (2, "engine")])
+# ZeRO 2 with engine.backward() is rerouted in tests/e2e/test_any_script.py; here the other path
+@pytest.mark.parametrize(("stage", "backward"), [(1, "torch")])
 def test_one_degraded_rank_changes_no_parameter(redis_url: str, tmp_path: Path, stage: int, backward: str) -> None:
     r = redis.Redis.from_url(redis_url)
     stock = _run(redis_url, tmp_path, job=f"exact-free-{stage}", stage=stage, backward=backward)

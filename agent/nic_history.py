@@ -156,9 +156,9 @@ def _published(
         netdev=r.netdev,
         gpu=r.gpu,
         missing=missing,
-        counters=r.counters,  # type: ignore[arg-type]  # names from wire.NIC_COUNTERS
-        recent=recent,  # type: ignore[arg-type]
+        counters=r.counters,
+        recent=recent,
         recent_s=recent_s,
-        errors=errors,  # type: ignore[arg-type]
+        errors=errors,
         errors_s=errors_s,
     )

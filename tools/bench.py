@@ -170,7 +170,7 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     rounds_n = max(2, min(20, int(400_000 / (nodes * gpus)) + 1))
     sync = redis.Redis.from_url(url)
     sync.flushdb()
-    rounds = payloads(nodes, gpus, rounds_n)
+    rounds = payloads(nodes, gpus, rounds_n, nics=not args.no_nics)
     total_hb = nodes * rounds_n
     maxlen = max(1000, total_hb + 10)  # every entry kept (and the setting's least)
     raw_s = write_rounds(sync, rounds, maxlen=maxlen)

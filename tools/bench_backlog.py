@@ -25,15 +25,17 @@ def bench_redis_url() -> str:
     return base.rsplit("/", 1)[0] + "/15" if base.count("/") >= 3 else base + "/15"
 
 
-def payloads(nodes: int, gpus: int, rounds: int) -> list[list[tuple[str, bytes]]]:
-    """``rounds`` lists of (node, encoded heartbeat) with realistic, distinct contents."""
+def payloads(nodes: int, gpus: int, rounds: int, *, nics: bool = True) -> list[list[tuple[str, bytes]]]:
+    """``rounds`` lists of (node, encoded heartbeat) with realistic, distinct contents; with each
+    node's 8 InfiniBand ports unless ``nics`` is off (a cluster without them)."""
     agents = []
     for i in range(nodes):
         sim = SimulatedNode(sim_node_name("b", i, nodes), gpus=gpus, seed=i)
         agents.append(NodeAgent(node=sim.node, gpu=sim, gpu_source="simulated", interval_s=1.0, sim=sim))
     out = []
     for _ in range(rounds):
-        out.append([(a.node, wire.encode(a.heartbeat(a.sim.sample()))) for a in agents if a.sim is not None])
+        no_ports: tuple[str, list[wire.NicPort]] | None = None if nics else ("", [])
+        out.append([(a.node, wire.encode(a.heartbeat(a.sim.sample(), no_ports))) for a in agents if a.sim is not None])
     return out
 
 

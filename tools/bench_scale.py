@@ -142,7 +142,7 @@ async def scale_out(args: argparse.Namespace, url: str, workdir: Path) -> dict[s
     counts = [int(x) for x in str(args.processes).split(",") if x.strip()]
     nodes, gpus, shards = args.nodes, args.gpus_per_node, args.shards
     backlog = args.backlog or 65_536
-    rounds = payloads(nodes, gpus, 1 + max(2, backlog // nodes))
+    rounds = payloads(nodes, gpus, 1 + max(2, backlog // nodes), nics=not args.no_nics)
     sync = redis.Redis.from_url(url)
     sync.flushdb()
     total = nodes * len(rounds)

@@ -301,6 +301,12 @@ def _bench_commands(sub: Subparsers) -> None:
         "--backlog", type=int, default=0, help="heartbeats pre-filled (scale-out form; 0: 65,536, at least 2 per node)"
     )
     bi.add_argument("--shards", type=int, default=4, help="heartbeat stream shards (scale-out form)")
+    bi.add_argument(
+        "--no-nics",
+        action="store_true",
+        help="the ingest and scrape heartbeats without network ports (a cluster without InfiniBand; "
+        "by default each node has 8)",
+    )
     bi.add_argument("--json", action="store_true")
     bi.set_defaults(fn=cmd_bench)
     ba = bsub.add_parser("agent", help="agent CPU and memory at a 1 s interval")

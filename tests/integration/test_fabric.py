@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import redis.asyncio as aioredis
 from sqlalchemy.orm import Session
@@ -14,6 +15,7 @@ from agent.daemon import NodeAgent, run_agents
 from agent.nics import NicSource
 from clusterpulse import wire
 from services import db
+from services.api.routes.jobs import _warnings as job_warnings
 from services.orchestrator import Orchestrator
 from tests.integration.test_ingest import _publisher, _settings, _until, _with_orchestrator
 from tools.fake_sysfs import FakeSysfs
@@ -75,6 +77,11 @@ def test_a_jobs_traffic_over_tcp_is_an_event_on_the_job_not_a_fault(
         assert finding.startswith("mlx5_0 port 1: ib0 sent") and "no RDMA" in finding
         signals = orch.cluster.nodes["n0"].health.signals
         assert (signals.faults, signals.warnings) == ((), ())  # not a fault of the node
+        # a running job on n0 carries it in its warnings (GET /v1/jobs/{id}), with the figures
+        row = SimpleNamespace(id="j", assigned_nodes=["n0", "n1"])
+        assert job_warnings(orch, row) == [
+            f"job j on n0: its traffic left the fabric (NCCL on its socket transport?): {finding}"
+        ]
         await asyncio.sleep(0.5)  # the outbox
         await client.aclose()
 

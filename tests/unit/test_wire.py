@@ -40,6 +40,9 @@ def test_round_trip() -> None:
         (lambda d: d.pop("boot_id"), "schema", "boot_id"),
         (lambda d: d["gpus"].append(dict(d["gpus"][0])), "duplicate_gpu", "twice"),
         (lambda d: d["gpus"][0].update(throttle=["melting"]), "schema", "throttle"),
+        (lambda d: d["nics"].append(dict(d["nics"][0])), "duplicate_nic", "('mlx5_0', 1)"),
+        (lambda d: d["nics"][0]["counters"].update(symbol_error=-1), "schema", "$.nics[0].counters"),
+        (lambda d: d["nics"][0].update(rate_gbps="fast"), "schema", "$.nics[0].rate_gbps"),
     ],
 )
 def test_rejections_name_the_field(mutate: object, reason: str, needle: str) -> None:
@@ -62,7 +65,9 @@ def test_too_large_and_not_json() -> None:
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
     d = msgspec.to_builtins(_beat())
     d["future_field"] = {"x": 1}
-    assert wire.decode_heartbeat(json.dumps(d).encode()).node == "n1"
+    d["nics"][0]["counters"]["a_newer_counter"] = 7  # a newer agent's: carried, unread
+    hb = wire.decode_heartbeat(json.dumps(d).encode())
+    assert hb.node == "n1" and hb.nics[0].counters["a_newer_counter"] == 7
 
 
 def test_keys_are_hash_tagged_per_node() -> None:

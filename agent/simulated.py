@@ -16,8 +16,10 @@ xid             GPU 0 reports XID 48 (double-bit ECC error), a fatal one
 ecc             GPU 1's volatile uncorrectable ECC counter goes up
 gpu_lost        GPU 7 has fallen off the bus (NVML_ERROR_GPU_IS_LOST)
 nic_down        the last HCA's port goes DOWN (phys_state Disabled); its link_downed goes up by one
-nic_rate        mlx5_0's port trains at 200 Gb/s (4X HDR) instead of 400 (4X NDR)
-nic_errors      mlx5_1's port counts 200 symbol errors and 15 receive errors a second (a bad cable)
+nic_rate        mlx5_0's port trains at 200 Gb/s (4X HDR) instead of 400 (4X NDR) (on a one-GPU
+                node, one HCA, nothing to fall below but PULSE_NIC_EXPECTED_RATE_GBPS)
+nic_errors      mlx5_1's port (mlx5_0's on a one-GPU node) counts 200 symbol errors and 15
+                receive errors a second (a bad cable)
 nccl_tcp        NCCL on its socket transport over IPoIB: no RDMA, the netdevs (and so the ports) at 2 GB/s
 silent          the agent stops publishing (handled by the agent loop)
 ==============  ===========================================================================
@@ -210,7 +212,7 @@ class SimulatedNode:
             counters["netdev_rx_bytes"] += int(tcp * dt)
             if down and counters["link_downed"] == 0:
                 counters["link_downed"] = 1
-            if "nic_errors" in f and i == 1:
+            if "nic_errors" in f and i == min(1, len(self._nic_counters) - 1):  # mlx5_1, or the one HCA
                 counters["symbol_error"] += round(200 * dt)
                 counters["port_rcv_errors"] += round(15 * dt)
             half = "nic_rate" in f and i == 0

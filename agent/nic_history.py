@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from clusterpulse import wire
 
 # What the rules read an increase of: every error counter, and the traffic NCCL-on-TCP compares
-ERRORS = tuple(c for c in wire.NIC_COUNTERS if not c.endswith(("_data", "_bytes")))
+ERRORS: tuple[str, ...] = wire.NIC_ERROR_COUNTERS
 TRAFFIC = ("port_xmit_data", "netdev_tx_bytes")
 
 

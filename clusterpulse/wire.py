@@ -123,6 +123,10 @@ NicCounter = Literal[
     "netdev_rx_bytes",
 ]
 NIC_COUNTERS: tuple[str, ...] = get_args(NicCounter)
+# The error counters (what the health rules judge, pulse_nic_errors_total); the rest count traffic
+NIC_ERROR_COUNTERS: tuple[NicCounter, ...] = tuple(
+    c for c in get_args(NicCounter) if not c.endswith(("_data", "_bytes"))
+)
 
 
 class NicPort(msgspec.Struct, kw_only=True, frozen=True, gc=False):

@@ -40,17 +40,8 @@ from clusterpulse import wire
 from services.health.nics import UP_PHYS, UP_STATE
 
 # The error counters, in the order their lines are written. The rest of wire.NIC_COUNTERS are
-# the traffic counters of DATA_COUNTERS; a counter added to the wire must be put in one of them
-# (tests/unit/test_nic_metrics.py checks that the two cover it).
-ERROR_COUNTERS: tuple[wire.NicCounter, ...] = (
-    "link_downed",
-    "link_error_recovery",
-    "symbol_error",
-    "port_rcv_errors",
-    "port_xmit_discards",
-    "excessive_buffer_overrun_errors",
-    "local_link_integrity_errors",
-)
+# the traffic counters of DATA_COUNTERS (tests/unit/test_nic_metrics.py checks that the two cover it).
+ERROR_COUNTERS = wire.NIC_ERROR_COUNTERS
 # (counter, direction, source, bytes per unit): IB data counters count 4-octet words
 DATA_COUNTERS: tuple[tuple[wire.NicCounter, str, str, int], ...] = (
     ("port_xmit_data", "tx", "port", 4),

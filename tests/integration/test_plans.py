@@ -8,6 +8,7 @@ import time
 
 import redis
 import redis.asyncio as aioredis
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from agent.daemon import NodeAgent, run_agents
@@ -136,16 +137,8 @@ def test_a_rank_its_carrier_gave_up_on_stays_excluded_until_it_registers_again(r
     assert kinds.count("rank_unreachable") == 1
 
 
-def test_an_excluded_healthy_node_is_relaunched_to_rejoin_up_to_the_cap_across_a_restart(
-    redis_url: str, sqlite_url: str
-) -> None:
-    """services/jobs/decide.py's relaunch through the orchestrator: the launch goes to the excluded node
-    alone with PULSE_REJOIN=1 and a rank_rejoin event; the cap counts the events already stored,
-    so a restarted orchestrator does not relaunch a node that has had its share."""
-    # no agents here: nodes restored HEALTHY stay so for the test's few seconds
-    settings = _settings(
-        redis_url, sqlite_url, job_resend_s=0.05, job_max_rejoins=3, suspect_after_s=20, degraded_after_s=25
-    )
+def _running_job(sqlite_url: str) -> Engine:
+    """Job ``j`` RUNNING on n0 (started) and n1, in a fresh database; its engine."""
     spec = {"name": "j", "nodes": 2, "gpus_per_node": 1, "selector": {}, "entrypoint": ["-m", "x"]}
     db.upgrade(sqlite_url)
     engine = db.make_engine(sqlite_url)
@@ -156,6 +149,21 @@ def test_an_excluded_healthy_node_is_relaunched_to_rejoin_up_to_the_cap_across_a
         )  # fmt: skip
         db.set_job_state(s, job_id="j", state="RUNNING", reason="test", at=1.0)
         db.set_job_node_status(s, job_id="j", node="n0", status={"state": "started"}, at=1.0)
+    return engine
+
+
+def test_an_excluded_healthy_node_is_relaunched_to_rejoin_up_to_the_cap_across_a_restart(
+    redis_url: str, sqlite_url: str
+) -> None:
+    """services/jobs/decide.py's relaunch through the orchestrator: the launch goes to the excluded node
+    alone with PULSE_REJOIN=1 and a rank_rejoin event; the cap counts the events already stored,
+    so a restarted orchestrator does not relaunch a node that has had its share."""
+    # no agents here: nodes restored HEALTHY stay so for the test's few seconds
+    settings = _settings(
+        redis_url, sqlite_url, job_resend_s=0.05, job_max_rejoins=3, suspect_after_s=20, degraded_after_s=25
+    )
+    engine = _running_job(sqlite_url)
+    with db.session_factory(engine).begin() as s:
         for _ in range(2):  # relaunched twice already, by an earlier orchestrator
             db.record_event(s, kind="rank_rejoin", reason="earlier", at=1.0, node="n1", job="j")
     client = redis.Redis.from_url(redis_url)
@@ -212,16 +220,8 @@ def test_a_node_taken_back_is_not_done_on_its_predecessors_exit(redis_url: str, 
     the job SUCCEEDED while its new rank trains (seen in a goodput campaign: SUCCEEDED at 774 of
     2,227 steps)."""
     settings = _settings(redis_url, sqlite_url, job_resend_s=0.05, job_max_rejoins=3)
-    spec = {"name": "j", "nodes": 2, "gpus_per_node": 1, "selector": {}, "entrypoint": ["-m", "x"]}
-    db.upgrade(sqlite_url)
-    engine = db.make_engine(sqlite_url)
+    engine = _running_job(sqlite_url)
     with db.session_factory(engine).begin() as s:
-        db.create_job(
-            s, job_id="j", name="j", spec=spec, assigned_nodes=["n0", "n1"], master_addr="127.0.0.1",
-            master_port=29500, idempotency_key=None, at=1.0, actor="t",
-        )  # fmt: skip
-        db.set_job_state(s, job_id="j", state="RUNNING", reason="test", at=1.0)
-        db.set_job_node_status(s, job_id="j", node="n0", status={"state": "started"}, at=1.0)
         db.set_job_node_status(s, job_id="j", node="n1", status={"state": "exited", "exit_code": 0}, at=1.0)
     client = redis.Redis.from_url(redis_url)
 

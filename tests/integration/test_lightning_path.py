@@ -66,7 +66,9 @@ def worker(scenario: str, rank: int, out: Path) -> None:
     run._finish(0)
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize(
+    "stage", [2]
+)  # the attach is the stage's engine; ZeRO 2's optimizer the harder (docs/testing.md)
 def test_lightnings_deepspeed_strategy_creates_an_engine_the_library_attaches_to(
     redis_url: str, tmp_path: Path, stage: int
 ) -> None:

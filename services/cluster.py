@@ -16,6 +16,7 @@ from clusterpulse import wire
 from clusterpulse.states import EventKind, NodeState
 from services.health import decide as health
 from services.health.decide import NodeHealth, Policy, Transition
+from services.health.nics import below_cluster, cluster_rates
 from services.ingest import observations
 from services.persist import decide as summary
 from services.slurm.nodes.decide import SlurmNode
@@ -37,6 +38,7 @@ class NodeView:
     stored: summary.Key | None = None  # the identity the database holds (services/persist/decide.py)
     scheduler: SlurmNode | None = None  # Slurm's view at the last sync (PULSE_SLURM=on), else None
     tcp: tuple[str, ...] = ()  # ports whose traffic left the fabric, as of the newest heartbeat
+    rates: tuple[tuple[str, str, float], ...] = ()  # its ports' (name, model, rate), counted in Cluster.port_rates
 
     @property
     def latest(self) -> wire.Heartbeat | None:
@@ -77,6 +79,8 @@ class Cluster:
         self.received = 0
         self.rejected: Counter[str] = Counter()
         self.transitions: Counter[tuple[str, str]] = Counter()
+        self.port_rates: Counter[tuple[str, float]] = Counter()  # (model, rate) -> ports, every node's newest
+        self._expected_rates: dict[str, float] | None = None  # cluster_rates(port_rates), until it changes
 
     # --- heartbeats -----------------------------------------------------------------------------
     def ingest(self, payload: bytes, *, received_at: float) -> ClusterEvent | None:
@@ -122,11 +126,26 @@ class Cluster:
     def _seen(
         self, view: NodeView, reading: health.Reading, *, received_at: float, sent_at: float, labels: dict[str, str]
     ) -> None:
+        if reading.rates or view.rates:
+            reading = self._against_the_cluster(view, reading)
         view.health = health.observe_reading(view.health, reading, received_at=received_at, policy=self.policy)
         view.clock_skew_s = sent_at - received_at
         view.tcp = reading.tcp
         view.labels = dict(labels)
         view.dirty = True
+
+    def _against_the_cluster(self, view: NodeView, reading: health.Reading) -> health.Reading:
+        """The reading with the ports slower than most of the cluster's of their model as faults
+        (services/health/nics.py ``below_cluster``: a node whose every port trained low has no
+        slower majority of its own)."""
+        if reading.rates != view.rates:  # the usual heartbeat says what the last one said: nothing to count
+            self.port_rates.subtract((model, rate) for _, model, rate in view.rates)
+            self.port_rates.update((model, rate) for _, model, rate in reading.rates)
+            view.rates, self._expected_rates = reading.rates, None
+        if self._expected_rates is None:
+            self._expected_rates = cluster_rates(self.port_rates)
+        extra = below_cluster(reading.rates, self._expected_rates, faults=reading.faults)
+        return replace(reading, faults=(*reading.faults, *extra)) if extra else reading
 
     # --- health ---------------------------------------------------------------------------------
     def evaluate(self, *, now: float) -> tuple[list[Transition], list[ClusterEvent]]:

@@ -25,7 +25,7 @@ from operator import attrgetter
 from clusterpulse.settings import Settings
 from clusterpulse.states import NodeState
 from clusterpulse.wire import FATAL_XIDS, Heartbeat
-from services.health.nics import NicPolicy, judge, over_tcp
+from services.health.nics import NicPolicy, judge, over_tcp, rates
 
 SEVERITY = {NodeState.HEALTHY: 0, NodeState.SUSPECT: 1, NodeState.DEGRADED: 2, NodeState.LOST: 3}
 STATES = tuple(NodeState)
@@ -150,6 +150,7 @@ class Reading:
     warnings: tuple[str, ...] = ()
     throttled: tuple[str, ...] = ()  # "GPU i reason" for every sustained throttle reason seen
     tcp: tuple[str, ...] = ()  # ports whose traffic left the fabric (services/health/nics.py over_tcp)
+    rates: tuple[tuple[str, str, float], ...] = ()  # (port, model, rate): the cluster-wide rule's input
 
 
 def read(hb: Heartbeat, *, policy: Policy) -> Reading:
@@ -177,13 +178,15 @@ def read(hb: Heartbeat, *, policy: Policy) -> Reading:
             warnings.append(f"GPU {g.index} at {g.temperature_celsius:.0f} C")
     _assess_power(hb, policy, faults, warnings)
     tcp: tuple[str, ...] = ()
+    port_rates: tuple[tuple[str, str, float], ...] = ()
     if hb.nics:
         port_faults, port_warnings = judge(hb.nics, labels=hb.labels, policy=policy.nics)
         faults.extend(port_faults)
         warnings.extend(port_warnings)
         tcp = over_tcp(hb.nics, policy=policy.nics)
+        port_rates = rates(hb.nics, labels=hb.labels, policy=policy.nics)
     throttled = tuple(_throttled(hb)) if _throttling(hb) else ()
-    return Reading(tuple(faults), tuple(warnings), throttled, tcp)
+    return Reading(tuple(faults), tuple(warnings), throttled, tcp, port_rates)
 
 
 def signals(reading: Reading, *, throttle_for: float, policy: Policy) -> Signals:

@@ -11,7 +11,8 @@ Faults (DEGRADED):
 - a port not ``ACTIVE``, or ``ACTIVE`` in a physical state other than ``LinkUp``;
 - a port missing from sysfs for ``missing_heartbeats`` heartbeats in a row (gone: its HCA fell
   off the bus or its driver unloaded; fewer is a read that raced a driver, and is let be);
-- a rate below the expected one (:func:`expected_rates`);
+- a rate below the expected one (:func:`expected_rates`), or below the rate most of the cluster's
+  ports of its model run at (:func:`below_cluster`, applied by the leader, which sees them all);
 - any increase of ``link_downed``, ``excessive_buffer_overrun_errors`` or
   ``local_link_integrity_errors`` within the error window (an hour by default: a link that went
   down once keeps the node out for that long, as a flapping link takes down NCCL again);
@@ -94,6 +95,39 @@ def expected_rates(ports: Sequence[NicPort], *, labels: Mapping[str, str], polic
         if rates:
             out[model] = max(rates.items(), key=lambda kv: (kv[1], kv[0]))[0]
     return out
+
+
+def rates(
+    ports: Sequence[NicPort], *, labels: Mapping[str, str], policy: NicPolicy
+) -> tuple[tuple[str, str, float], ...]:
+    """(port name, model, rate) of each port present with a rate, for the cluster-wide rule
+    (:func:`below_cluster`); none where the label or the setting fixes the rate (they decide)."""
+    if labels.get(RATE_LABEL) or policy.expected_rate_gbps > 0:
+        return ()
+    return tuple((p.name, p.model, p.rate_gbps) for p in ports if p.rate_gbps and not p.missing)
+
+
+def cluster_rates(counts: Mapping[tuple[str, float], int]) -> dict[str, float]:
+    """The rate most of the cluster's ports of each model run at (``counts``: (model, rate) ->
+    ports), on a tie the higher."""
+    best: dict[str, tuple[int, float]] = {}
+    for (model, rate), n in counts.items():
+        if n > 0 and (n, rate) > best.get(model, (0, 0.0)):
+            best[model] = (n, rate)
+    return {model: rate for model, (_, rate) in best.items()}
+
+
+def below_cluster(
+    port_rates: Sequence[tuple[str, str, float]], expected: Mapping[str, float], *, faults: Sequence[str]
+) -> tuple[str, ...]:
+    """Ports slower than most of the cluster's ports of their model, that the node's own rule
+    (its majority) did not name already: a node whose every port trained low."""
+    named = {f.split(": rate ", 1)[0] for f in faults if ": rate " in f}
+    return tuple(
+        f"{name}: rate {rate:g} Gb/s, expected {expected[model]:g} (most of the cluster's {model or 'unnamed'} ports)"
+        for name, model, rate in port_rates
+        if name not in named and model in expected and rate < expected[model]
+    )
 
 
 def _per_s(p: NicPort, counter: NicCounter) -> float:

@@ -41,10 +41,11 @@ class Observed(msgspec.Struct, array_like=True, frozen=True, gc=False):
     warnings: tuple[str, ...] = ()
     throttled: tuple[str, ...] = ()
     tcp: tuple[str, ...] = ()
+    rates: tuple[tuple[str, str, float], ...] = ()
 
     @property
     def reading(self) -> health.Reading:
-        return health.Reading(self.faults, self.warnings, self.throttled, self.tcp)
+        return health.Reading(self.faults, self.warnings, self.throttled, self.tcp, self.rates)
 
 
 _encoder = msgspec.msgpack.Encoder()

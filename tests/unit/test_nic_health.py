@@ -11,8 +11,9 @@ from agent.nic_history import PortHistory, RawPort
 from agent.simulated import NIC_FAULTS, SimulatedNode
 from clusterpulse.states import NodeState
 from clusterpulse.wire import NicPort
+from services.cluster import Cluster
 from services.health.decide import NodeHealth, Policy, Reading, observe_reading, read
-from services.health.nics import NicPolicy, expected_rates, judge, over_tcp
+from services.health.nics import NicPolicy, cluster_rates, expected_rates, judge, over_tcp
 from tests.unit.test_health import hb as heartbeat
 
 POLICY = NicPolicy()
@@ -186,3 +187,30 @@ def test_each_simulated_port_fault_reads_as_its_real_failure() -> None:
     for t in range(3):
         ports = h.fold(clean.raw_ports(now=float(t)), host_boot=clean.host_boot, now=float(t))
     assert judge(ports, labels={}, policy=POLICY) == ([], []) and over_tcp(ports, policy=POLICY) == ()
+
+
+def test_a_node_whose_every_port_trained_low_is_slower_than_the_cluster() -> None:
+    """Its own majority is 200: only the cluster's (most MT4129 ports at 400) says it is slow.
+    A label or the setting decides instead where set."""
+    cluster = Cluster(policy=Policy(), grace_start=0.0)
+    for i in range(3):
+        ports = PortHistory(rate_window_s=60, error_window_s=3600).fold(_rails(), host_boot="b", now=0.0)
+        cluster.fold(replace(heartbeat(), node=f"n{i}", nics=ports), received_at=1.0)
+    slow = [replace(p, rate_gbps=200.0) for p in ports]
+    cluster.fold(replace(heartbeat(), node="n3", nics=slow), received_at=1.0)
+    faults = cluster.nodes["n3"].health.signals.faults
+    assert (
+        len(faults) == 8
+        and faults[3] == "mlx5_3 port 1: rate 200 Gb/s, expected 400 (most of the cluster's MT4129 ports)"
+    )
+    assert cluster.nodes["n0"].health.signals.faults == ()
+    # n3 says it runs at 200 by design: nothing; and n0 with one slow rail is named once, by its own rule
+    cluster.fold(replace(heartbeat(), node="n3", nics=slow, labels={"nic_rate_gbps": "200"}), received_at=2.0)
+    assert cluster.nodes["n3"].health.signals.faults == ()
+    one_slow = [replace(p, rate_gbps=200.0) if p.device == "mlx5_5" else p for p in ports]
+    cluster.fold(replace(heartbeat(), node="n0", nics=one_slow), received_at=2.0)
+    assert cluster.nodes["n0"].health.signals.faults == ("mlx5_5 port 1: rate 200 Gb/s, expected 400",)
+    assert cluster_rates({("MT4129", 200.0): 8, ("MT4129", 400.0): 8, ("MT2910", 100.0): 2}) == {
+        "MT4129": 400.0,
+        "MT2910": 100.0,
+    }

@@ -141,6 +141,9 @@ def make_group(
         backend_config=config,
         rank_mapping={r: i for i, r in enumerate(members)},
     )
+    live = {g.group_name for g in _world.pg_map}
+    for gone in [n for n in _SOCKETS if n not in live]:  # destroyed elsewhere (the script's own teardown)
+        del _SOCKETS[gone]
     _SOCKETS[name] = sockets.opened(before, sockets.open_sockets())
     return group
 

@@ -30,6 +30,9 @@ from trainer.groups import PlanGroups
 
 log = logging.getLogger("pulse.trainer")
 
+# The beats of some ranks: rank -> the wall time it last beat, None if it never did (Beat.read)
+Read = Callable[[Collection[int]], dict[int, float | None]]
+
 
 def watched(participants: Sequence[int], rank: int) -> list[int]:
     """The participants ``rank`` watches: the one before it and the one after it in the ring of
@@ -45,7 +48,7 @@ def watched(participants: Sequence[int], rank: int) -> list[int]:
 def silent_ranks(
     missing: list[int],
     beats: dict[int, tuple[float | None, float]],
-    read: Callable[[int], float | None],
+    read: Read,
     *,
     beat_s: float,
     now: float,
@@ -53,8 +56,8 @@ def silent_ranks(
     silent_beats: float = 4.0,
 ) -> list[int]:
     """The ``missing`` ranks whose liveness beat stands still, updating ``beats`` (rank -> (the
-    beat last read, the monotonic ``now`` it was first read at)) with ``read(rank)`` (the wall
-    time the rank last beat, None if it never did).
+    beat last read, the monotonic ``now`` it was first read at)) with ``read(ranks)`` (each rank's
+    wall time it last beat, None if it never did).
 
     Silent: the beat has not moved here for ``silent_beats * beat_s`` (4 by default,
     ``PULSE_SILENT_BEATS``); or for ``1.5 * beat_s`` when it is also ``silent_beats * beat_s`` old
@@ -75,12 +78,11 @@ def silent_ranks(
 def observe_beats(
     ranks: Collection[int],
     beats: dict[int, tuple[float | None, float]],
-    read: Callable[[int], float | None],
+    read: Read,
     now: float,
 ) -> None:
-    """Read each of ``ranks``' beat; ``beats`` keeps (the value, the ``now`` it was first read at)."""
-    for r in ranks:
-        last = read(r)
+    """Read ``ranks``' beats (in one call); ``beats`` keeps (the value, the ``now`` it was first read at)."""
+    for r, last in read(ranks).items():
         if r not in beats or beats[r][0] != last:
             beats[r] = (last, now)
 
@@ -103,7 +105,7 @@ class HangWatch:
         *,
         job: str,
         groups: PlanGroups,
-        read: Callable[[int], float | None],
+        read: Read,
         silence_s: float,
         latest: Callable[[], Plan | None] = lambda: None,
         stalled: Callable[[float], bool] = lambda now: False,
@@ -213,10 +215,17 @@ class Beat:
         self._thread = threading.Thread(target=self._loop, name=f"pulse-beat-{self.rank}", daemon=True)
         self._thread.start()
 
-    def read(self, rank: int) -> float | None:
-        """The wall time ``rank`` last beat (None: it never did)."""
-        key = beat_key(self.job, rank)
-        return float(self.store.get(key)) if self.store.check([key]) else None
+    def read(self, ranks: Collection[int]) -> dict[int, float | None]:
+        """The wall time each of ``ranks`` last beat (None: it never did). Two requests to the store
+        when every one has beaten (the usual case: a beat a rank, each reading its two
+        neighbours), two a rank otherwise (``get`` would wait for a key that is not there)."""
+        order = list(ranks)
+        keys = [beat_key(self.job, r) for r in order]
+        if keys and self.store.check(keys):
+            return {r: float(v) for r, v in zip(order, self.store.multi_get(keys), strict=True)}
+        return {
+            r: float(self.store.get(k)) if self.store.check([k]) else None for r, k in zip(order, keys, strict=True)
+        }
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
+from trainer import groups
 from trainer.groups import make_group
 
 
@@ -47,3 +48,15 @@ def test_the_collectives_of_a_group_made_with_a_connect_timeout_keep_the_collect
     assert t.tolist() == [1.0, 1.0, 1.0]
     assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=60)
     torch.distributed.destroy_process_group(group)
+
+
+def test_the_sockets_of_a_group_destroyed_elsewhere_are_forgotten() -> None:
+    """A group the script's own teardown destroyed (not trainer.groups') leaves no entry behind
+    once another group is made: the record of sockets lives as long as the groups do."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    one = make_group(store, name="first/0", members=[0], rank=0, timeout=timedelta(seconds=60))
+    assert "first/0" in groups._SOCKETS
+    torch.distributed.destroy_process_group(one)  # as a script's teardown would, not _destroy
+    two = make_group(store, name="second/0", members=[0], rank=0, timeout=timedelta(seconds=60))
+    assert "first/0" not in groups._SOCKETS and "second/0" in groups._SOCKETS
+    torch.distributed.destroy_process_group(two)

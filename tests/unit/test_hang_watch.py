@@ -61,7 +61,7 @@ def _watch(groups: Groups, beats: dict[int, float | None], **kw: Any) -> HangWat
     return HangWatch(
         job="j",
         groups=cast(Any, groups),  # the part of PlanGroups the watch uses
-        read=beats.get,
+        read=lambda ranks: {r: beats.get(r) for r in ranks},
         silence_s=SILENCE_S,
         keep_ports=(6379,),
         **kw,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import Counter
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, cast
 
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
-from torch.distributed import DistStoreError
+from torch.distributed import DistStoreError, HashStore
 
 from trainer.hang import Beat, beat_key, silent_ranks
 
@@ -20,7 +21,9 @@ BEAT_S = 0.2
 def _poll(
     beats_at: dict[int, float | None], beats: dict[int, tuple[float | None, float]], *, now: float, wall: float
 ) -> list[int]:
-    return silent_ranks(list(beats_at), beats, beats_at.get, beat_s=BEAT_S, now=now, wall=wall)
+    return silent_ranks(
+        list(beats_at), beats, lambda ranks: {r: beats_at.get(r) for r in ranks}, beat_s=BEAT_S, now=now, wall=wall
+    )
 
 
 def test_a_beat_that_stood_still_long_before_is_silent_after_one_and_a_half_beats() -> None:
@@ -75,3 +78,30 @@ def test_the_beat_goes_on_while_the_training_thread_waits_in_the_store() -> None
 def _wait_for_a_key_never_set(store: TCPStore) -> None:
     with contextlib.suppress(DistStoreError):  # its 3 s timeout
         store.get("never-set")
+
+
+class _Counted:
+    """A store whose requests are counted, by kind."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.calls = store, Counter[str]()
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls[name] += 1
+        return getattr(self.store, name)
+
+
+def test_reading_beats_takes_two_requests_when_every_rank_has_beaten() -> None:
+    """Each rank reads its two neighbours every beat: a check and a multi_get, not a check and a
+    get for each; a rank that never beat reads as None (a get would wait for its key)."""
+    store = HashStore()
+    groups = cast(Any, SimpleNamespace(rank=0, route=None, salt=""))
+    beat = Beat(job="j", groups=groups, store=store, beat_s=60.0, silence_s=0.2, watch=False)
+    beat.close()
+    store.set(beat_key("j", 1), "100.5")
+    store.set(beat_key("j", 3), "101.25")
+    counted = _Counted(store)
+    beat.store = cast(Any, counted)
+    assert beat.read([1, 3]) == {1: 100.5, 3: 101.25}
+    assert counted.calls == {"check": 1, "multi_get": 1}
+    assert beat.read([1, 2]) == {1: 100.5, 2: None}

@@ -118,7 +118,29 @@ def format_node(n: dict[str, Any]) -> str:
         )
     if n["psus"]:
         lines.append(table(prow))
+    if n.get("nics"):
+        lines.append(table(_port_rows(n["nics"])))
     return "\n".join(lines)
+
+
+def _port_rows(ports: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """A node's network ports: state, rate, nearest GPU, and what its error counters counted over
+    the agent's error window (docs/design/fabric.md)."""
+    rows: list[tuple[str, ...]] = [("PORT", "STATE", "PHYS", "RATE", "GPU", "NETDEV", "ERRORS")]
+    for p in ports:
+        errors = ",".join(f"{c}+{v}" for c, v in sorted((p.get("errors") or {}).items())) or "-"
+        rows.append(
+            (
+                f"{p['device']}/{p['port']}",
+                "MISSING" if p.get("missing") else p.get("state") or "-",
+                p.get("phys_state") or "-",
+                f"{p['rate_gbps']:g} Gb/s" if p.get("rate_gbps") else "-",
+                "-" if p.get("gpu") is None else str(p["gpu"]),
+                p.get("netdev") or "-",
+                errors,
+            )
+        )
+    return rows
 
 
 def format_event_line(e: dict[str, Any]) -> str:

@@ -254,7 +254,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     job = _call("POST", f"/v1/jobs/{job_id}/stop") if args.action == "stop" else _call("GET", f"/v1/jobs/{job_id}")
     if args.follow:
         return _follow(job_id)
-    print(json.dumps(job, indent=2) if args.json else format_jobs([job]))
+    if args.json:
+        print(json.dumps(job, indent=2))
+        return 0
+    print(format_jobs([job]))
+    for w in job.get("warnings") or []:
+        print(f"  warning: {w}")
     return 0
 
 

@@ -16,9 +16,11 @@ from agent.nics import NicSource
 from clusterpulse import wire
 from services import db
 from services.api.routes.jobs import _warnings as job_warnings
+from services.api.routes.nodes import node_public
 from services.orchestrator import Orchestrator
 from tests.integration.test_ingest import _publisher, _settings, _until, _with_orchestrator
 from tools.fake_sysfs import FakeSysfs
+from tools.format import format_node
 
 
 def _agent(node: str, fake: FakeSysfs, *, rate_window_s: float = 60.0) -> NodeAgent:
@@ -49,6 +51,11 @@ def test_a_port_at_half_rate_degrades_its_node_within_two_heartbeats(
         # the heartbeat carries the 8 ports, each with its nearest GPU
         latest = n1.latest
         assert latest is not None and [(p.device, p.gpu) for p in latest.nics] == [(f"mlx5_{i}", i) for i in range(8)]
+        # what `pulse nodes show n1` prints: the fault, and a row a port
+        shown = format_node(node_public(n1, now=orch.clock.now()).model_dump())
+        assert "  fault:     mlx5_3 port 1: rate 200 Gb/s, expected 400" in shown
+        [row] = [line for line in shown.splitlines() if line.startswith("mlx5_3/1 ")]
+        assert row.split() == ["mlx5_3/1", "ACTIVE", "LinkUp", "200", "Gb/s", "3", "ib3", "-"]
         await client.aclose()
 
     asyncio.run(_with_orchestrator(settings, body))

@@ -219,7 +219,10 @@ def test_a_node_taken_back_is_not_done_on_its_predecessors_exit(redis_url: str, 
     n0's rank is lost. n1 is the only node that counts, and its predecessor's exit 0 must not make
     the job SUCCEEDED while its new rank trains (seen in a goodput campaign: SUCCEEDED at 774 of
     2,227 steps)."""
-    settings = _settings(redis_url, sqlite_url, job_resend_s=0.05, job_max_rejoins=3)
+    # no agents here: nodes restored HEALTHY stay so for the test's few seconds, however loaded
+    settings = _settings(
+        redis_url, sqlite_url, job_resend_s=0.05, job_max_rejoins=3, suspect_after_s=20, degraded_after_s=25
+    )
     engine = _running_job(sqlite_url)
     with db.session_factory(engine).begin() as s:
         db.set_job_node_status(s, job_id="j", node="n1", status={"state": "exited", "exit_code": 0}, at=1.0)

@@ -88,12 +88,12 @@ def session(request: pytest.FixtureRequest) -> Iterator[Session]:
 
 
 # Modules whose tests start multi-rank torch/DeepSpeed worlds: CPU-bound, and timed by collective
-# and proxy timeouts of a few seconds. The suite runs on four workers (two cores) so that tests
+# and proxy timeouts of a few seconds. The suite runs on three workers (two cores) so that tests
 # that wait fill the cores; at most HEAVY_AT_ONCE of these run at once, as on two workers: three
 # at once on two cores starved survivors past their 3 s collective timeout in one run (4 failures).
 # The schedule (pytest_xdist_make_scheduler) keeps to that by running them in HEAVY_AT_ONCE
 # groups; the lock files (_heavy_slot) hold it under any other --dist too. Each module with its
-# tests' wall time in seconds (a clean-clone run), what the groups are balanced by.
+# tests' wall time in seconds (a clean-clone three-worker run), what the groups are balanced by.
 HEAVY = {
     "tests/e2e/test_any_script.py": 124,
     "tests/e2e/test_demo.py": 64,
@@ -147,7 +147,7 @@ def _heavy_grouped(config: pytest.Config) -> bool:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``-n 4`` with ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml; README, Tests):
+    """``-n 3`` with ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml; README, Tests):
     each module is a unit that one worker runs whole, its module fixtures set up once, but the
     HEAVY modules joined into HEAVY_AT_ONCE units, each run by one worker from the start: at most
     HEAVY_AT_ONCE run at once and no worker waits for a heavy slot. (``--dist loadgroup`` with

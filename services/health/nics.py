@@ -39,14 +39,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from clusterpulse.settings import Settings
-from clusterpulse.wire import NicCounter, NicPort
+from clusterpulse.wire import NIC_ERROR_COUNTERS, NicCounter, NicPort
 
 _DEFAULT = Settings.model_construct()
 
 UP_STATE = "ACTIVE"
 UP_PHYS = "LinkUp"
 ANY_INCREASE: tuple[NicCounter, ...] = ("link_downed", "excessive_buffer_overrun_errors", "local_link_integrity_errors")
-_TRAFFIC = frozenset({"port_xmit_data", "port_rcv_data", "netdev_tx_bytes", "netdev_rx_bytes"})
+_ERRORS = frozenset(NIC_ERROR_COUNTERS)
 RATE_LABEL = "nic_rate_gbps"  # a node label: the rate every port of the node should run at
 
 
@@ -151,7 +151,7 @@ def judge(ports: Sequence[NicPort], *, labels: Mapping[str, str], policy: NicPol
         want = expected.get(p.model)
         if p.rate_gbps is not None and want and p.rate_gbps < want:
             faults.append(f"{p.name}: rate {p.rate_gbps:g} Gb/s, expected {want:g}")
-        if p.errors or not p.recent.keys() <= _TRAFFIC:  # the usual port counted no error: nothing to rate
+        if p.errors or not _ERRORS.isdisjoint(p.recent):  # the usual port counted no error: nothing to rate
             faults.extend(_counter_faults(p, policy))
             warnings.extend(_counter_warnings(p, policy))
     return faults, warnings

@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-import redis.asyncio as aioredis
-
 from agent.nics import NicSource
 from agent.publisher import HeartbeatPublisher
 from agent.server_time import ServerTime
 from agent.simulated import FaultSpec, SimulatedNode
 from clusterpulse import wire
+from clusterpulse.redis_client import AsyncRedis, connect, rank_env
 from clusterpulse.retry import Backoff
 from clusterpulse.settings import Settings
 
@@ -74,6 +73,7 @@ class NodeAgent:
     interval_s: float
     labels: dict[str, str] = field(default_factory=dict)
     addr: str = ""  # where peers reach this node (agent/address.py); empty: not known
+    launches: bool = True  # its launcher runs what the node's command stream asks
     sim: SimulatedNode | None = None
     power: PowerState = field(default_factory=PowerState)
     ipmi_stale_after_s: float = 90.0
@@ -127,6 +127,7 @@ class NodeAgent:
             fans=fans,
             nics=ports,
             host_boot=host_boot,
+            launches=self.launches,
         )
 
 
@@ -260,15 +261,11 @@ def parse_labels(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _redis(settings: Settings) -> aioredis.Redis:
-    return aioredis.from_url(
-        settings.redis_url,
-        socket_timeout=settings.redis_timeout_s,
-        socket_connect_timeout=settings.redis_timeout_s,
-    )
+def _redis(settings: Settings) -> AsyncRedis:
+    return connect(settings.redis_url, cluster=settings.redis_cluster, timeout_s=settings.redis_timeout_s)
 
 
-def _publisher(settings: Settings, client: aioredis.Redis, server_time: ServerTime | None = None) -> HeartbeatPublisher:
+def _publisher(settings: Settings, client: AsyncRedis, server_time: ServerTime | None = None) -> HeartbeatPublisher:
     return HeartbeatPublisher(
         client,
         server_time=server_time,
@@ -333,9 +330,9 @@ async def run_node_agent(
     stop: asyncio.Event | None = None,
     jobs: bool = True,
 ) -> None:
-    """``pulse agent``: one node. IPMI runs in its own task when the source is real; the job
-    launcher (``agent/launcher.py``) in another, unless ``jobs`` is off. The node's address is
-    ``PULSE_AGENT_ADDR`` (``--addr``) or found once here (``agent/address.py``)."""
+    """``pulse agent``: one node. IPMI in its own task when the source is real, the job launcher
+    (``agent/launcher.py``) in another unless ``jobs`` is off (then its heartbeats say it launches
+    nothing). The address: ``PULSE_AGENT_ADDR`` (``--addr``) or found here (``agent/address.py``)."""
     stop = stop or asyncio.Event()
     parts, desc = open_gpu_source(source, node=node, gpus=gpus, settings=settings)
     addr, how = settings.agent_addr, "set (PULSE_AGENT_ADDR / --addr)"
@@ -351,6 +348,7 @@ async def run_node_agent(
         interval_s=interval_s,
         labels=labels,
         addr=addr,
+        launches=jobs,
         sim=parts.sim,
         ipmi_stale_after_s=3 * settings.ipmi_interval_s + settings.ipmi_timeout_s,
         clock_offset_s=settings.agent_clock_offset_s,
@@ -364,11 +362,8 @@ async def run_node_agent(
 
         cmd = shlex.split(settings.ipmi_command)
         if shutil.which(cmd[0]) is None:
-            log.warning(
-                "event=ipmi_unavailable node=%s error=%r going_on=gpus_only",
-                node,
-                f"{cmd[0]} not found on PATH",
-            )
+            error = f"{cmd[0]} not found on PATH"
+            log.warning("event=ipmi_unavailable node=%s error=%r going_on=gpus_only", node, error)
         else:
             ipmi = IpmiSource(command=cmd, timeout_s=settings.ipmi_timeout_s)
             tasks.append(asyncio.create_task(ipmi_loop(agent, ipmi, interval_s=settings.ipmi_interval_s, stop=stop)))
@@ -382,12 +377,12 @@ async def run_node_agent(
             store_ready_timeout_s=settings.job_store_ready_timeout_s,
             store_orphan_grace_s=settings.job_store_orphan_grace_s,
             store_poll_s=settings.job_store_poll_s,
-            env={"PULSE_REDIS_URL": settings.redis_url},  # every rank reports (and so says it rendezvoused)
+            env=rank_env(settings.redis_url, cluster=settings.redis_cluster),  # every rank reports
             server_time=server_time,
             command_ttl_s=settings.job_command_ttl_s,
             server_time_wait_s=settings.redis_timeout_s,  # the first heartbeat goes out at once
-            hang_after_s=settings.hang_after_s,
-        )
+            hang_after_s=settings.hang_after_s, fault_env=parts.sim.rank_env if parts.sim is not None else None,
+        )  # fmt: skip
         tasks.append(asyncio.create_task(launcher.run(stop)))
     log.info("event=agent_started node=%s source=%s interval_s=%g labels=%s", node, desc, interval_s, labels)
     try:
@@ -426,6 +421,7 @@ async def run_simulation(
                 gpu_source="simulated",
                 interval_s=interval_s,
                 labels=topology_labels(i),
+                launches=False,  # no launcher reads these nodes' commands
                 sim=sim,
                 nics=open_nic_source(settings, sim),
             )

@@ -14,6 +14,7 @@ import redis
 
 from agent import current
 from clusterpulse import wire
+from clusterpulse.redis_client import SyncRedis
 from clusterpulse.retry import Backoff
 from clusterpulse.settings import Settings
 
@@ -47,7 +48,7 @@ def log_refused(logger: logging.Logger, refused: Sequence[current.Refused], *, w
 
 
 def follow(
-    client: redis.Redis,
+    client: SyncRedis,
     job: str,
     *,
     start: Callable[[], str],

@@ -31,11 +31,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import redis.asyncio as aioredis
 
 from agent import store_keeper
 from agent.hung import watch_hung
@@ -45,6 +44,7 @@ from agent.ranks import rank_targets, read_process_table
 from agent.server_time import ServerTime
 from clusterpulse import wire
 from clusterpulse.proc import alive, is_job_store, rank_threads
+from clusterpulse.redis_client import UNREACHABLE, AsyncRedis
 from clusterpulse.retry import Backoff
 
 log = logging.getLogger("pulse.agent.launcher")
@@ -116,7 +116,7 @@ class Launcher:
         self,
         *,
         node: str,
-        redis_client: aioredis.Redis,
+        redis_client: AsyncRedis,
         state_dir: Path,
         poll_s: float = 0.2,
         python: str = sys.executable,
@@ -129,8 +129,10 @@ class Launcher:
         command_ttl_s: float = DEFAULT_TTL_S,
         server_time_wait_s: float = 0.0,
         hang_after_s: float = 1.0,
+        fault_env: Callable[[], dict[str, str]] | None = None,
     ) -> None:
         self.node = node
+        self.fault_env = fault_env  # a simulated node's faults for its ranks (``slow_link``); None on a real node
         self.hang_after_s = hang_after_s  # a rank blocked this long is hung (agent/hung.py); 0: never
         self.server_time = server_time or ServerTime()  # what a command's not_after is compared with
         self.command_ttl_s = command_ttl_s  # how long a command without a not_after stays current
@@ -190,7 +192,7 @@ class Launcher:
                 )
                 self.server_time.observe(entry)
                 break
-            except (ConnectionError, OSError, aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+            except UNREACHABLE as exc:  # OSError (ConnectionError); a Cluster failing over too
                 delay = backoff.next_delay()
                 log.warning("event=job_status_retry job=%s state=%s delay_s=%.2f error=%r", job, state, delay, str(exc))
                 await asyncio.sleep(delay)
@@ -287,6 +289,8 @@ class Launcher:
         launcher starts them, so a rank's last words reach the log). The entrypoint runs under
         ``python -m trainer.run``, which gives an unmodified DeepSpeed script the resilience
         protocol (``trainer/run.py`` says why a runner and not an import hook)."""
+        if cmd.probe:  # the fabric probe: our own module, one rank a node (wire.JobCommand)
+            return [[self.python, "-u", "-m", "trainer.fabric_probe", *cmd.argv]]
         return [[self.python, "-u", "-m", "trainer.run", *cmd.argv] for _ in range(max(1, cmd.gpus_per_node))]
 
     def _start_store(self, cmd: wire.JobCommand) -> None:
@@ -343,7 +347,8 @@ class Launcher:
         if not ok:
             await self._status(cmd.job, cmd.node_rank, "preflight_failed", detail=detail)
             return
-        if cmd.node_rank == 0 and self.hosts_store:
+        store = self.hosts_store and not cmd.probe  # a probe's rank 0 hosts torch's own store
+        if cmd.node_rank == 0 and store:
             try:
                 await asyncio.to_thread(self._start_store, cmd)
             except (OSError, ValueError, subprocess.SubprocessError, StoreError) as exc:
@@ -357,7 +362,8 @@ class Launcher:
         try:
             for i, line in enumerate(lines):
                 env = {**os.environ, **self.env, **cmd.env, "PULSE_JOB_ID": cmd.job, "PULSE_NODE": self.node}
-                if self.hosts_store:  # the first node's agent hosts the store; each rank checks it is the job's
+                env.update(self.fault_env() if self.fault_env else {})
+                if store:  # the first node's agent hosts the store; each rank checks it is the job's
                     env.update(TORCHELASTIC_USE_AGENT_STORE="True", PULSE_JOB_STORE="1")
                 env.update(rank_env(cmd, i))
                 env.update(rank_threads(env, max(1, cmd.gpus_per_node)))

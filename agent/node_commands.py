@@ -19,11 +19,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from agent import current
 from agent.job_commands import decoded, log_refused
 from clusterpulse import wire
+from clusterpulse.redis_client import UNREACHABLE, AsyncRedis
 from clusterpulse.retry import Backoff
 
 log = logging.getLogger("pulse.agent.launcher")
@@ -34,7 +33,7 @@ Handler = Callable[[wire.JobCommand], Awaitable[None]]
 class NodeCommands:
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: AsyncRedis,
         *,
         node: str,
         cursor_file: Path,
@@ -79,7 +78,7 @@ class NodeCommands:
         """The entries after ``last`` as (id, payload); None when Redis did not answer."""
         try:
             resp: Any = await self.redis.xread({self.key: last}, count=self.batch, block=block_ms)
-        except (ConnectionError, OSError, aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+        except UNREACHABLE as exc:  # OSError (ConnectionError); a Cluster failing over too
             delay = self._backoff.next_delay()
             log.warning("event=commands_unavailable node=%s delay_s=%.2f error=%r", self.node, delay, str(exc))
             await asyncio.sleep(delay)

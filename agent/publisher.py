@@ -17,10 +17,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-import redis.asyncio as aioredis
-
 from agent.server_time import ServerTime
 from clusterpulse import wire
+from clusterpulse.redis_client import AsyncRedis
 from clusterpulse.retry import Backoff, is_transient
 
 log = logging.getLogger("pulse.agent.publisher")
@@ -29,7 +28,7 @@ log = logging.getLogger("pulse.agent.publisher")
 class HeartbeatPublisher:
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: AsyncRedis,
         *,
         shards: int,
         maxlen: int,

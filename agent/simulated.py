@@ -21,6 +21,9 @@ nic_rate        mlx5_0's port trains at 200 Gb/s (4X HDR) instead of 400 (4X NDR
 nic_errors      mlx5_1's port (mlx5_0's on a one-GPU node) counts 200 symbol errors and 15
                 receive errors a second (a bad cable)
 nccl_tcp        NCCL on its socket transport over IPoIB: no RDMA, the netdevs (and so the ports) at 2 GB/s
+slow_link       nothing in the telemetry: the ranks it launches have their collectives held to
+                0.002 GB/s (a fabric probe's and the gradients'), as behind a bad cable or switch
+                port that counts no error; what the fabric check (services/fabric/) finds
 silent          the agent stops publishing (handled by the agent loop)
 ==============  ===========================================================================
 
@@ -38,7 +41,7 @@ import zlib
 from dataclasses import dataclass
 
 from agent.nic_history import RawPort
-from clusterpulse.wire import NIC_COUNTERS, FanSample, GpuSample, PsuSample
+from clusterpulse.wire import NIC_COUNTERS, SLOW_LINK_ENV, FanSample, GpuSample, PsuSample
 
 FAULT_KINDS = (
     "thermal",
@@ -52,6 +55,7 @@ FAULT_KINDS = (
     "nic_rate",
     "nic_errors",
     "nccl_tcp",
+    "slow_link",
     "silent",
 )
 # The throttle reason each throttling fault sets on every GPU (the orchestrator's health model
@@ -62,7 +66,7 @@ THROTTLE_OF = {"thermal": "thermal", "power_brake": "power_brake"}
 PERMANENT_FAULTS = frozenset({"ecc", "nic_down", "nic_errors"})
 # Faults a job sees and the node's health does not: NCCL on TCP is an event on the job
 # (services/health/nics.py over_tcp), never a DEGRADED by itself.
-JOB_FAULTS = frozenset({"nccl_tcp"})
+JOB_FAULTS = frozenset({"nccl_tcp", "slow_link"})
 # The network port faults (tests/unit/test_nic_health.py reads each as its real failure)
 NIC_FAULTS = ("nic_down", "nic_rate", "nic_errors", "nccl_tcp")
 
@@ -75,6 +79,7 @@ HCA_MODEL = "MT4129"  # ConnectX-7
 RDMA_BYTES_PER_S = 20e9  # each way, per HCA, while a job trains
 IPOIB_BYTES_PER_S = 1e6
 TCP_BYTES_PER_S = 2e9  # nccl_tcp: what NCCL's socket transport pushes through the netdev
+SLOW_LINK_GBPS = 0.002  # slow_link: what the node's collectives are held to (trainer/slow_link.py)
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,10 @@ class SimulatedNode:
         self.host_boot = f"{zlib.crc32(node.encode()):08x}-0000-4000-8000-000000000000"
         self._nic_counters = [dict.fromkeys(NIC_COUNTERS, 0) for _ in range(max(1, gpus))]
         self._nic_at: float | None = None
+
+    def rank_env(self) -> dict[str, str]:
+        """What the ranks launched now see of the node's faults (``slow_link``)."""
+        return {SLOW_LINK_ENV: str(SLOW_LINK_GBPS)} if "slow_link" in self.faults else {}
 
     # The GPU source interface (same as agent.nvml.NvmlSource) ---------------------------------
     def open(self) -> None:

@@ -34,6 +34,7 @@ from agent.ranks import catches, read_process
 from agent.server_time import ServerTime
 from clusterpulse import wire
 from clusterpulse.proc import rank_threads
+from clusterpulse.redis_client import CLUSTER_ENV, SyncRedis, connect_sync_within, env_flag
 from clusterpulse.retry import Backoff
 
 log = logging.getLogger("pulse.agent.slurm_rank")
@@ -63,7 +64,7 @@ def exit_code(returncode: int) -> int:
 class Supervisor:
     """The rank's parent (docs/design/slurm-rank.md)."""
 
-    def __init__(self, client: redis.Redis, *, job: str, env: Mapping[str, str], report_timeout_s: float) -> None:
+    def __init__(self, client: SyncRedis, *, job: str, env: Mapping[str, str], report_timeout_s: float) -> None:
         self.redis = client
         self.job = job
         self.node = env["PULSE_NODE"]
@@ -153,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not url or not job:
         return exit_code(proc.wait())
     sup = Supervisor(
-        redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5),
+        connect_sync_within(url, cluster=env_flag(env.get(CLUSTER_ENV)), wait_s=a.report_timeout, timeout_s=5),
         job=job, env=env, report_timeout_s=a.report_timeout,
     )  # fmt: skip
     last = sup.newest()

@@ -33,10 +33,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import redis
-
 from agent import job_commands
 from clusterpulse import wire
+from clusterpulse.redis_client import CLUSTER_ENV, SyncRedis, connect_sync_within, env_flag
 
 log = logging.getLogger("pulse.agent.slurm_rejoin")
 
@@ -48,7 +47,7 @@ def srun_argv(srun: Sequence[str], *, node: str, per: int, rank: Sequence[str]) 
 
 
 class Relauncher:
-    def __init__(self, client: redis.Redis, *, job: str, per: int, rank: Sequence[str], srun: Sequence[str]) -> None:
+    def __init__(self, client: SyncRedis, *, job: str, per: int, rank: Sequence[str], srun: Sequence[str]) -> None:
         self.redis = client
         self.job = job
         self.per = per
@@ -92,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     url, job = os.environ.get("PULSE_REDIS_URL"), os.environ.get("PULSE_JOB_ID")
     if not url or not job:
         return 0
-    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    cluster = env_flag(os.environ.get(CLUSTER_ENV))
+    client = connect_sync_within(url, cluster=cluster, wait_s=60, timeout_s=5)
     r = Relauncher(client, job=job, per=a.per, rank=rank, srun=shlex.split(a.srun))
     signal.signal(signal.SIGTERM, lambda *_: r.stop.set())
     r.run()

@@ -23,6 +23,9 @@ ORCHESTRATOR_USER = "pulse-orchestrator"
 # SELECT for a URL with /DB, PING for health checks. redis-py also sends CLIENT SETINFO (Redis
 # 7.2+) and ignores its refusal: not granted.
 _CONNECTION = ["+ping", "+select"]
+# A Redis Cluster client also reads the slot map (CLUSTER SLOTS) and the command table (COMMAND:
+# which arguments are keys), and follows a key mid-move with ASKING.
+_CLUSTER_CONNECTION = ["+cluster|slots", "+command", "+asking"]
 
 
 def node_username(node: str) -> str:
@@ -47,13 +50,14 @@ def _key(pattern: str, mode: str = "") -> str:
     return f"%{mode}~{pattern}" if mode else f"~{pattern}"
 
 
-def node_acl(node: str, *, shards: int, password: str, user: str | None = None) -> list[str]:
+def node_acl(node: str, *, shards: int, password: str, user: str | None = None, cluster: bool = False) -> list[str]:
     """The arguments of ``ACL SETUSER`` (user name first) for ``node``'s agent and ranks.
 
     Pure: every key comes from the key functions of :mod:`clusterpulse.wire`, escaped as a glob
     (node names cannot hold glob characters, and are refused unless valid; escaping is the
     second guard). ``shards`` is ``heartbeat_stream_shards``: the node may write its shard only.
-    ``user`` replaces the user name (tests; several clusters sharing one Redis).
+    ``user`` replaces the user name (tests; several clusters sharing one Redis). ``cluster``: a
+    Redis Cluster's client's commands too (the rules are then set on every node of it).
     """
     user = user if user is not None else node_username(node)
     node_username(node)  # refuses an invalid name whatever the user is called
@@ -70,6 +74,7 @@ def node_acl(node: str, *, shards: int, password: str, user: str | None = None) 
         "on",
         _password_rule(password),
         *_CONNECTION,
+        *(_CLUSTER_CONNECTION if cluster else ()),
         "+subscribe",
         "+unsubscribe",
         "&" + esc(wire.PLAN_CHANNEL),
@@ -81,12 +86,14 @@ def node_acl(node: str, *, shards: int, password: str, user: str | None = None) 
     ]
 
 
-def orchestrator_acl(*, password: str, user: str = ORCHESTRATOR_USER) -> list[str]:
+def orchestrator_acl(*, password: str, user: str = ORCHESTRATOR_USER, cluster: bool = False) -> list[str]:
     """The arguments of ``ACL SETUSER`` for the orchestrator (services/orchestrator.py, api.py):
     the consumer group over every stream it reads, plans (key and channel), job commands to any
     node or Slurm job (and trimming their streams), reading any node's latest key (the sender check), ``TIME`` (the one clock), claiming a
     previous leader's pending entries and the fencing scripts (``EVAL`` over the leader's epoch
-    key and the plans or commands it writes). Every heartbeat shard, whatever their number."""
+    key and the plans or commands it writes). Every heartbeat shard, whatever their number.
+    ``cluster``: a Redis Cluster's client's commands too, and each slot's fence key
+    (``wire.slot_fence_key``: read, raised and compared with by the fencing scripts)."""
     esc = wire.glob_escape
     streams = [
         wire.key_glob(wire.heartbeat_stream_key),
@@ -100,6 +107,7 @@ def orchestrator_acl(*, password: str, user: str = ORCHESTRATOR_USER) -> list[st
         "on",
         _password_rule(password),
         *_CONNECTION,
+        *(_CLUSTER_CONNECTION if cluster else ()),
         "+time",
         "+publish",
         "&" + esc(wire.PLAN_CHANNEL),
@@ -111,8 +119,11 @@ def orchestrator_acl(*, password: str, user: str = ORCHESTRATOR_USER) -> list[st
         # the fencing scripts (services/leader.py): the epoch key, then the plans or commands
         f"(+get +set {_key(esc(wire.LEADER_KEY))})",
         f"(+eval {_key(esc(wire.LEADER_KEY))} {_key(wire.key_glob(wire.job_plan_key))} "
-        f"{_key(wire.key_glob(wire.node_commands_key))} {_key(wire.key_glob(wire.job_commands_key))})",
+        f"{_key(wire.key_glob(wire.node_commands_key))} {_key(wire.key_glob(wire.job_commands_key))}"
+        + (f" {_key(wire.key_glob(wire.fence_key))}" if cluster else "")
+        + ")",
         f"(+get {_key(wire.key_glob(wire.node_latest_key), 'R')})",
+        *([f"(+get {_key(wire.key_glob(wire.fence_key), 'R')})"] if cluster else []),
     ]
 
 

@@ -36,6 +36,11 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.TimeoutError,
     redis.exceptions.BusyLoadingError,
     redis.exceptions.TryAgainError,
+    # a Redis Cluster between a master's failure and its replica's promotion, or mid-resharding
+    redis.exceptions.ClusterError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.RedisClusterUnreachableError,
+    redis.exceptions.AskError,  # and MovedError: a key mid-move, a slot moved (seen by a raw connection)
 )
 
 

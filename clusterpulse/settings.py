@@ -7,6 +7,7 @@ duration is a float of seconds with a ``_s`` suffix and can be set small for tes
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +20,9 @@ class Settings(BaseSettings):
 
     env: Literal["development", "production"] = "development"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # A Redis Cluster: PULSE_REDIS_URL names any of its nodes (clusterpulse/redis_client.py,
+    # docs/design/redis-cluster.md); off, the one Redis at PULSE_REDIS_URL
+    redis_cluster: bool = False
     database_url: str = "sqlite:///clusterpulse.db"
     api_url: str = "http://127.0.0.1:8000"
     api_token: str = ""  # the bootstrap admin token, named "env" (services/api/tokens.py)
@@ -83,6 +87,17 @@ class Settings(BaseSettings):
     nic_port_xmit_discards_per_s: float = Field(100.0, ge=0)
     nic_missing_heartbeats: int = Field(3, ge=1)
     nic_tcp_bytes_per_s: float = Field(50e6, gt=0)
+    # The fabric check (services/fabric/decide.py, docs/design/fabric.md): a pair below this
+    # fraction of the median pair, or below the floor (0: none), is slow; what a probe moves per
+    # all-reduce and how often; how long a probe may take; how long a node named slow stays
+    # SUSPECT; the extra nodes a preflighted job's check takes along to swap in for slow ones
+    fabric_slow_fraction: float = Field(0.7, gt=0, lt=1)
+    fabric_min_busbw_gbps: float = Field(0.0, ge=0)
+    fabric_probe_bytes: int = Field(64 * 1024 * 1024, ge=4096)
+    fabric_probe_iters: int = Field(20, ge=1)
+    fabric_probe_timeout_s: float = Field(120.0, gt=0)
+    fabric_suspect_s: float = Field(3600.0, gt=0)
+    fabric_preflight_spares: int = Field(2, ge=0)
 
     # Gradient aggregation plans (services/plans/decide.py)
     max_proxied_per_rank: int = Field(1, ge=1)
@@ -90,6 +105,16 @@ class Settings(BaseSettings):
     # Training progress (services/jobs/progress.py)
     straggler_factor: float = Field(1.5, gt=1)
     job_stale_after_s: float = Field(300.0, gt=0)
+    # The step's breakdown (services/jobs/bottleneck.py, breakdown.py; docs/design/step.md): a
+    # verdict per window; a rank or node stands out at factor x its peers' median and min_excess of
+    # the step; data or communication bind the whole job at share of the step; a node named for
+    # communication suspect_windows windows in a row is SUSPECT for bottleneck_suspect_s.
+    bottleneck_window_s: float = Field(60.0, gt=0)
+    bottleneck_factor: float = Field(2.0, gt=1)
+    bottleneck_min_excess: float = Field(0.1, ge=0, lt=1)
+    bottleneck_share: float = Field(0.3, gt=0, le=1)
+    bottleneck_suspect_windows: int = Field(2, ge=1)
+    bottleneck_suspect_s: float = Field(600.0, gt=0)
 
     # Jobs (services/jobs/decide.py, agent/launcher.py)
     # Launch sent -> every rank rendezvoused (registered or reported a step, services/jobs/decide.py);
@@ -152,6 +177,8 @@ class Settings(BaseSettings):
     stream_token_check_s: float = Field(1.0, gt=0)
     # The status page GET / (services/api/routes/status_page.py): how often it re-reads the API.
     status_refresh_s: float = Field(3.0, ge=0.2)
+    # ... and how many nodes it reads a request (GET /v1/nodes?fields=summary&limit=).
+    status_page_nodes: int = Field(1000, ge=1, le=10_000)
 
     # Retention (services/retention.py): events, finished jobs, superseded plans and stored GPU rows
     # older than this many days are deleted by the leader, a batch per transaction; 0 keeps all.
@@ -241,6 +268,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"PULSE_JOB_COMMANDS_MAX_AGE_S={self.job_commands_max_age_s:g} is below "
                 f"PULSE_JOB_COMMAND_TTL_S={self.job_command_ttl_s:g}: a command stream must keep its current commands"
+            )
+        if self.redis_cluster and urlsplit(self.redis_url).path not in ("", "/", "/0"):
+            raise ValueError(
+                f"PULSE_REDIS_URL={self.redis_url!r} names a database other than 0: a Redis Cluster has only "
+                "database 0 (PULSE_REDIS_CLUSTER=true)"
             )
         if self.job_backend == "slurm" and not self.slurm:
             raise ValueError("PULSE_JOB_BACKEND=slurm needs PULSE_SLURM=on (the Slurm commands and SLURM_CONF)")

@@ -53,6 +53,8 @@ class EventKind(StrEnum):
     RANK_UNREACHABLE = "rank_unreachable"
     RANK_REJOIN = "rank_rejoin"
     STRAGGLER = "straggler"
+    BOTTLENECK = "bottleneck"  # a job's step verdict changed (services/jobs/bottleneck.py)
+    FABRIC_CHECK = "fabric_check"  # a fabric check started or finished, or named a node slow (services/fabric/)
     NCCL_OVER_TCP = "nccl_over_tcp"  # a job's traffic on a node left the fabric (services/health/nics.py)
     CHECKPOINT_REQUESTED = "checkpoint_requested"
     CHECKPOINT_WRITTEN = "checkpoint_written"

@@ -7,7 +7,9 @@ raises :class:`WireError` with a short machine ``reason`` (used as the label of
 
 Keys are hash-tagged per node (``pulse:{node:NAME}:...``) so that a node's keys share one Redis
 Cluster slot; the heartbeat stream is sharded (``pulse:{hb:K}:stream``) so that no single slot
-carries the whole cluster's traffic.
+carries the whole cluster's traffic, and the ingest processes' observations of a shard go with it
+(``pulse:{hb:K}:observations``). On a Cluster the leader's fenced writes compare with a fence key
+of their own slot (:func:`fence_key`); what runs on which slot: docs/design/redis-cluster.md.
 
 Time: ``Heartbeat.sent_at`` is the agent's wall clock and is used only to *report* clock skew.
 Health uses the Redis server time of the stream entry (its id), never the agent's clock.
@@ -174,8 +176,8 @@ class Heartbeat(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     restarts, so a seq reset is recognised. ``ipmi`` says whether the power/fan readings are
     current (``ok``), stale, or unavailable on this node (then ``psus``/``fans`` are empty).
     ``addr`` is where the node's peers reach it (the rendezvous address of a job whose first node
-    it is, ``agent/address.py``); empty from an agent that predates it. Added without a version
-    bump: decoders on both sides ignore fields they do not know and default those they miss.
+    it is, ``agent/address.py``). Fields are added without a version bump: decoders on both sides
+    ignore fields they do not know and default those they miss (an older agent's).
     ``nics`` are the node's network ports (empty on a node without InfiniBand/RoCE: judged as
     before); ``host_boot`` is the kernel's boot id, which their counters' baseline follows.
     """
@@ -195,6 +197,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     fans: Annotated[list[FanSample], msgspec.Meta(max_length=64)] = []
     nics: Annotated[list[NicPort], msgspec.Meta(max_length=64)] = []
     host_boot: Annotated[str, msgspec.Meta(max_length=64)] = ""  # /proc/sys/kernel/random/boot_id
+    launches: bool = True  # runs what its command stream asks (not `pulse simulate`, `agent --no-jobs`)
 
 
 TOPOLOGY_LABELS = ("nvlink_domain", "switch", "rack")
@@ -283,6 +286,17 @@ def node_heartbeat_stream_key(node: str, shards: int) -> str:
     return heartbeat_stream_key(heartbeat_shard(node, shards))
 
 
+def observation_stream_key(shard: int) -> str:
+    """The ingest processes' observations of heartbeat stream shard ``shard``
+    (services/ingest/observations.py): on the shard's slot, so that one script acknowledges the
+    shard's entries and appends their observations."""
+    return f"pulse:{{hb:{shard}}}:observations"
+
+
+def observation_stream_keys(shards: int) -> list[str]:
+    return [observation_stream_key(s) for s in range(shards)]
+
+
 def node_commands_key(node: str) -> str:
     """Stream of commands (job launch, stop, checkpoint) for one node's agent."""
     return f"pulse:{{node:{node}}}:commands"
@@ -313,6 +327,29 @@ def job_store_owner_key() -> str:
     return "pulse/store/job"
 
 
+FABRIC_PROBE_PREFIX = "fabric-"
+"""The job id of a fabric probe (services/fabric/loop.py) starts so; a job's (a uuid's hex) never does."""
+
+
+FABRIC_RESULT_PREFIX = "PULSE_FABRIC_PROBE "
+"""A probe's rank 0 prints its figures as JSON on one line after this (``trainer/fabric_probe.py``);
+the agent's exit status carries the log's tail to the orchestrator."""
+
+
+SLOW_LINK_ENV = "PULSE_TEST_SLOW_LINK_GBPS"
+"""A test hook: a simulated agent with the ``slow_link`` fault sets it on the ranks it launches, whose
+collectives are then held to that rate (``trainer/slow_link.py``); no real agent sets it."""
+
+
+def fabric_probe_job(check: str, index: int) -> str:
+    """The job id of the ``index``-th probe of fabric check ``check``."""
+    return f"{FABRIC_PROBE_PREFIX}{check}-{index}"
+
+
+def is_fabric_probe(job: str) -> bool:
+    return job.startswith(FABRIC_PROBE_PREFIX)
+
+
 PLAN_CHANNEL = "pulse:plans"
 """Pub/sub channel announcing ``job`` ids whose plan changed."""
 
@@ -325,6 +362,13 @@ TRAINER_FIELD = b"report"
 LEADER_KEY = "pulse:{orchestrator}:leader"
 """The leader's fencing epoch (an integer string). The orchestrator's plan and job-command writes
 go through Lua scripts that refuse an epoch below it (services/leader.py)."""
+
+
+def fence_key(tag: str) -> str:
+    """On a Redis Cluster, a copy of :data:`LEADER_KEY` on the slot of hash tag ``tag``, which a
+    fenced script there compares with (services/leader.py; ``redis_client.slot_fence_key``)."""
+    return f"pulse:{{{tag}}}:fence"
+
 
 COMMAND_EPOCH_FIELD = b"epoch"
 """The job-command stream entry field holding the epoch of the leader that sent it."""
@@ -380,6 +424,10 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     process group, SIGKILL after ``grace_s``. Both are idempotent: the agent acts on the job's
     current state, not on the command count.
 
+    ``probe``: a fabric probe (``services/fabric/loop.py``): ``argv`` are the arguments of the
+    agent's own ``python -m trainer.fabric_probe``, one rank a node, no job store (rank 0 hosts
+    torch's), and no resilience runner. An agent runs no other module this way.
+
     ``checkpoint``: an emergency checkpoint (``POST /v1/jobs/{id}/checkpoint``): SIGUSR2 to each
     of the job's rank processes on the node (never to their children, never to the process group:
     SIGUSR2's default action would kill a data loader worker), which asks the rank to save at the
@@ -409,6 +457,7 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     env: dict[str, str] = {}
     grace_s: NonNegFloat = 10.0
     node: str = ""  # on a job's stream (wire.job_commands_key): the node a launch is for; "" on a node's own
+    probe: bool = False  # a fabric probe's launch (above)
     issued_at: NonNegFloat | None = None  # Redis server time it was sent at; None: an older orchestrator's
     not_after: NonNegFloat | None = None  # Redis server time after which it starts or signals nothing
 
@@ -459,8 +508,24 @@ JOB_STATUS_FIELD = b"status"
 COMMAND_FIELD = b"cmd"
 
 
+class StepPhases(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """Where one optimizer step's wall time went on one rank, in seconds (``trainer/phases.py``):
+    ``data`` (outside the engine, from the last step's end to the next forward), ``forward`` (with
+    the script's loss), ``backward`` (compute), ``communication`` (the library's gradient
+    reduction), ``optimizer``; they sum to the report's ``step_time_s``. ``wait``: the part of
+    ``communication`` spent waiting for the last peer to arrive at it; None where not measured."""
+
+    data: NonNegFloat
+    forward: NonNegFloat
+    backward: NonNegFloat
+    communication: NonNegFloat
+    optimizer: NonNegFloat
+    wait: NonNegFloat | None = None
+
+
 class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
-    """One training rank's progress after one optimizer step."""
+    """One training rank's progress after one optimizer step. A reader ignores fields it does not
+    know, so a field added here (``phases``) never breaks an older orchestrator."""
 
     v: int
     job: str
@@ -477,11 +542,13 @@ class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
     # Degraded ranks this rank, as their carrier, gave up on at this step (they hung or died
     # mid-step); the orchestrator's next plan excludes them until they register again.
     unreachable_ranks: Annotated[list[NonNegInt], msgspec.Meta(max_length=4096)] | None = None
-    # A training-safety event seen at this step, or None. The first word is the kind
-    # (``loss_spike``, ``nonfinite_loss``, ``nonfinite_grad_norm``), the rest a readable reason.
-    # ``checkpoint_written DIR``: this rank saved its part of a checkpoint at this step into DIR
-    # (CHECKPOINT_WRITTEN; every rank that saved reports it, the orchestrator records it once).
+    # Events of this step, one a line, first ``checkpoint_written DIR`` (CHECKPOINT_WRITTEN) when
+    # this rank saved its part of a checkpoint; a line's first word is its kind (also ``loss_spike``,
+    # ``nonfinite_loss``, ``nonfinite_grad_norm``, ``divergence_checkpoint``), the rest a reason.
     event: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+    # The step's breakdown (None: an older library, a rank that does not measure it).
+    phases: StepPhases | None = None
+    update_ratio: NonNegFloat | None = None  # ||update|| / ||weights||, every PULSE_UPDATE_RATIO_EVERY steps
     # The rank's last report: its process is leaving with this exit code (``trainer.run``). The
     # orchestrator ends a job by these when a node's agent cannot say how its ranks ended.
     exit_code: int | None = None
@@ -492,8 +559,7 @@ REJOIN_REFUSED_EXIT = 3
 loop that counts its own steps); the orchestrator does not relaunch that node again."""
 
 CHECKPOINT_WRITTEN = "checkpoint_written"
-"""The kind (first word) of a :attr:`TrainerReport.event` saying the rank saved a checkpoint; the
-rest of the event is the directory it wrote."""
+"""The first word of a :attr:`TrainerReport.event` saying the rank saved a checkpoint, then its directory."""
 
 
 _T = TypeVar("_T", TrainerReport, JobCommand, JobStatus, RankRegistration, Plan)

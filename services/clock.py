@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
+from clusterpulse.redis_client import AsyncRedis, server_time
 
 
 class RedisClock:
@@ -18,7 +18,7 @@ class RedisClock:
     a loaded machine) holds ``now`` until the clock catches up, so what happened later is never
     stamped earlier (events, transitions)."""
 
-    def __init__(self, client: aioredis.Redis, *, monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, client: AsyncRedis, *, monotonic: Callable[[], float] = time.monotonic) -> None:
         """``monotonic``: what extrapolates between syncs (a test makes it run ahead)."""
         self._redis = client
         self._monotonic = monotonic
@@ -29,9 +29,9 @@ class RedisClock:
 
     async def sync(self) -> None:
         sent = self._monotonic()
-        secs, micros = await self._redis.time()
+        at = await server_time(self._redis)  # on a Redis Cluster, the earliest master's
         # the server read its clock somewhere in the round trip: take the middle
-        self._base, self._mono, self.synced = secs + micros / 1e6, (sent + self._monotonic()) / 2, True
+        self._base, self._mono, self.synced = at, (sent + self._monotonic()) / 2, True
 
     def now(self) -> float:
         self._last = max(self._last, self._base + (self._monotonic() - self._mono))

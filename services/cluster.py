@@ -39,6 +39,13 @@ class NodeView:
     scheduler: SlurmNode | None = None  # Slurm's view at the last sync (PULSE_SLURM=on), else None
     tcp: tuple[str, ...] = ()  # ports whose traffic left the fabric, as of the newest heartbeat
     rates: tuple[tuple[str, str, float], ...] = ()  # its ports' (name, model, rate), counted in Cluster.port_rates
+    # Bumped by every change of what GET /v1/nodes shows of it (services/api/bodies.py keys its
+    # serialised form on it); ``dirty`` is the persist loop's and is cleared there.
+    generation: int = 0
+
+    def changed(self) -> None:
+        """What the API shows of this node changed: its serialised form is built again."""
+        self.generation += 1
 
     @property
     def latest(self) -> wire.Heartbeat | None:
@@ -81,6 +88,9 @@ class Cluster:
         self.transitions: Counter[tuple[str, str]] = Counter()
         self.port_rates: Counter[tuple[str, float]] = Counter()  # (model, rate) -> ports, every node's newest
         self._expected_rates: dict[str, float] | None = None  # cluster_rates(port_rates), until it changes
+        # node -> (warning, until): a verdict from outside the heartbeat (a fabric check named it
+        # slow, services/fabric/loop.py) that keeps it SUSPECT while its heartbeats come, until then
+        self.held: dict[str, tuple[str, float]] = {}
 
     # --- heartbeats -----------------------------------------------------------------------------
     def ingest(self, payload: bytes, *, received_at: float) -> ClusterEvent | None:
@@ -128,11 +138,14 @@ class Cluster:
     ) -> None:
         if reading.rates or view.rates:
             reading = self._against_the_cluster(view, reading)
+        if self.held and view.health.name in self.held:
+            reading = self._held(view.health.name, reading, at=received_at)
         view.health = health.observe_reading(view.health, reading, received_at=received_at, policy=self.policy)
         view.clock_skew_s = sent_at - received_at
         view.tcp = reading.tcp
         view.labels = dict(labels)
         view.dirty = True
+        view.changed()
 
     def _against_the_cluster(self, view: NodeView, reading: health.Reading) -> health.Reading:
         """The reading with the ports slower than most of the cluster's of their model as faults
@@ -146,6 +159,13 @@ class Cluster:
             self._expected_rates = cluster_rates(self.port_rates)
         extra = below_cluster(reading.rates, self._expected_rates, faults=reading.faults)
         return replace(reading, faults=(*reading.faults, *extra)) if extra else reading
+
+    def _held(self, node: str, reading: health.Reading, *, at: float) -> health.Reading:
+        warning, until = self.held[node]
+        if at >= until:
+            del self.held[node]
+            return reading
+        return replace(reading, warnings=(*reading.warnings, warning))
 
     # --- health ---------------------------------------------------------------------------------
     def evaluate(self, *, now: float) -> tuple[list[Transition], list[ClusterEvent]]:
@@ -178,6 +198,7 @@ class Cluster:
             )
             if t is not None:
                 view.health = health.apply(view.health, t)
+                view.changed()
                 self.transitions[(t.old.value, t.new.value)] += 1
                 out.append(t)
                 log.info("event=transition node=%s from=%s to=%s reason=%r", t.node, t.old, t.new, t.reason)
@@ -209,7 +230,9 @@ class Cluster:
         )
 
     def set_schedulable(self, name: str, schedulable: bool) -> None:
-        self.nodes[name].schedulable = schedulable
+        view = self.nodes[name]
+        view.schedulable = schedulable
+        view.changed()
 
     def set_progress(self, name: str, at: float) -> None:
         """A trainer rank on this node made progress at ``at`` (feeds the LOST rule)."""

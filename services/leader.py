@@ -30,10 +30,10 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 from sqlalchemy.orm import Session, sessionmaker
 
 from clusterpulse import proc, wire
+from clusterpulse.redis_client import CLUSTER_SLOTS, AsyncRedis, is_cluster, slot, slot_fence_key
 from clusterpulse.retry import PermanentError, is_transient
 from clusterpulse.settings import Settings
 from services import db
@@ -194,6 +194,32 @@ def commands_args(
     return keys, args
 
 
+def by_fence_slot(
+    keys: list[str], args: list[str | bytes | int], *, fixed: int, per_key: int
+) -> list[tuple[list[str], list[str | bytes | int]]]:
+    """A fenced script's KEYS and ARGV (:func:`plans_args`, :func:`commands_args`) split for a
+    Redis Cluster: one call per slot of the written keys, each comparing with that slot's fence key
+    (``wire.slot_fence_key``) instead of ``wire.LEADER_KEY``. ``fixed``: the ARGV before the
+    per-key ones; ``per_key``: ARGV per written key."""
+    head, rest = args[:fixed], args[fixed:]
+    calls: dict[int, tuple[list[str], list[str | bytes | int]]] = {}
+    for i, key in enumerate(keys[1:]):
+        s = slot(key)
+        call = calls.setdefault(s, ([slot_fence_key(s)], list(head)))
+        call[0].append(key)
+        call[1].extend(rest[i * per_key : (i + 1) * per_key])
+    return list(calls.values())
+
+
+SCRIPT_ARGS = {FENCED_PLANS: (2, 2), FENCED_COMMANDS: (5, 1)}
+"""Per fenced script: (ARGV before the per-key ones, ARGV per written key)."""
+
+CANARY_EVERY = 64
+"""On a Redis Cluster, each renewal reads the fence keys of every 64th slot (256 of them); one
+below the leader's epoch (a master restarted empty, a failover that lost writes) has the leader
+raise every slot's fence again."""
+
+
 # --- The lease, with its I/O --------------------------------------------------------------------
 
 
@@ -207,7 +233,7 @@ class LeaderLease:
         settings: Settings,
         *,
         sessions: sessionmaker[Session],
-        redis_client: aioredis.Redis,
+        redis_client: AsyncRedis,
         monotonic: Callable[[], float] = time.monotonic,
         pid_alive: Callable[[int], bool] = proc.alive,
     ) -> None:
@@ -324,16 +350,52 @@ class LeaderLease:
         if current != epoch:
             raise self._refused(what, epoch, current)
 
-    async def raise_epoch(self, epoch: int) -> None:
-        """Fence Redis to ``epoch`` (a new leader, before it writes there; every renewal)."""
+    async def raise_epoch(self, epoch: int, *, every_slot: bool = True) -> None:
+        """Fence Redis to ``epoch`` (a new leader, before it writes there; every renewal).
+
+        On a Redis Cluster the fence is also every slot's fence key, since a fenced script compares
+        with its own slot's: all 16,384 of them at a take-over (``every_slot``); at a renewal
+        (``every_slot=False``) only when a sample of them (:data:`CANARY_EVERY`) shows one below
+        ``epoch``."""
         higher = int(await self.redis.eval(RAISE_EPOCH, 1, wire.LEADER_KEY, epoch))
+        if higher:
+            raise self._refused("redis epoch", epoch, higher)
+        if not is_cluster(self.redis):
+            return
+        if not every_slot:
+            canaries = [slot_fence_key(s) for s in range(0, CLUSTER_SLOTS, CANARY_EVERY)]
+            pipe = self.redis.pipeline(transaction=False)
+            for key in canaries:
+                pipe.get(key)
+            seen = [int(v or 0) for v in await pipe.execute()]
+            if max(seen) > epoch:
+                raise self._refused("redis epoch", epoch, max(seen))
+            if min(seen) == epoch:
+                return
+            log.warning(
+                "event=slot_fences_raised replica=%s epoch=%d reason=%r", self.me, epoch, "a fence key was below"
+            )
+        pipe = self.redis.pipeline(transaction=False)
+        for s in range(CLUSTER_SLOTS):
+            pipe.eval(RAISE_EPOCH, 1, slot_fence_key(s), epoch)
+        higher = max(int(v) for v in await pipe.execute())
         if higher:
             raise self._refused("redis epoch", epoch, higher)
 
     async def fenced_eval(self, script: str, keys: list[str], args: list[str | bytes | int], *, what: str) -> None:
-        """Run a fenced Redis script; :class:`StaleEpoch` when Redis knows a higher epoch."""
+        """Run a fenced Redis script; :class:`StaleEpoch` when Redis knows a higher epoch. On a
+        Redis Cluster, one call per slot of the written keys (:func:`by_fence_slot`), each fenced
+        by its slot's fence key: all of them are refused once a successor raised the fences."""
         epoch = int(args[0])
-        higher = int(await self.redis.eval(script, len(keys), *keys, *args))
+        if is_cluster(self.redis):
+            fixed, per_key = SCRIPT_ARGS[script]
+            calls = by_fence_slot(keys, args, fixed=fixed, per_key=per_key)
+            pipe = self.redis.pipeline(transaction=False)
+            for k, a in calls:
+                pipe.eval(script, len(k), *k, *a)
+            higher = max((int(v) for v in await pipe.execute()), default=0)
+        else:
+            higher = int(await self.redis.eval(script, len(keys), *keys, *args))
         if higher:
             raise self._refused(what, epoch, higher)
 

@@ -33,7 +33,8 @@ from clusterpulse import wire
 from clusterpulse.wire import THROTTLE_REASONS
 from services.cluster import Cluster, NodeView
 from services.health.decide import STATES
-from services.jobs.progress import Progress
+from services.jobs.bottleneck import KINDS, PHASES
+from services.jobs.progress import JobProgress, Progress
 from services.metrics_nics import NicRenderer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -432,6 +433,11 @@ JOB_GAUGES = (
     ("pulse_job_tokens_per_second", "Tokens per second, all ranks together.", "tokens_per_s"),
     ("pulse_job_loss", "Training loss (mean of the ranks' latest).", "loss"),
     ("pulse_job_grad_norm", "Gradient norm (max of the ranks' latest).", "grad_norm"),
+    (
+        "pulse_job_update_ratio",
+        "Norm of the optimizer's update over the weights' (max of the ranks' last).",
+        "update_ratio",
+    ),
 )
 
 
@@ -454,6 +460,7 @@ def render_jobs(progress: Progress) -> list[str]:
         f'pulse_job_straggler_ranks{{job="{escape(j)}"}} {len(p.stragglers(progress.straggler_factor))}'
         for j, p in jobs
     ]
+    out += bottleneck_lines(jobs)
     out += [
         "# HELP pulse_trainer_reports_received_total Trainer report stream entries read.",
         "# TYPE pulse_trainer_reports_received_total counter",
@@ -467,6 +474,36 @@ def render_jobs(progress: Progress) -> list[str]:
         f'pulse_trainer_reports_rejected_total{{reason="{escape(r)}"}} {n}'
         for r, n in sorted(progress.rejected.items())
     ]
+    return out
+
+
+def bottleneck_lines(jobs: list[tuple[str, JobProgress]]) -> list[str]:
+    """The step's breakdown over each job's last window (services/jobs/breakdown.py): the mean
+    seconds per step in each phase over its ranks, the verdict (1 for its kind, 0 for the others),
+    and the rank and node that stand out (``rank``/``node`` empty when none does)."""
+    closed = [(escape(j), p.breakdown, p.breakdown.verdict) for j, p in jobs if p.breakdown and p.breakdown.verdict]
+    out = [
+        "# HELP pulse_job_step_phase_seconds Mean seconds a step spends in each phase, over the job's ranks.",
+        "# TYPE pulse_job_step_phase_seconds gauge",
+    ]
+    for j, bd, _ in closed:
+        phases = bd.phases()
+        out += [f'pulse_job_step_phase_seconds{{job="{j}",phase="{ph}"}} {_fmt(phases[ph])}' for ph in PHASES if phases]
+    out += [
+        "# HELP pulse_job_bottleneck 1 for what the job's step is bound by (data, communication, compute).",
+        "# TYPE pulse_job_bottleneck gauge",
+    ]
+    for j, _, v in closed:
+        out += [f'pulse_job_bottleneck{{job="{j}",kind="{k}"}} {1 if v.kind == k else 0}' for k in KINDS]
+    out += [
+        "# HELP pulse_job_bottleneck_info The job's verdict with the rank and node that stand out (empty: none).",
+        "# TYPE pulse_job_bottleneck_info gauge",
+    ]
+    for j, _, v in closed:
+        rank = "" if v.rank is None else str(v.rank)
+        out.append(
+            f'pulse_job_bottleneck_info{{job="{j}",kind="{v.kind}",rank="{rank}",node="{escape(v.node or "")}"}} 1'
+        )
     return out
 
 

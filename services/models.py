@@ -160,3 +160,25 @@ class SlurmDrainRow(Base):
     node: Mapped[str] = mapped_column(String(64), primary_key=True)
     reason: Mapped[str] = mapped_column(Text)
     at: Mapped[float] = mapped_column(Float)
+
+
+class FabricCheckRow(Base):
+    """A fabric check (services/fabric/decide.py): its nodes in pairs, each pair's all-reduce bus
+    bandwidth, and the nodes it named slow. RUNNING until both rounds are in, then DONE. A job's
+    preflight check names the job, and ``spares``, nodes it may take in place of slow ones."""
+
+    __tablename__ = "fabric_checks"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)  # RUNNING | DONE
+    reason: Mapped[str] = mapped_column(Text, default="")
+    nodes: Mapped[list[str]] = mapped_column(JSON)
+    spares: Mapped[list[str]] = mapped_column(JSON, default=list)
+    pairs: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # services/fabric/decide.py Pair.to_json
+    slow: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)  # node -> why
+    median_gbps: Mapped[float | None] = mapped_column(Float, nullable=True)
+    job: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)  # a job's preflight
+    actor: Mapped[str] = mapped_column(String(64), default="orchestrator")
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)

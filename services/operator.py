@@ -17,8 +17,12 @@ from clusterpulse.settings import Settings
 from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState
 from services import db
 from services.clock import RedisClock
+from services.cluster import NodeView
+from services.fabric.decide import check_nodes
+from services.fabric.loop import new_check
 from services.jobs import checkpoints
 from services.jobs.loop import JobReconciler, Send
+from services.jobs.rendezvous import no_port, rendezvous
 from services.shared import Shared, Writer
 from services.slurm.jobs.decide import is_slurm
 from services.slurm.nodes.loop import SlurmSync
@@ -62,7 +66,7 @@ class OperatorActions:
         idempotency key returns the first job when the body is the same, else raises
         :class:`IdempotencyKeyReused`. Raises :class:`PlacementRefused` with the failed
         constraint; nothing is written then."""
-        from services.jobs.placement import NodeCapacity, Placement, PlacementRequest, place
+        from services.jobs.placement import NodeCapacity, Placement, PlacementRequest, place, spares
 
         assert self.shared.cluster is not None
         cluster = self.shared.cluster
@@ -72,7 +76,8 @@ class OperatorActions:
                 if idempotency_key:
                     prior = db.job_by_idempotency_key(s, key=idempotency_key)
                     if prior is not None:
-                        stored = {"backend": "agents", **prior.spec}  # a job stored before backends were named
+                        # a job stored before backends (or preflights) were named
+                        stored = {"backend": "agents", "preflight": None, **prior.spec}
                         if stored != spec:
                             changed = sorted(k for k in {*spec, *stored} if spec.get(k) != stored.get(k))
                             raise IdempotencyKeyReused(
@@ -93,12 +98,7 @@ class OperatorActions:
                         gpus=sum(1 for g in v.latest.gpus if not g.lost) if v.latest else 0,
                         gpus_used=used.get(name, 0),
                         labels=v.labels,
-                        blocked=(
-                            f"Slurm {v.scheduler.state_text}"
-                            + (f": {v.scheduler.reason}" if v.scheduler.reason else "")
-                            if v.scheduler is not None and not v.scheduler.available
-                            else ""
-                        ),
+                        blocked=_blocked(v, agents=not is_slurm(spec)),
                     )
                     for name, v in list(cluster.nodes.items())
                 ]
@@ -122,28 +122,32 @@ class OperatorActions:
                     at=self.clock.now(),
                     actor=actor,
                 )
+                if (spec.get("preflight") or {}).get("fabric"):
+                    self._preflight(s, row, spares(caps, req, result, self.settings.fabric_preflight_spares), actor)
                 return job_id, True, row
 
         async with self.writer.lock:
             return await in_thread(write)
 
-    def _rendezvous(self, job_id: str, first_node: str, active: Sequence[Any]) -> tuple[str, int]:
-        """The new job's rendezvous address and port: a port no ``active`` job at that address
-        holds (services/jobs/decide.py master_port); :class:`PlacementRefused` when they hold all."""
-        from services.jobs.decide import master_addr, master_port
+    def _preflight(self, s: Session, row: Any, extra: list[str], actor: str) -> None:
+        """A new job's fabric check of its nodes and ``extra`` spares (services/fabric/loop.py)."""
+        if len(row.assigned_nodes) + len(extra) < 2:
+            row.reason += "; no fabric preflight: one node and no spare to pair it with"
+            return
+        check = new_check(s, nodes=row.assigned_nodes, spares=extra, at=row.created_at, actor=actor, job=row.id)
+        self.shared.fabric_running = True  # under the writer's lock, as the fabric loop reads it
+        row.reason += f"; fabric preflight {check.id} first (spares: {', '.join(extra) or 'none'})"
 
+    def _rendezvous(self, job_id: str, first_node: str, active: Sequence[Any]) -> tuple[str, int]:
+        """The new job's rendezvous address and port (services/jobs/rendezvous.py);
+        :class:`PlacementRefused` when the ``active`` jobs at that address hold every port."""
         assert self.shared.cluster is not None
-        cfg = self.settings
-        first = self.shared.cluster.nodes[first_node]
-        published = first.latest.addr if first.latest is not None else ""
-        addr = master_addr(first_node, first.labels.get(cfg.job_master_addr_label), published)
-        taken = {j.master_port for j in active if j.master_addr == addr}
-        port = master_port(job_id, taken=taken, base=cfg.job_port_base, span=cfg.job_port_span)
+        addr, port = rendezvous(
+            self.settings, self.shared.cluster, job_id=job_id, first_node=first_node,
+            active=[(j.master_addr, j.master_port) for j in active],
+        )  # fmt: skip
         if port is None:
-            raise PlacementRefused(
-                f"no free rendezvous port at {addr}: active jobs there hold all {cfg.job_port_span} of "
-                f"PULSE_JOB_PORT_BASE={cfg.job_port_base} ... {cfg.job_port_base + cfg.job_port_span - 1}"
-            )
+            raise PlacementRefused(no_port(addr, self.settings))
         return addr, port
 
     async def stop_job(self, job_id: str, *, actor: str) -> bool:
@@ -238,6 +242,24 @@ class OperatorActions:
             ) from failed
         return request, nodes
 
+    async def start_fabric_check(self, nodes: list[str] | None, *, actor: str) -> str:
+        """A fabric check of ``nodes`` (None: every free HEALTHY or SUSPECT node,
+        services/fabric/decide.py ``check_nodes``); the fabric loop runs it. Returns its id;
+        raises CheckRefused (BadNodes) with nothing written."""
+        assert self.shared.cluster is not None
+        known = list(self.shared.cluster.nodes.items())
+        states = {n: v.health.state.value for n, v in known}
+        idle = {n for n, v in known if v.latest is not None and not v.latest.launches}
+
+        def write(s: Session) -> str:
+            busy = {n: j.id for j in db.list_jobs(s, states=ACTIVE_JOB_STATES) for n in j.assigned_nodes}
+            chosen = check_nodes(nodes, states, busy, idle)
+            check = new_check(s, nodes=chosen, at=self.clock.now(), actor=actor).id
+            self.shared.fabric_running = True  # under the writer's lock, as the fabric loop reads it
+            return check
+
+        return await self.writer.run("fabric check", write)
+
     async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:
         """Cordon/uncordon: written to the database first, then applied in memory."""
 
@@ -271,3 +293,14 @@ class OperatorActions:
 
         await self.writer.run("slurm", store)
         return True
+
+
+def _blocked(v: NodeView, *, agents: bool) -> str:
+    """Why a node may not take a job although HEALTHY and not cordoned: drained or down in Slurm,
+    or, for a job our agents launch, a node whose agent launches nothing (its heartbeats say so:
+    ``pulse simulate``'s nodes, ``pulse agent --no-jobs``); "" when nothing keeps it out."""
+    if v.scheduler is not None and not v.scheduler.available:
+        return f"Slurm {v.scheduler.state_text}" + (f": {v.scheduler.reason}" if v.scheduler.reason else "")
+    if agents and v.latest is not None and not v.latest.launches:
+        return "no launcher (its heartbeats say it launches nothing)"
+    return ""

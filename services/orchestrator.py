@@ -19,16 +19,17 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from clusterpulse import wire
+from clusterpulse.redis_client import AsyncRedis
 from clusterpulse.settings import Settings
 from clusterpulse.states import EventKind
 from services import db
 from services.clock import RedisClock
 from services.cluster import Cluster, ClusterEvent
+from services.fabric.loop import FabricChecks
 from services.health.decide import Policy
 from services.health.loop import Evaluator
 from services.ingest.loop import Ingest
@@ -66,7 +67,7 @@ class Orchestrator:
         self,
         settings: Settings,
         *,
-        redis_client: aioredis.Redis,
+        redis_client: AsyncRedis,
         engine: Engine,
         consumer: str | None = None,
     ) -> None:
@@ -128,6 +129,7 @@ class Orchestrator:
             if self.slurm is not None
             else None
         )  # fmt: skip
+        self.fabric = FabricChecks(settings, shared=self.shared, writer=self.writer, clock=self.clock, jobs=self.jobs)
         self.operator = OperatorActions(
             settings, shared=self.shared, writer=self.writer, clock=self.clock, jobs=self.jobs, slurm=self.slurm
         )
@@ -144,7 +146,7 @@ class Orchestrator:
         """Every loop this replica runs, each a tick of the one runner (services/runner.py)."""
         ticks: list[Tick | None] = [
             LeaseTick(self), FollowTick(self), self.ingest, self.evaluator, self.persister, self.jobs,
-            self.retention, self.ingest_pool, self.slurm, self.slurm_jobs,
+            self.fabric, self.retention, self.ingest_pool, self.slurm, self.slurm_jobs,
         ]  # fmt: skip
         return [t for t in ticks if t is not None]
 
@@ -241,7 +243,7 @@ class Orchestrator:
         now = self.clock.now()
         shared = self.shared
         self.outbox.clear()
-        shared.job_statuses, shared.ranks_changed = [], False
+        shared.job_statuses, shared.fabric_statuses, shared.ranks_changed = [], [], False
         self.ingest.reset()  # refold everything pending: the state was reloaded from the database
         shared.progress = new_progress(self.settings)
         cluster = Cluster(policy=Policy.from_settings(self.settings), grace_start=now)
@@ -290,7 +292,7 @@ class Orchestrator:
         self.leader.step_down(reason)  # leading again takes a new epoch: what is in flight is refused
         self.led_epoch = None
         self.outbox.clear()
-        self.shared.job_statuses = []
+        self.shared.job_statuses, self.shared.fabric_statuses = [], []
         self.ingest.drop_unacked()
 
     async def lease_tick(self) -> None:
@@ -308,7 +310,7 @@ class Orchestrator:
                 if self.led_epoch is None:
                     await self._lead()
                 else:
-                    await self.leader.raise_epoch(self.led_epoch)  # a Redis that restarted empty
+                    await self.leader.raise_epoch(self.led_epoch, every_slot=False)  # a Redis that restarted empty
             except Exception as exc:
                 log.warning("event=leadership_failed replica=%s error=%r", self.leader.me, str(exc))
 
@@ -366,6 +368,9 @@ class Orchestrator:
 
     async def request_checkpoint(self, job_id: str, *, actor: str, reason: str) -> tuple[str, list[str]]:
         return await self.operator.request_checkpoint(job_id, actor=actor, reason=reason)
+
+    async def start_fabric_check(self, nodes: list[str] | None, *, actor: str) -> str:
+        return await self.operator.start_fabric_check(nodes, actor=actor)
 
     async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:
         return await self.operator.set_schedulable(name, schedulable, reason=reason, actor=actor)

@@ -24,15 +24,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
-import redis.exceptions
 from sqlalchemy.orm import Session, sessionmaker
 
 from clusterpulse import wire
+from clusterpulse.redis_client import UNREACHABLE, AsyncRedis
 from clusterpulse.retry import Backoff, is_transient
 from clusterpulse.settings import Settings
 from services import db
 from services.cluster import Cluster
+from services.jobs.bottleneck import BottleneckPolicy
+from services.jobs.breakdown import BreakdownPolicy
 from services.jobs.progress import Progress
 from services.leader import LeaderLease
 from services.plans.decide import PlannerPolicy
@@ -43,7 +44,7 @@ log = logging.getLogger("pulse.orchestrator")
 
 T = TypeVar("T")
 
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+REDIS_DOWN = UNREACHABLE  # one Redis or a Cluster (a master failing over, a slot not served)
 
 
 def new_plans(settings: Settings) -> PlanKeeper:
@@ -51,7 +52,19 @@ def new_plans(settings: Settings) -> PlanKeeper:
 
 
 def new_progress(settings: Settings) -> Progress:
-    return Progress(straggler_factor=settings.straggler_factor, stale_after=settings.job_stale_after_s)
+    return Progress(
+        straggler_factor=settings.straggler_factor,
+        stale_after=settings.job_stale_after_s,
+        breakdown=BreakdownPolicy(
+            window_s=settings.bottleneck_window_s,
+            suspect_windows=settings.bottleneck_suspect_windows,
+            verdict=BottleneckPolicy(
+                factor=settings.bottleneck_factor,
+                min_excess=settings.bottleneck_min_excess,
+                share=settings.bottleneck_share,
+            ),
+        ),
+    )
 
 
 @dataclass
@@ -64,6 +77,8 @@ class Shared:
     progress: Progress
     job_states: dict[str, tuple[str, float]] = field(default_factory=dict)  # job -> (state, updated_at)
     job_statuses: list[wire.JobStatus] = field(default_factory=list)  # read by ingest, stored by reconcile
+    fabric_statuses: list[wire.JobStatus] = field(default_factory=list)  # fabric probes': the fabric loop's
+    fabric_running: bool = True  # a fabric check may be RUNNING: the fabric loop reads the database (else idles)
     ranks_changed: bool = False  # a registration or an exclusion: the evaluate loop replans
     redis_down_since: float | None = None  # on the one clock, while Redis does not answer
 
@@ -133,7 +148,7 @@ class CrashPoints:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-async def read_latest(client: aioredis.Redis, names: list[str], *, batch: int = 1000) -> dict[str, bytes | None]:
+async def read_latest(client: AsyncRedis, names: list[str], *, batch: int = 1000) -> dict[str, bytes | None]:
     """Each node's latest key (``pulse:{node:N}:latest``: its newest heartbeat, as its agent wrote
     it), pipelined ``batch`` keys at a time; None where the key is gone."""
     out: dict[str, bytes | None] = {}

@@ -222,9 +222,14 @@ QUIET = {
 def publish_heartbeat(client: redis.Redis, node: str, *, gpus: int) -> None:
     """One simulated heartbeat of ``node``, as its agent would write it."""
     sim = SimulatedNode(node, gpus=gpus, seed=1)
-    agent = NodeAgent(node=node, gpu=sim, gpu_source="simulated", interval_s=1.0, sim=sim)
-    payload = wire.encode(agent.heartbeat(sim.sample()))
-    client.set(wire.node_latest_key(node), payload, ex=600)
+    write_heartbeat(client, NodeAgent(node=node, gpu=sim, gpu_source="simulated", interval_s=1.0, sim=sim))
+
+
+def write_heartbeat(client: redis.Redis, agent: NodeAgent) -> None:
+    """``agent``'s next heartbeat (a simulated node's), written where its agent writes it."""
+    assert agent.sim is not None
+    payload = wire.encode(agent.heartbeat(agent.sim.sample()))
+    client.set(wire.node_latest_key(agent.node), payload, ex=600)
     client.xadd(wire.heartbeat_stream_key(0), {wire.HEARTBEAT_FIELD: payload})
 
 

@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 
 from agent.daemon import sim_node_name
 from clusterpulse import wire
+from clusterpulse.redis_client import connect, connect_sync
 from clusterpulse.settings import load_settings
 from tools.bench_backlog import backlog_settings, bench_redis_url, payloads, signal_all, write_rounds
 
@@ -162,30 +163,36 @@ def _scrape(cluster: Any, *, now: Callable[[], float]) -> tuple[float, int]:
     return statistics.median(renders), len(renderer.render(cluster, now=now()))
 
 
-async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str, Any]:
+async def _ingest(
+    args: argparse.Namespace, url: str, workdir: Path, *, cluster: bool = False, shards: int = 1,
+    redis_cpu: Callable[[], dict[str, float]] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The backlog ingest at ``url``, one Redis or (``cluster``) a Redis Cluster, with ``shards``
+    heartbeat stream shards; ``redis_cpu``: each Redis server's CPU seconds so far."""
     from services import db
     from services.orchestrator import Orchestrator
 
     nodes, gpus = args.nodes, args.gpus_per_node
     rounds_n = max(2, min(20, int(400_000 / (nodes * gpus)) + 1))
-    sync = redis.Redis.from_url(url)
+    sync = connect_sync(url, cluster=cluster)
     sync.flushdb()
     rounds = payloads(nodes, gpus, rounds_n, nics=not args.no_nics)
     total_hb = nodes * rounds_n
     maxlen = max(1000, total_hb + 10)  # every entry kept (and the setting's least)
-    raw_s = write_rounds(sync, rounds, maxlen=maxlen)
+    raw_s = write_rounds(sync, rounds, maxlen=maxlen, shards=shards)
     sync.flushdb()
-    write_rounds(sync, rounds[:1], maxlen=maxlen)  # first contact: every node registers
+    write_rounds(sync, rounds[:1], maxlen=maxlen, shards=shards)  # first contact: every node registers
 
     settings = backlog_settings(
-        url, f"sqlite:///{workdir / 'bench.db'}", maxlen=maxlen, ingest_processes=args.ingest_processes
-    )
+        url, f"sqlite:///{workdir / 'bench.db'}", maxlen=maxlen, ingest_processes=args.ingest_processes,
+        redis_cluster=cluster, heartbeat_stream_shards=shards,
+    )  # fmt: skip
     db.upgrade(settings.database_url)
     import psutil
 
     rss_before = psutil.Process().memory_info().rss  # the driver and its encoded heartbeats
     engine = db.make_engine(settings.database_url)
-    client = aioredis.from_url(url)
+    client = connect(url, cluster=cluster)
     orch = Orchestrator(settings, redis_client=client, engine=engine, consumer="bench")
     t0 = time.perf_counter()
     await orch.start()
@@ -197,12 +204,14 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     # then consumed.
     workers = orch.ingest_pool.pids if orch.ingest_pool else []
     signal_all(workers, signal.SIGSTOP)
-    write_rounds(sync, rounds[1:], maxlen=maxlen)
+    cpu0 = redis_cpu() if redis_cpu else {}
+    write_rounds(sync, rounds[1:], maxlen=maxlen, shards=shards)
     t0 = time.perf_counter()
     signal_all(workers, signal.SIGCONT)
     while orch.cluster.received < total_hb:
         await asyncio.sleep(0.01)
     ingest_s = time.perf_counter() - t0
+    cpu1 = redis_cpu() if redis_cpu else {}
     rejected = sum(orch.cluster.rejected.values())
 
     scrape_s, body_bytes = _scrape(orch.cluster, now=orch.clock.now)
@@ -215,6 +224,7 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
     sync.flushdb()
     samples = (total_hb - nodes) * gpus
     return {
+        **({"redis_cpu_s_per_1000_heartbeats": _per_1000(cpu0, cpu1, total_hb - nodes)} if redis_cpu else {}),
         "nodes": nodes,
         "gpus": nodes * gpus,
         "heartbeats_ingested": total_hb,
@@ -230,6 +240,11 @@ async def _ingest(args: argparse.Namespace, url: str, workdir: Path) -> dict[str
         "orchestrator_rss_bytes": rss,
         "orchestrator_rss_growth_bytes": rss - rss_before,
     }
+
+
+def _per_1000(before: dict[str, float], after: dict[str, float], heartbeats: int) -> dict[str, float]:
+    """Each server's CPU seconds per 1,000 heartbeats between two readings."""
+    return {k: round((after[k] - before.get(k, 0.0)) / heartbeats * 1000, 4) for k in after}
 
 
 def _agent(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,6 +291,11 @@ def run_bench(args: argparse.Namespace) -> int:
         return soak(args)
     if args.bench == "agent":
         result = _agent(args)
+    elif args.redis_cluster:
+        from tools.bench_cluster import side_by_side
+
+        with tempfile.TemporaryDirectory(prefix="pulse-bench-") as tmp:
+            result = side_by_side(args, os.environ.get("PULSE_BENCH_REDIS_URL"), Path(tmp), ingest=_ingest)
     elif args.processes:
         from tools.bench_scale import scale_out
 

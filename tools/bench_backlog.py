@@ -10,11 +10,10 @@ import signal
 import time
 from typing import Any
 
-import redis
-
 from agent.daemon import NodeAgent, sim_node_name
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
+from clusterpulse.redis_client import SyncRedis
 from clusterpulse.settings import Settings, load_settings
 
 
@@ -39,7 +38,7 @@ def payloads(nodes: int, gpus: int, rounds: int, *, nics: bool = True) -> list[l
     return out
 
 
-def write_rounds(client: redis.Redis, rounds: list[list[tuple[str, bytes]]], *, maxlen: int, shards: int = 1) -> float:
+def write_rounds(client: SyncRedis, rounds: list[list[tuple[str, bytes]]], *, maxlen: int, shards: int = 1) -> float:
     """The agents' write pattern (each node's latest key, then its entry in its stream shard),
     pipelined 1,000 heartbeats at a time. Returns seconds."""
     t0 = time.perf_counter()

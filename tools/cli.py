@@ -16,7 +16,7 @@ from typing import Any
 
 from clusterpulse.proc import LOG_FORMAT
 from tools.daemons import cmd_agent, cmd_agent_credentials, cmd_db, cmd_ingest, cmd_orchestrator, cmd_simulate
-from tools.oncall import cmd_events, cmd_jobs, cmd_nodes, cmd_plan, cmd_slurm, cmd_tokens
+from tools.oncall import cmd_check_fabric, cmd_events, cmd_jobs, cmd_nodes, cmd_plan, cmd_slurm, cmd_tokens
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -84,6 +84,12 @@ def cmd_bench_nics(args: argparse.Namespace) -> int:
     from tools.bench_nics import run_bench_nics
 
     return run_bench_nics(args)
+
+
+def cmd_bench_reads(args: argparse.Namespace) -> int:
+    from tools.bench_reads import run_bench_reads
+
+    return run_bench_reads(args)
 
 
 def cmd_goodput(args: argparse.Namespace) -> int:
@@ -206,6 +212,9 @@ def _api_commands(sub: Subparsers) -> None:
         choices=("agents", "slurm"),
         help="who runs the ranks (default: the orchestrator's PULSE_JOB_BACKEND)",
     )
+    j.add_argument(
+        "--preflight-fabric", action="store_true", help="start: a fabric check of its nodes first (slow ones swapped)"
+    )
     j.add_argument("--state")
     j.add_argument("--follow", action="store_true", help="stream state and progress until the job ends")
     j.add_argument("--json", action="store_true")
@@ -270,14 +279,28 @@ def _tool_commands(sub: Subparsers) -> None:
     cr.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: CPUs / world size)")
     cr.add_argument("--json", action="store_true", help="one JSON object (default: key: value lines)")
     cr.set_defaults(fn=cmd_check)
+    cf = csub.add_parser(
+        "fabric",
+        help="the fabric check through the orchestrator: nodes in pairs, all-reduce bus bandwidth, slow nodes named",
+        description="Starts a fabric check (POST /v1/fabric/checks, operator) and follows it: the nodes in pairs "
+        "run an all-reduce through their agents, a second round pairs the slow pairs' nodes with the fast ones', "
+        "and a node whose every pair was slow is named and made SUSPECT. Exit 0: none slow; 1: some; 2: not done "
+        "within --timeout; 3: none slow, but some node not measured (its agent never took the probe).",
+    )
+    cf.add_argument(
+        "--nodes", metavar="A,B,...", help="the nodes (default: every HEALTHY or SUSPECT node without a job)"
+    )
+    cf.add_argument("--timeout", type=float, default=600.0, help="how long to follow it, s (default 600)")
+    cf.add_argument("--poll", type=float, default=0.5, help="seconds between reads of the check (default 0.5)")
+    cf.add_argument(
+        "--json", action="store_true", help="the check as JSON: pairs, slow, slow_reasons, unmeasured, median_gbps"
+    )
+    cf.set_defaults(fn=cmd_check_fabric)
     _bench_commands(sub)
 
 
-def _bench_commands(sub: Subparsers) -> None:
-    """`pulse bench ...`: ingest, agent, nics, soak, goodput, recovery."""
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    bi = bsub.add_parser("ingest", help="heartbeat ingest, detection latency and /metrics render")
+def _bench_ingest_args(bi: argparse.ArgumentParser) -> None:
+    """`pulse bench ingest`'s options."""
     bi.add_argument("--nodes", type=int, default=2048)
     bi.add_argument("--gpus-per-node", type=int, default=8)
     bi.add_argument("--duration", type=float, default=10.0)
@@ -300,7 +323,15 @@ def _bench_commands(sub: Subparsers) -> None:
     bi.add_argument(
         "--backlog", type=int, default=0, help="heartbeats pre-filled (scale-out form; 0: 65,536, at least 2 per node)"
     )
-    bi.add_argument("--shards", type=int, default=4, help="heartbeat stream shards (scale-out form)")
+    bi.add_argument(
+        "--shards", type=int, default=4, help="heartbeat stream shards (scale-out and --redis-cluster forms)"
+    )
+    bi.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the backlog ingest on one Redis and on a private Redis Cluster (3 masters, 3 replicas) side by "
+        "side: the ratio, and each server's CPU per 1,000 heartbeats (tools/bench_cluster.py)",
+    )
     bi.add_argument(
         "--no-nics",
         action="store_true",
@@ -308,6 +339,14 @@ def _bench_commands(sub: Subparsers) -> None:
         "by default each node has 8)",
     )
     bi.add_argument("--json", action="store_true")
+
+
+def _bench_commands(sub: Subparsers) -> None:
+    """`pulse bench ...`: ingest, agent, nics, soak, goodput, recovery."""
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bi = bsub.add_parser("ingest", help="heartbeat ingest, detection latency and /metrics render")
+    _bench_ingest_args(bi)
     bi.set_defaults(fn=cmd_bench)
     ba = bsub.add_parser("agent", help="agent CPU and memory at a 1 s interval")
     ba.add_argument("--gpus", type=int, default=8)
@@ -324,6 +363,7 @@ def _bench_commands(sub: Subparsers) -> None:
     bn.add_argument("--reads", type=int, default=2000, help="heartbeats timed (default 2000)")
     bn.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     bn.set_defaults(fn=cmd_bench_nics)
+    _reads_command(bsub)
     bs = bsub.add_parser(
         "soak",
         help="long run with random faults: orchestrator memory growth, false DEGRADED, lost events",
@@ -352,6 +392,25 @@ def _bench_commands(sub: Subparsers) -> None:
     bs.set_defaults(fn=cmd_bench)
     _goodput_command(bsub)
     _recovery_command(bsub)
+
+
+def _reads_command(bsub: Subparsers) -> None:
+    """`pulse bench reads`: GET /v1/nodes beside a bare FastAPI app; summary pages at scale."""
+    br = bsub.add_parser(
+        "reads",
+        help="GET /v1/nodes beside a bare FastAPI app serialising the same body; summary pages at scale",
+        description="Requests a second of a real orchestrator's GET /v1/nodes (full and fields=summary) beside "
+        "a bare FastAPI app answering the same body through orjson, in turn under the same load, and the time "
+        "of each summary page at --scale-nodes; prints one JSON object (tools/bench_reads.py).",
+    )
+    br.add_argument("--nodes", type=int, default=64, help="simulated nodes heartbeating every second (0: skip)")
+    br.add_argument("--clients", type=int, default=32, help="keep-alive connections asking at once (32)")
+    br.add_argument("--seconds", type=float, default=5.0, help="seconds counted per side and round (5)")
+    br.add_argument("--rounds", type=int, default=5, help="rounds of the bare app and the orchestrator (5)")
+    br.add_argument("--scale-nodes", type=int, default=16384, help="nodes of the summary pages' run (0: skip)")
+    br.add_argument("--page", type=int, default=1000, help="nodes a summary page (1000)")
+    br.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
+    br.set_defaults(fn=cmd_bench_reads)
 
 
 def _recovery_command(bsub: Subparsers) -> None:

@@ -148,9 +148,11 @@ def cmd_agent_credentials(args: argparse.Namespace) -> int:
     password = _credentials_password(args.password_file)
     try:
         rules = (
-            acl.orchestrator_acl(password=password)
+            acl.orchestrator_acl(password=password, cluster=settings.redis_cluster)
             if args.orchestrator
-            else acl.node_acl(args.node, shards=settings.heartbeat_stream_shards, password=password)
+            else acl.node_acl(
+                args.node, shards=settings.heartbeat_stream_shards, password=password, cluster=settings.redis_cluster
+            )
         )
     except ValueError as exc:
         raise SystemExit(f"pulse agent-credentials: {exc}") from None
@@ -158,16 +160,17 @@ def cmd_agent_credentials(args: argparse.Namespace) -> int:
     if args.apply:
         import redis
 
-        client = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=settings.redis_timeout_s, socket_connect_timeout=settings.redis_timeout_s
-        )
+        from clusterpulse.redis_client import set_acl_user
+
         try:
-            client.execute_command("ACL", "SETUSER", *rules)  # type: ignore[no-untyped-call]
-        except redis.RedisError as exc:
+            where = set_acl_user(
+                settings.redis_url, rules, cluster=settings.redis_cluster, timeout_s=settings.redis_timeout_s
+            )
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
             print(f"pulse agent-credentials: ACL SETUSER {rules[0]} failed at PULSE_REDIS_URL: {exc}", file=sys.stderr)
             return 1
-        finally:
-            client.close()
+        if settings.redis_cluster:
+            print(f"ACL user {rules[0]} set on every node of the Redis Cluster: {', '.join(where)}", file=sys.stderr)
         print(
             f"ACL user {rules[0]} applied (heartbeat_stream_shards={settings.heartbeat_stream_shards}); persist it "
             "with ACL SAVE (aclfile) or CONFIG REWRITE. Its URL, holding the password:",

@@ -170,6 +170,24 @@ def format_jobs(jobs: Sequence[dict[str, Any]]) -> str:
     return table(rows)
 
 
+def format_bottleneck(b: dict[str, Any]) -> str:
+    """A job's step verdict over its last window, and where each rank's step went (docs/design/step.md)."""
+    where = (
+        f" rank {b['rank']} on {b['node']}"
+        if b.get("rank") is not None
+        else f" node {b['node']}"
+        if b.get("node")
+        else ""
+    )
+    phases = ("data", "forward", "backward", "communication", "optimizer")
+    lines = [f"  bottleneck: {b['kind']}-bound{where} ({b['window_s']:g} s window): {b['reason']}"]
+    rows = [["RANK", "NODE", "STEPS", *(p.upper() for p in phases), "WAIT"]]
+    for rank, r in sorted(b["ranks"].items(), key=lambda kv: int(kv[0])):
+        rows.append([rank, r["node"], str(r["steps"]), *(f"{r[p]:.3g}" for p in phases), f"{r['wait']:.3g}"])
+    lines.append(table(rows))
+    return "\n".join(lines)
+
+
 def format_tokens(tokens: Sequence[dict[str, Any]]) -> str:
     rows = [("NAME", "ROLE", "STATE", "CREATED", "BY", "REVOKED")]
     for t in tokens:
@@ -177,3 +195,19 @@ def format_tokens(tokens: Sequence[dict[str, Any]]) -> str:
         state = "active" if t["active"] else "revoked"
         rows.append((t["name"], t["role"], state, when(t["created_at"]), t["created_by"], revoked))
     return table(rows)
+
+
+def format_fabric_check(c: dict[str, Any]) -> str:
+    """A fabric check: every pair's bus bandwidth, then the verdict and each slow node's reason."""
+    rows = [
+        [str(p["round"]), " - ".join(p["nodes"]), p["state"],
+         "-" if p.get("busbw_gbps") is None else f"{p['busbw_gbps']:.3g}", p.get("detail", "")]
+        for p in c["pairs"]
+    ]  # fmt: skip
+    lines = [
+        f"fabric check {c['id']} {c['state']}: {c['reason']}",
+        table([["ROUND", "PAIR", "STATE", "BUSBW GB/s", "DETAIL"], *rows]),
+    ]
+    lines += [f"slow: {node}: {c['slow_reasons'].get(node, '')}" for node in c["slow"]]
+    lines += [f"not measured: {node}: {why}" for node, why in sorted((c.get("unmeasured") or {}).items())]
+    return "\n".join(lines)

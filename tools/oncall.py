@@ -16,8 +16,10 @@ from typing import Any
 from clusterpulse.settings import Settings, load_settings
 from clusterpulse.states import TERMINAL_JOB_STATES, JobState
 from tools.format import (
+    format_bottleneck,
     format_event_line,
     format_events,
+    format_fabric_check,
     format_jobs,
     format_node,
     format_nodes,
@@ -227,6 +229,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         }
         if args.backend:
             body["backend"] = args.backend
+        if args.preflight_fabric:
+            body["preflight"] = {"fabric": True}
         if args.deepspeed_config:
             with open(args.deepspeed_config) as fh:
                 body["deepspeed_config"] = json.load(fh)
@@ -260,6 +264,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     print(format_jobs([job]))
     for w in job.get("warnings") or []:
         print(f"  warning: {w}")
+    if job.get("bottleneck"):
+        print(format_bottleneck(job["bottleneck"]))
     return 0
 
 
@@ -309,3 +315,21 @@ def cmd_tokens(args: argparse.Namespace) -> int:
     else:
         print(f"token {args.name} revoked" + ("" if out["changed"] else " (no change: it already was)"))
     return 0
+
+
+def cmd_check_fabric(args: argparse.Namespace) -> int:
+    """``pulse check fabric``: start a fabric check, follow it to its verdict, print its pairs and
+    the nodes it named slow. Exit 0 when none is slow, 1 when some are, 2 when it did not finish
+    within ``--timeout``, 3 when none is slow but some node was not measured (its agent never
+    took the probe)."""
+    nodes = [n for n in (args.nodes or "").split(",") if n.strip()] or None
+    check = _call("POST", "/v1/fabric/checks", json={"nodes": nodes} if nodes else {})
+    deadline = time.monotonic() + args.timeout
+    while check["state"] != "DONE" and time.monotonic() < deadline:
+        time.sleep(args.poll)
+        check = _call("GET", f"/v1/fabric/checks/{check['id']}")
+    print(json.dumps(check, indent=2) if args.json else format_fabric_check(check))
+    if check["state"] != "DONE":
+        print(f"pulse check fabric: {check['id']} still runs after {args.timeout:g}s", file=sys.stderr)
+        return 2
+    return 1 if check["slow"] else 3 if check.get("unmeasured") else 0

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # torch.distributed re-exports it untyped
 
+from trainer import slow_link
 from trainer.groups import TAG_BUCKET, TAG_RESULT, PlanGroups, group_device, on_device, wait_work
 from trainer.route import RerouteError, Route, StepBudget, plan_buckets, reduce_dtype
 
@@ -90,6 +91,13 @@ class ReroutedAllReduce(PlanGroups):
     """
 
     _hook_step: _Step | None
+    # Running totals for the step's breakdown (trainer/phases.py): seconds inside allreduce_, the
+    # part of them spent waiting for the last peer to arrive, and the arrivals that measured it.
+    # ``arrive`` asks the next allreduce_ to measure that wait first (once per optimizer step).
+    reduce_s: float = 0.0
+    wait_s: float = 0.0
+    arrivals: int = 0
+    arrive: bool = False
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -103,6 +111,33 @@ class ReroutedAllReduce(PlanGroups):
         """
         if not tensors:
             return
+        started = time.perf_counter()
+        try:
+            if self.arrive:
+                self.arrive = False
+                self._arrive()
+            self._allreduce(tensors)
+        finally:
+            self.reduce_s += time.perf_counter() - started
+
+    def reduced(self) -> tuple[float, float, int]:
+        """The running totals (``reduce_s``, ``wait_s``, ``arrivals``) :class:`trainer.phases.PhaseClock` reads."""
+        return self.reduce_s, self.wait_s, self.arrivals
+
+    def _arrive(self) -> None:
+        """Wait for every live rank to reach the step's reduction (a one-value all-reduce on its
+        group), timed as ``wait_s``: what is left of the reduction afterwards is the transfer
+        itself, so a rank slow to arrive (its data, its compute) is told apart from a slow link.
+        Under a plan with proxies nothing is measured: a degraded rank never meets the others."""
+        if not self._fast():
+            return
+        started = time.perf_counter()
+        group = self._live_group()
+        dist.all_reduce(torch.zeros(1, device=group_device(group)), group=group)
+        self.wait_s += time.perf_counter() - started
+        self.arrivals += 1
+
+    def _allreduce(self, tensors: list[torch.Tensor]) -> None:
         with torch.no_grad():
             buckets = plan_buckets([(t.numel(), t.dtype) for t in tensors], self.bucket_bytes)
             step = self._begin_step()
@@ -225,10 +260,16 @@ class ReroutedAllReduce(PlanGroups):
     def _allreduce_mean(
         self, flat: torch.Tensor, group: dist.ProcessGroup | None, divisor: int
     ) -> torch.futures.Future[torch.Tensor]:
+        started, nbytes = time.monotonic(), flat.numel() * flat.element_size()
         work = dist.all_reduce(flat, group=group, async_op=True)
         assert work is not None
         self.last_contributors.append(divisor)
-        averaged: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda fut: fut.value()[0].div_(divisor))
+
+        def mean(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            slow_link.hold(nbytes, started)  # a simulated slow_link only (a test hook)
+            return fut.value()[0].div_(divisor)
+
+        averaged: torch.futures.Future[torch.Tensor] = work.get_future().then(mean)
         return averaged
 
     def _send_to_carrier(self, flat: torch.Tensor, carrier: int, group: dist.ProcessGroup) -> dist.Work:

@@ -24,14 +24,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
-import redis
 import torch
 from torch._C._distributed_c10d import Store  # torch.distributed re-exports it untyped
 from torch.distributed import DistError
 
 from clusterpulse import wire
+from clusterpulse.redis_client import LazyClient
 from clusterpulse.retry import Backoff, is_transient
 from trainer.collective import ReroutedAllReduce
 from trainer.hang import Beat, HangWatch, silent_ranks
@@ -47,6 +48,7 @@ class PlanFollower:
         job: str,
         reroute: ReroutedAllReduce,
         redis_url: str,
+        redis_cluster: bool = False,
         poll_s: float = 1.0,
         every: int = 1,
         socket_timeout_s: float = 2.0,
@@ -81,20 +83,17 @@ class PlanFollower:
         self._boundary_at = time.monotonic()  # the last step boundary (or recovery)
         self._steps: collections.deque[float] = collections.deque(maxlen=16)  # the time between boundaries
         self._stop = threading.Event()
-        self._redis = redis.Redis.from_url(
-            redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
-        )
+        self._redis = LazyClient(redis_url, cluster=redis_cluster, timeout_s=socket_timeout_s)  # made by the thread
         self.thread = threading.Thread(target=self._run, name=f"pulse-plan-{reroute.rank}", daemon=True)  # reads plans
         self.thread.start()
         self.beat_s = beat_s
         self.silent_beats = silent_beats
         self.beat: Beat | None = None  # the liveness beat and, with ``watch``, the watch (trainer.hang)
         if beat_s is not None:
-            port = self._redis.connection_pool.connection_kwargs.get("port")
             self.beat = Beat(
                 job=job, groups=reroute, store=reroute.store, beat_s=beat_s, silence_s=hang_silence_s or 0.0,
                 watch=hang_silence_s is not None,
-                latest=lambda: self._latest, stalled=self._stalled, keep_ports=[int(port)] if port else [],
+                latest=lambda: self._latest, stalled=self._stalled, keep_ports=[p for p in [self._redis.port] if p],
             )  # fmt: skip
 
     @property
@@ -398,7 +397,7 @@ class PlanFollower:
     # --- the reading thread ----------------------------------------------------------------------
 
     def _fetch(self) -> None:
-        raw = self._redis.get(wire.job_plan_key(self.job))
+        raw = self._redis.get().get(wire.job_plan_key(self.job))
         if raw is None or raw == self._rejected_raw:
             return  # a plan rejected already is counted and logged once, not at every read
         try:
@@ -420,8 +419,9 @@ class PlanFollower:
         backoff = Backoff()
         job = self.job.encode()
         while not self._stop.is_set():
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]
+            pubsub: Any = None
             try:
+                pubsub = self._redis.get().pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]
                 pubsub.subscribe(wire.PLAN_CHANNEL)
                 self._fetch()
                 backoff.reset()
@@ -439,7 +439,8 @@ class PlanFollower:
                 log.debug("event=plan_read_retry job=%s delay_s=%.2f error=%r", self.job, delay, str(exc))
                 self._stop.wait(delay)
             finally:
-                pubsub.close()
+                if pubsub is not None:
+                    pubsub.close()
 
 
 class _Invitation(msgspec.Struct, frozen=True):

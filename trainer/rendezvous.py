@@ -62,7 +62,7 @@ def started(settings: TrainerSettings, *, rank: int, world_size: int) -> Trainer
         try:
             _reporter = TrainerReporter(
                 job=settings.job_id, rank=rank, world_size=world_size, node=settings.node or None,
-                redis_url=settings.redis_url,
+                redis_url=settings.redis_url, redis_cluster=settings.redis_cluster,
             )  # fmt: skip
         except ValueError as exc:
             log.warning("event=reporting_off job=%s rank=%d reason=%r", settings.job_id, rank, str(exc))

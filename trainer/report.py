@@ -35,6 +35,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from clusterpulse import wire
+from clusterpulse.redis_client import CLUSTER_ENV, CLUSTER_TRANSIENT, LazyClient, env_flag
 from clusterpulse.retry import Backoff, is_transient
 from trainer import mfu as mfu_lib
 
@@ -61,17 +62,20 @@ class StepTimer:
 
 
 class LossSpikeDetector:
-    """Flags a step whose loss is over ``factor`` x the lowest loss of the last ``window`` steps,
-    and any non-finite loss or gradient norm.
+    """Flags a loss over ``factor`` x the mean of the losses of the last ``window`` steps, and any
+    non-finite loss or gradient norm.
 
-    :meth:`update` returns ``None`` for a normal step, else a reason whose first word is the kind
-    (``nonfinite_loss``, ``nonfinite_grad_norm``, ``loss_spike``). Non-finite losses are not
-    remembered; a spike is (a second spike in a row is still measured against the window's
-    minimum). The ratio test needs a positive minimum: with a minimum <= 0 it never fires. Steps
-    are expected to increase; a step below the last one seen (a resume from a checkpoint) starts
-    the window afresh. Constant time per step: the window's minimum is the head of a deque of
-    increasing losses (the classic sliding-window minimum), not a scan of the window.
+    :meth:`update` returns ``None`` for a normal loss, else a reason whose first word is the kind
+    (``nonfinite_loss``, ``nonfinite_grad_norm``, ``loss_spike``). A spike is judged only once the
+    window holds ``min(window, MIN_HISTORY)`` losses (the first steps' losses fall fast), against
+    a positive mean. The mean, not the window's lowest loss: a noisy but healthy loss near its floor
+    (a small batch's MSE) is often ten times its lowest, almost never ten times its mean.
+    Non-finite losses are not remembered; a spike is. Steps are expected not to decrease (several
+    losses of one step, its micro-steps, are fine); a step below the last one seen (a resume from a
+    checkpoint) starts the window afresh.
     """
+
+    MIN_HISTORY = 10
 
     def __init__(self, window: int = 100, factor: float = 10.0) -> None:
         if window < 1:
@@ -80,9 +84,7 @@ class LossSpikeDetector:
             raise ValueError(f"factor={factor}: expected > 1")
         self.window = window
         self.factor = factor
-        # (step, loss), steps and losses both increasing: each entry is the lowest loss seen
-        # since its step, so the head is the minimum of the window.
-        self._low: collections.deque[tuple[int, float]] = collections.deque()
+        self._seen: collections.deque[tuple[int, float]] = collections.deque()  # (step, loss), in order
 
     def update(self, step: int, loss: float | None, grad_norm: float | None = None) -> str | None:
         if loss is not None and not math.isfinite(loss):
@@ -91,22 +93,20 @@ class LossSpikeDetector:
             return f"nonfinite_grad_norm grad_norm={grad_norm} at step {step}"
         if loss is None:
             return None
-        low = self._low
-        if low and step < low[-1][0]:
-            low.clear()
-        while low and low[0][0] <= step - self.window:
-            low.popleft()
+        seen = self._seen
+        if seen and step < seen[-1][0]:
+            seen.clear()
+        while seen and seen[0][0] < step - self.window:  # the window: the steps before, and this one's
+            seen.popleft()
         reason = None
-        if low:
-            least = low[0][1]
-            if least > 0 and loss > self.factor * least:
+        if len(seen) >= min(self.window, self.MIN_HISTORY):
+            mean = sum(x for _, x in seen) / len(seen)
+            if mean > 0 and loss > self.factor * mean:
                 reason = (
-                    f"loss_spike loss={loss:.6g} at step {step} > {self.factor:g} x min {least:.6g} "
-                    f"of the last {self.window} steps"
+                    f"loss_spike loss={loss:.6g} at step {step} > {self.factor:g} x mean {mean:.6g} "
+                    f"of the last {len(seen)} losses"
                 )
-        while low and low[-1][1] >= loss:
-            low.pop()
-        low.append((step, loss))
+        seen.append((step, loss))
         return reason
 
 
@@ -231,7 +231,9 @@ class TrainerReporter:
 
     Identity falls back to the environment a launcher sets: ``job`` to ``PULSE_JOB_ID``, ``rank``
     to ``RANK`` (else 0), ``node`` to ``PULSE_NODE`` (else the host name), ``world_size`` to
-    ``WORLD_SIZE`` (else 1); ``redis_url`` to ``PULSE_REDIS_URL``; ``peak_flops_per_device`` to
+    ``WORLD_SIZE`` (else 1); ``redis_url`` to ``PULSE_REDIS_URL``, ``redis_cluster`` to
+    ``PULSE_REDIS_CLUSTER`` (a Redis Cluster: the reports go to the master of their stream's
+    slot, followed across a failover or a resharding); ``peak_flops_per_device`` to
     ``PULSE_PEAK_FLOPS``. MFU is reported when ``flops_per_token``, ``tokens_per_step``, a step time
     and a peak are all known, else ``None``. See the module docstring for the delivery contract.
 
@@ -251,6 +253,7 @@ class TrainerReporter:
         world_size: int | None = None,
         local_rank: int | None = None,
         redis_url: str | None = None,
+        redis_cluster: bool | None = None,
         flops_per_token: float | None = None,
         peak_flops_per_device: float | None = None,
         tokens_per_step: int | None = None,
@@ -270,6 +273,8 @@ class TrainerReporter:
         )
         if redis_url is None:
             redis_url = os.environ.get("PULSE_REDIS_URL") or "redis://127.0.0.1:6379/0"
+        if redis_cluster is None:
+            redis_cluster = env_flag(os.environ.get(CLUSTER_ENV))
         reg = self.registration
         self.job, self.rank, self.node, self.world_size = reg.job, reg.rank, reg.node, reg.world_size
         self.local_rank = reg.local_rank
@@ -292,12 +297,9 @@ class TrainerReporter:
         self.events = 0  # training-safety events seen
         self.thread_cpu_s = 0.0  # CPU seconds the publishing thread has used, updated after each send
 
-        self._redis = redis.Redis.from_url(
-            redis_url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),  # our own backoff, on our own thread
-        )
+        self._cluster, self._stale = redis_cluster, False  # stale: a Cluster's slot map to read again
+        retry = Retry(NoBackoff(), 0)  # our own backoff, on our own thread; a Cluster's client is made there
+        self._redis = LazyClient(redis_url, cluster=redis_cluster, timeout_s=timeout_s, retry=retry)
         self._report_prefix = xadd_prefix(wire.TRAINER_STREAM, wire.TRAINER_FIELD, maxlen)
         self._registration_command = b"".join(
             pack_xadds(
@@ -354,20 +356,24 @@ class TrainerReporter:
         plan_generation: int | None = None,
         unreachable_ranks: list[int] | None = None,
         note: str | None = None,
+        phases: wire.StepPhases | None = None,
+        update_ratio: float | None = None,
     ) -> wire.TrainerReport | None:
         """Queue this step's report (when due, when a safety event fires, or when
         ``unreachable_ranks`` names degraded ranks this rank as their carrier gave up on: those
         go out at once, whatever the cadence); returns it, or ``None`` when not due. Never blocks
         on Redis, never raises on its account. Non-finite floats travel as JSON ``null`` and the
-        ``event`` says which one was not finite."""
+        ``event`` says which one was not finite. ``phases``: where the step's time went
+        (:class:`trainer.phases.PhaseClock`); ``update_ratio``: measured at this step (always sent).
+        ``note``: events of the protocol's own (``checkpoint_written <dir>``, one a line), always
+        sent, before this step's anomaly on the next line."""
         self.last_step = max(self.last_step, step)
-        event = self.detector.update(step, loss, grad_norm)
-        if event is not None:
+        anomaly = self.detector.update(step, loss, grad_norm)
+        if anomaly is not None:
             self.events += 1
-            log.warning("event=training_anomaly job=%s rank=%d step=%d reason=%r", self.job, self.rank, step, event)
-        elif note is not None:
-            event = note  # an event of the protocol's own (``checkpoint_written <dir>``): always sent
-        elif step % self.every != 0 and not unreachable_ranks:
+            log.warning("event=training_anomaly job=%s rank=%d step=%d reason=%r", self.job, self.rank, step, anomaly)
+        event = "\n".join(e for e in (note, anomaly) if e is not None) or None
+        if event is None and step % self.every != 0 and not unreachable_ranks and update_ratio is None:
             return None
         tokens_per_s = None
         mfu_ratio = None
@@ -390,6 +396,8 @@ class TrainerReporter:
             plan_generation=plan_generation,
             unreachable_ranks=unreachable_ranks or None,
             event=event[:512] if event is not None else None,
+            phases=phases,
+            update_ratio=update_ratio if update_ratio is not None and math.isfinite(update_ratio) else None,
         )
         with self._lock:
             queue = self._queue
@@ -541,7 +549,7 @@ class TrainerReporter:
         commands = int(register) + len(batch)
         conn = self._conn
         if conn is None:  # connects, or raises; a connection dropped after an error reconnects on send
-            conn = self._conn = self._redis.connection_pool.get_connection()
+            conn = self._conn = self._connection()
         try:
             conn.send_packed_command([b"".join(parts)], check_health=False)  # type: ignore[no-untyped-call]
             replies: list[Exception | None] = []
@@ -552,10 +560,30 @@ class TrainerReporter:
                     replies.append(exc)
                 else:
                     replies.append(None)
-            return replies
         except BaseException:
             conn.disconnect()  # type: ignore[no-untyped-call]
+            if self._cluster:  # the master may have failed over: the slot map is read again
+                self._conn, self._stale = None, True
             raise
+        if self._cluster and any(isinstance(e, CLUSTER_TRANSIENT) for e in replies):
+            # the stream's slot moved (MOVED), is moving (ASK) or has no master yet: the whole
+            # batch again, at the slot's master as the refreshed map says (at least once: a
+            # report that got in before is sent twice, which the orchestrator folds once)
+            conn.disconnect()  # type: ignore[no-untyped-call]
+            self._conn, self._stale = None, True
+            raise next(e for e in replies if isinstance(e, CLUSTER_TRANSIENT))
+        return replies
+
+    def _connection(self) -> redis.connection.ConnectionInterface:
+        """The thread's connection: to the one Redis, or to the master of the report stream's slot."""
+        client = self._redis.get()
+        if not isinstance(client, redis.RedisCluster):
+            return client.connection_pool.get_connection()
+        if self._stale:
+            client.nodes_manager.initialize()
+            self._stale = False
+        node = client.get_node_from_key(wire.TRAINER_STREAM)  # type: ignore[no-untyped-call]
+        return client.get_redis_connection(node).connection_pool.get_connection()
 
     def _give_back(self, batch: Iterable[wire.TrainerReport]) -> None:
         """Put a failed batch back at the head, oldest dropped beyond the bound."""

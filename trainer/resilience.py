@@ -36,13 +36,14 @@ import torch
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
 from clusterpulse import wire
-from trainer import deepspeed_reroute, rendezvous, world, zero_repartition
+from trainer import deepspeed_reroute, rendezvous, step_report, world, zero_repartition
 from trainer.checkpoint import EmergencyCheckpoint
 from trainer.collective import ReroutedAllReduce
+from trainer.divergence import Health
 from trainer.engine_state import check_partitions, materialize_optimizer_state, params_sum, skip_step, take_state
 from trainer.follow import JobFinished, PlanFollower, RecoveryError, forget_invitation
-from trainer.mfu import peak_flops
-from trainer.report import StepTimer, TrainerReporter
+from trainer.phases import BACKWARD, FORWARD, OPTIMIZER, PhaseClock, WallClock
+from trainer.report import TrainerReporter
 from trainer.settings import TrainerSettings, load_trainer_settings
 
 log = logging.getLogger("pulse.trainer")
@@ -104,6 +105,7 @@ class Resilience:
         self.recoveries = 0
         self.checkpoint = EmergencyCheckpoint(engine, directory=s.checkpoint_dir, job=s.job_id, rank=self.rank)
         self.checkpoints = self.checkpoint.written  # the directories written, in order
+        self.health = Health.from_settings(s)  # a diverging loss asks for a checkpoint; the update ratio
         self.partitions = zero_repartition.Rehoming(engine, rank=self.rank, mirror_steps=s.zero_mirror_steps, on=False)
         self._declared_tokens: int | None = s.tokens_per_step
         self._declared_flops: float | None = s.model_flops_per_token
@@ -120,7 +122,7 @@ class Resilience:
         self._engine_norm = False  # DeepSpeed computed the last step's gradient norm itself
         self._in_engine_backward = False
         self._closed = False
-        self._timer = StepTimer()
+        self.phases = PhaseClock() if s.step_phases else WallClock()  # where each step's time goes
         self._orig_forward = engine.forward
         self._orig_backward = engine.backward
         self._orig_step = engine.step
@@ -131,9 +133,11 @@ class Resilience:
         global _current
         s, engine = self.settings, self.engine
         if s.active:
-            self.reporter = _reporter(engine, s, rank=self.rank, local_rank=self.local_rank, world=self.world_size)
+            self.reporter = step_report.reporter(
+                engine, s, rank=self.rank, local_rank=self.local_rank, world=self.world_size
+            )
             if s.reroute:
-                self._make_reroute()
+                _make_reroute(self)
         elif s.rejoin:
             raise SystemExit("PULSE_REJOIN=1: PULSE_REDIS_URL and PULSE_JOB_ID are needed to follow the live ranks")
         engine.forward = self._forward
@@ -151,42 +155,9 @@ class Resilience:
             self._join_pending = True
         elif self.rejoining:
             self._rejoin()
-        self._timer.lap()
-
-    def _make_reroute(self) -> None:
-        s, engine = self.settings, self.engine
-        store = _job_store(s, self.rank) if s.survives else None
-        T = s.collective_timeout_s
-        reroute = ReroutedAllReduce(
-            world_size=self.world_size,
-            rank=self.rank,
-            proxy_timeout_s=s.proxy_timeout_s,
-            # a degraded rank learns that its carrier's group broke only when the answer does not come
-            peer_timeout_s=s.proxy_timeout_s + 2 * T + 1.0 if s.survives else max(300.0, s.proxy_timeout_s),
-            collective_timeout_s=T if s.survives else None,
-            store=store,
-        )
-        rider = deepspeed_reroute.Rider(values=self._rider_values)
-        try:
-            deepspeed_reroute.attach(engine, reroute, rejoining=s.rejoin, rider=rider)
-        except deepspeed_reroute.RerouteConfigError as exc:
-            if s.rejoin:
-                raise
-            log.warning("event=reroute_off job=%s rank=%d reason=%r note=reporting_only", s.job_id, self.rank, str(exc))
-            return
-        self._guard_reduction()
-        self.partitions.on = s.survives and zero_repartition.Rehoming.serves(engine)  # ZeRO 1-2
-        self.rider = rider
-        self.reroute = reroute
-        self.follower = PlanFollower(
-            job=s.job_id,
-            reroute=reroute,
-            redis_url=s.redis_url,
-            poll_s=s.plan_poll_s,
-            beat_s=s.beat_period_s,
-            silent_beats=s.silent_beats,
-            hang_silence_s=s.hang_silence_s if s.hang_watch else None,
-        )
+        if self.reroute is not None:
+            self.phases.reduced = self.reroute.reduced
+        self.phases.start()
 
     def _rider_values(self) -> list[float]:
         """What this rank adds to the step's gradient reduction: a checkpoint asked of it, a
@@ -229,17 +200,23 @@ class Resilience:
             ids = inputs[0] if inputs else kwargs.get("input_ids")
             if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex():
                 self._tokens += ids.numel()
-        out = self._orig_forward(*inputs, **kwargs)
+        self.phases.enter(FORWARD)
+        try:
+            out = self._orig_forward(*inputs, **kwargs)
+        finally:
+            self.phases.leave()
         self._forward_loss = out.detach() if isinstance(out, torch.Tensor) and out.numel() == 1 else None
         return out
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self._losses.append(loss.detach())
+        self.checkpoint.requested |= self.health.loss(loss, int(self.engine.global_steps) + 1)  # rides along
         self._forward_loss = None
         self._in_window = True
         if self._failure is not None or self._void:
             return None  # the window is lost already: no backward, no collective
         self._in_engine_backward = True
+        self.phases.enter(BACKWARD)
         try:
             return self._orig_backward(loss, *args, **kwargs)
         except RuntimeError as exc:
@@ -249,14 +226,23 @@ class Resilience:
             return None
         finally:
             self._in_engine_backward = False
+            self.phases.leave()
 
     def _saw_backward(self, loss: torch.Tensor) -> None:
         """The script called ``loss.backward()`` itself: that scalar is the window's loss."""
-        if not self._in_engine_backward and loss.numel() == 1:
+        if loss.numel() == 1:
             self._losses.append(loss.detach())
             self._forward_loss = None
+            self.checkpoint.requested |= self.health.loss(loss, int(self.engine.global_steps) + 1)
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
+        self.phases.enter(OPTIMIZER)
+        try:
+            return self._engine_step(*args, **kwargs)
+        finally:
+            self.phases.leave()  # nothing left to time after a boundary: it ended the window
+
+    def _engine_step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
         if self._forward_loss is not None:  # loss.backward(): the loss came from forward
             self._losses.append(self._forward_loss)
@@ -274,8 +260,11 @@ class Resilience:
         if not boundary:
             return self._orig_step(*args, **kwargs)
         # the reduced gradients' norm, before the update clears them, unless DeepSpeed computes one
-        grad_norm = _grad_norm(engine.module) if self.reporter is not None and not self._engine_norm else None
+        grad_norm = (
+            step_report.grad_norm(engine.module) if self.reporter is not None and not self._engine_norm else None
+        )
         before = engine.global_steps
+        self.health.before_step(engine.module.parameters(), before)
         try:
             out = self._orig_step(*args, **kwargs)
             self._boundary(grad_norm)
@@ -310,12 +299,19 @@ class Resilience:
         asked = None if ride is None else ride[0] > 0
         # with ranks to admit, the flag is agreed with them then (_settle): they did not ride
         written = None if self._admit_pending else self.checkpoint.boundary(self.reroute, asked=asked)
-        step_time = self._timer.lap()
+        engine_norm = engine.get_global_grad_norm()  # DeepSpeed's when it computed one, else ours
+        self._engine_norm = engine_norm is not None
+        norm = grad_norm if engine_norm is None else float(engine_norm)
+        step = int(engine.global_steps)
+        self.checkpoint.requested |= self.health.after_step(engine.module.parameters(), step=step, grad_norm=norm)
+        step_time, phases = self.phases.boundary()
+        if self.reroute is not None and phases is not None:
+            self.reroute.arrive = True  # the next step's reduction measures who waits for whom
         losses, self._losses = self._losses, []
         tokens, self._tokens = self._tokens, 0
         if self.reporter is not None:
-            _report(self, grad_norm=grad_norm, step_time=step_time, losses=losses, tokens=tokens,
-                    unreachable=unreachable, written=written)  # fmt: skip
+            step_report.report(self, grad_norm=norm, step_time=step_time, phases=phases, losses=losses,
+                               tokens=tokens, unreachable=unreachable, written=written)  # fmt: skip
         limit = self.settings.max_steps
         if limit is not None and engine.global_steps >= limit:
             self._leave(f"PULSE_MAX_STEPS={limit} params_sum={params_sum(self.engine)!r}")
@@ -328,6 +324,7 @@ class Resilience:
         follower, reroute, reporter = self.follower, self.reroute, self.reporter
         assert follower is not None and reroute is not None and reporter is not None
         self._failure = None
+        reroute.arrive = False  # the live ranks change: none measures an arrival until the next boundary
         self._losses, self._tokens = [], 0
         if self.rider is not None:
             self.rider.take()  # a reduction of the failed step may have carried it: never used
@@ -370,7 +367,7 @@ class Resilience:
                 step=completed, loss=None, plan_generation=reroute.generation,
                 note=f"{wire.CHECKPOINT_WRITTEN} {written}",
             )  # fmt: skip
-        self._timer.lap()
+        self.phases.start()
 
     def _take_state(self) -> None:
         """After the live ranks changed: the source's whole state, or under ZeRO 1-2 the partitions
@@ -415,6 +412,7 @@ class Resilience:
         partitions' boundary, then the checkpoint flag agreed (returns the directory written); a
         restarted rank after its join, its peers after the switch or recovery that invited it."""
         assert self.reroute is not None
+        self.reroute.arrive = False  # on every live rank alike, the restarted one too: no arrival this window
         self.partitions.boundary(self.reroute)
         return self.checkpoint.boundary(self.reroute)
 
@@ -493,6 +491,45 @@ def _job_store(s: TrainerSettings, rank: int) -> TCPStore:
     return store
 
 
+def _make_reroute(self: Resilience) -> None:
+    """The rerouted reduction, its rider and the plan follower on ``self``'s engine (ZeRO 0-2); a
+    configuration that cannot be rerouted leaves it reporting only."""
+    s, engine = self.settings, self.engine
+    store = _job_store(s, self.rank) if s.survives else None
+    T = s.collective_timeout_s
+    reroute = ReroutedAllReduce(
+        world_size=self.world_size,
+        rank=self.rank,
+        proxy_timeout_s=s.proxy_timeout_s,
+        # a degraded rank learns that its carrier's group broke only when the answer does not come
+        peer_timeout_s=s.proxy_timeout_s + 2 * T + 1.0 if s.survives else max(300.0, s.proxy_timeout_s),
+        collective_timeout_s=T if s.survives else None,
+        store=store,
+    )
+    rider = deepspeed_reroute.Rider(values=self._rider_values)
+    try:
+        deepspeed_reroute.attach(engine, reroute, rejoining=s.rejoin, rider=rider)
+    except deepspeed_reroute.RerouteConfigError as exc:
+        if s.rejoin:
+            raise
+        log.warning("event=reroute_off job=%s rank=%d reason=%r note=reporting_only", s.job_id, self.rank, str(exc))
+        return
+    self._guard_reduction()
+    self.partitions.on = s.survives and zero_repartition.Rehoming.serves(engine)  # ZeRO 1-2
+    self.rider = rider
+    self.reroute = reroute
+    self.follower = PlanFollower(
+        job=s.job_id,
+        reroute=reroute,
+        redis_url=s.redis_url,
+        redis_cluster=s.redis_cluster,
+        poll_s=s.plan_poll_s,
+        beat_s=s.beat_period_s,
+        silent_beats=s.silent_beats,
+        hang_silence_s=s.hang_silence_s if s.hang_watch else None,
+    )
+
+
 def _world_view(r: Resilience) -> world.View | None:
     reroute = r.reroute
     if reroute is None or r.follower is None or not r.settings.survives:
@@ -511,70 +548,6 @@ def _world_view(r: Resilience) -> world.View | None:
     return world.View(world_size=r.world_size, rank=r.rank, members=members, group=group)
 
 
-def _report(
-    r: Resilience,
-    *,
-    grad_norm: float | None,
-    step_time: float,
-    losses: list[torch.Tensor],
-    tokens: int,
-    unreachable: list[int],
-    written: str | None,
-) -> None:
-    """One boundary's report: the window's mean loss, DeepSpeed's gradient norm (else ours), the
-    fp16 loss scale, the step time, the plan in force and what MFU needs."""
-    engine, reroute, reporter = r.engine, r.reroute, r.reporter
-    assert reporter is not None
-    _declare(r, reporter, tokens)
-    norm = engine.get_global_grad_norm()
-    r._engine_norm = norm is not None
-    scale = getattr(engine.optimizer, "cur_scale", None) if engine.fp16_enabled() else None
-    reporter.report(
-        step=int(engine.global_steps),
-        loss=float(torch.stack(losses).float().mean()) if losses else None,
-        grad_norm=float(norm) if norm is not None else grad_norm,
-        loss_scale=float(scale) if scale is not None else None,
-        step_time_s=step_time,
-        plan_generation=None if reroute is None else reroute.generation,
-        unreachable_ranks=unreachable or None,
-        note=None if written is None else f"{wire.CHECKPOINT_WRITTEN} {written}",
-    )
-
-
-def _declare(r: Resilience, reporter: TrainerReporter, counted: int) -> None:
-    tokens = r._declared_tokens if r._declared_tokens is not None else (counted or None)
-    flops = r._declared_flops
-    if flops is None and r._declared_tokens is None and counted:
-        # tokens counted from integer inputs: a token model; 6 x parameters is the dense estimate
-        flops = 6.0 * sum(p.numel() for p in r.engine.module.parameters())
-    if tokens != reporter.tokens_per_step or flops != reporter.flops_per_token:
-        reporter.declare(tokens_per_step=tokens, flops_per_token=flops)
-
-
-def _reporter(engine: Any, s: TrainerSettings, *, rank: int, local_rank: int, world: int) -> TrainerReporter:
-    """The rank's reporter; the device's peak FLOPs from its name and the engine's precision
-    unless ``PULSE_PEAK_FLOPS`` says."""
-    dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else None
-    peak = s.peak_flops
-    if peak is None and torch.cuda.is_available() and dtype is not None:
-        peak = peak_flops(torch.cuda.get_device_name(local_rank), dtype=dtype)
-    made = rendezvous.reporter()  # the runner's, registered at the rendezvous
-    if made is not None:
-        if peak is not None:
-            made.peak_flops_per_device = peak
-            made.declare(tokens_per_step=made.tokens_per_step, flops_per_token=made.flops_per_token)
-        return made
-    return TrainerReporter(
-        job=s.job_id,
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world,
-        node=s.node or None,
-        redis_url=s.redis_url,
-        peak_flops_per_device=peak,
-    )
-
-
 def _watch_tensor_backward(r: Resilience) -> None:
     """A script that calls ``loss.backward()`` computes its loss outside the engine, where nothing
     else sees it: ``torch.Tensor.backward`` tells the rank's :class:`Resilience` which scalar it
@@ -585,16 +558,15 @@ def _watch_tensor_backward(r: Resilience) -> None:
 
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         watcher = _current
-        if watcher is not None:
-            watcher._saw_backward(self)
-        original(self, *args, **kwargs)
+        if watcher is None or watcher._in_engine_backward:
+            original(self, *args, **kwargs)
+            return
+        watcher._saw_backward(self)
+        watcher.phases.enter(BACKWARD)
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            watcher.phases.leave()
 
     backward._pulse = True  # type: ignore[attr-defined]
     torch.Tensor.backward = backward  # type: ignore[method-assign]
-
-
-def _grad_norm(model: torch.nn.Module) -> float | None:
-    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in model.parameters() if p.grad is not None]
-    if not norms:
-        return None
-    return float(torch.linalg.vector_norm(torch.stack(norms)))

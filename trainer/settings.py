@@ -22,6 +22,7 @@ class TrainerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PULSE_", extra="ignore")
 
     redis_url: str = ""
+    redis_cluster: bool = False  # PULSE_REDIS_URL names a node of a Redis Cluster (set by the agent)
     job_id: str = ""
     node: str = ""
     collective_timeout_s: float = Field(60.0, ge=0)
@@ -36,11 +37,16 @@ class TrainerSettings(BaseSettings):
     max_steps: int | None = Field(None, ge=1)
     zero_mirror_steps: int = Field(10, ge=0)
     reroute: bool = True
+    step_phases: bool = True
     rejoin: bool = False
     peak_flops: float | None = Field(None, gt=0)
     tokens_per_step: int | None = Field(None, ge=0)
     model_flops_per_token: float | None = Field(None, ge=0)
     checkpoint_dir: Path = Path("pulse-checkpoints")
+    divergence_factor: float = Field(10.0, ge=0)
+    divergence_window: int = Field(100, ge=1)
+    divergence_cooldown_steps: int = Field(100, ge=0)
+    update_ratio_every: int = Field(10, ge=0)
     deepspeed_config: Json[dict[str, Any]] | None = None
     job_store: bool = False
     store_connect_timeout_s: float = Field(1800.0, gt=0)
@@ -48,6 +54,8 @@ class TrainerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:
+        if 0 < self.divergence_factor <= 1:
+            raise ValueError(f"PULSE_DIVERGENCE_FACTOR={self.divergence_factor:g}: expected 0 (off) or above 1")
         if self.rejoin and not (self.survives and self.reroute):
             raise ValueError(
                 "PULSE_REJOIN=1 needs PULSE_COLLECTIVE_TIMEOUT_S > 0, PULSE_REROUTE on, PULSE_REDIS_URL and "

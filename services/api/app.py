@@ -15,19 +15,20 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, Response, status
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from clusterpulse.redis_client import connect
 from clusterpulse.settings import Settings
 from services import db
+from services.api.bodies import NodeBodies
 from services.api.openapi import allowed_methods, api_routes, document, mutating
 from services.api.ratelimit import RateLimiter
-from services.api.routes import admin, docs, events, jobs, nodes, probes, slurm, status_page, stream
+from services.api.routes import admin, docs, events, fabric, jobs, nodes, probes, slurm, status_page, stream
 from services.api.routes.common import redact
 from services.api.tokens import TokenStore
 from services.leader import NotLeader
@@ -41,6 +42,7 @@ ROUTERS = (
     nodes.router,
     slurm.router,
     jobs.router,
+    fabric.router,
     events.router,
     stream.router,
     admin.router,
@@ -49,33 +51,54 @@ ROUTERS = (
 )
 
 
+async def _migrate(settings: Settings) -> None:
+    db.ensure_sqlite_dir(settings.database_url)
+    try:
+        await asyncio.to_thread(db.upgrade, settings.database_url)
+    except Exception as exc:
+        raise RuntimeError(
+            f"cannot migrate the database at {redact(settings.database_url)}: {exc}. "
+            "Check PULSE_DATABASE_URL, or run `pulse db upgrade` to see the full error."
+        ) from exc
+
+
+class BodyLimit:
+    """Refuse oversized bodies before reading them: 413 naming the limit. Plain ASGI rather than
+    ``@app.middleware("http")``, which costs every request a task and a memory stream: as much as
+    GET /v1/nodes itself (docs/benchmarks.md, "Reading the nodes")."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            length = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), None)
+            if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+                detail = f"request body of {length} bytes exceeds {self.max_bytes}"
+                await JSONResponse({"detail": detail}, status_code=413)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        db.ensure_sqlite_dir(settings.database_url)
-        try:
-            await asyncio.to_thread(db.upgrade, settings.database_url)
-        except Exception as exc:
-            raise RuntimeError(
-                f"cannot migrate the database at {redact(settings.database_url)}: {exc}. "
-                "Check PULSE_DATABASE_URL, or run `pulse db upgrade` to see the full error."
-            ) from exc
+        await _migrate(settings)
         engine = db.make_engine(
             settings.database_url, idle_in_transaction_timeout_s=max(1.0, settings.leader_lease_s / 3)
         )
-        client = aioredis.from_url(
-            settings.redis_url,
-            socket_timeout=settings.redis_timeout_s,
-            socket_connect_timeout=settings.redis_timeout_s,
+        client = connect(
+            settings.redis_url, cluster=settings.redis_cluster, timeout_s=settings.redis_timeout_s,
             health_check_interval=10,
-        )
+        )  # fmt: skip
         orch = Orchestrator(settings, redis_client=client, engine=engine, consumer=consumer)
         await orch.start()
         app.state.orchestrator = orch
         app.state.tokens = TokenStore(
             sessions=orch.sessions, bootstrap=settings.api_token, clock=orch.clock.now, cache_s=settings.token_cache_s
         )
-        app.state.renderer = Renderer()
+        app.state.renderer, app.state.bodies = Renderer(), NodeBodies()
+        app.state.feed = stream.event_feed(orch, settings)
         app.state.limiter = RateLimiter(
             rate_per_s=settings.rate_limit_per_s,
             burst=settings.rate_limit_burst,
@@ -85,6 +108,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         try:
             yield
         finally:
+            await app.state.feed.stop()
             await orch.stop()
             await client.aclose()
             engine.dispose()
@@ -111,17 +135,7 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
             exc = StarletteHTTPException(exc.status_code, exc.detail, headers={**(exc.headers or {}), "Allow": allow})
         return await http_exception_handler(request, exc)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Response:
-        """Refuse oversized bodies before reading them: 413 naming the limit."""
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            return JSONResponse(
-                {"detail": f"request body of {length} bytes exceeds {settings.max_body_bytes}"}, status_code=413
-            )
-        response: Response = await call_next(request)
-        return response
-
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
     docs.mount_assets(app)

@@ -20,6 +20,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from clusterpulse.settings import Settings
+from services.api.bodies import NodeBodies
+from services.api.feed import EventFeed
 from services.api.ratelimit import SAFE_METHODS, RateLimiter
 from services.api.tokens import (
     ANONYMOUS_ADMIN,
@@ -38,12 +40,14 @@ log = logging.getLogger("pulse.orchestrator.auth")
 _bearer = HTTPBearer(auto_error=False)
 
 
-def get_settings(request: Request) -> Settings:
+# The getters of what the lifespan made are coroutines: FastAPI runs a plain function dependency
+# in its thread pool, which cost each GET /v1/nodes more than the answer itself.
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_orchestrator(request: Request) -> Orchestrator:
+async def get_orchestrator(request: Request) -> Orchestrator:
     orch: Orchestrator = request.app.state.orchestrator
     return orch
 
@@ -53,7 +57,17 @@ def get_session(request: Request) -> Session:
     return orch.sessions()
 
 
-def get_tokens(request: Request) -> TokenStore:
+async def get_bodies(request: Request) -> NodeBodies:
+    bodies: NodeBodies = request.app.state.bodies
+    return bodies
+
+
+async def get_feed(request: Request) -> EventFeed:
+    feed: EventFeed = request.app.state.feed
+    return feed
+
+
+async def get_tokens(request: Request) -> TokenStore:
     tokens: TokenStore = request.app.state.tokens
     return tokens
 
@@ -61,6 +75,8 @@ def get_tokens(request: Request) -> TokenStore:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 OrchestratorDep = Annotated[Orchestrator, Depends(get_orchestrator)]
 TokensDep = Annotated[TokenStore, Depends(get_tokens)]
+BodiesDep = Annotated[NodeBodies, Depends(get_bodies)]
+FeedDep = Annotated[EventFeed, Depends(get_feed)]
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 

@@ -45,9 +45,57 @@ class NodePublic(BaseModel):
     scheduler: SchedulerPublic | None = None  # null while Slurm sync is off or Slurm does not know the node
 
 
+NEXT_NODE = "the `after` of the next page: the last node's name when more follow, else null"
+
+
 class NodesPublic(BaseModel):
     data: list[NodePublic]
+    count: int  # nodes in data
+    next: str | None = Field(None, description=NEXT_NODE)
+
+
+class GpuSummaryPublic(BaseModel):
+    """The worst of a node's GPUs: the figures of those not lost (null: none reported it), then
+    what is wrong, each left out while nothing is."""
+
     count: int
+    temperature_max_celsius: float | None
+    power_min_watts: float | None
+    power_max_watts: float | None
+    pcie_width_min: int | None
+    lost: int = 0
+    pcie_narrow: list[list[int]] = Field(
+        default_factory=list, description="[index, width, max width] of each GPU whose PCIe link trained narrower"
+    )
+    ecc_uncorrected: int = Field(0, description="volatile uncorrected ECC errors, all GPUs")
+    xids_recent: list[int] = Field(default_factory=list, description="XIDs within the agent's window, any GPU")
+    throttle: list[str] = Field(
+        default_factory=list, description="throttle reasons active on any GPU, running at the power cap aside"
+    )
+
+
+class NodeSummaryPublic(BaseModel):
+    """A node at a glance (``GET /v1/nodes?fields=summary``), what its card on the status page
+    shows, a few hundred bytes; its hardware in full is ``GET /v1/nodes/{name}``."""
+
+    name: str
+    state: str
+    reason: str
+    schedulable: bool  # as NodePublic's
+    heartbeat_age_seconds: float | None
+    labels: dict[str, str]
+    gpu: GpuSummaryPublic
+    psu_amperes: dict[str, float | None] = Field(
+        description="each PSU's output current (its input current where the BMC reports only that)"
+    )
+    cordoned: bool = Field(False, description="cordoned here (left out while not)")
+    psus_failed: list[str] = Field(default_factory=list, description="PSUs whose BMC says failed (left out: none)")
+
+
+class NodesSummaryPublic(BaseModel):
+    data: list[NodeSummaryPublic]
+    count: int
+    next: str | None = Field(None, description=NEXT_NODE)
 
 
 class EventPublic(BaseModel):
@@ -66,6 +114,11 @@ class EventPublic(BaseModel):
 class EventsPublic(BaseModel):
     data: list[EventPublic]
     count: int
+    next: int | None = Field(
+        None,
+        description="with `after`: the `after` of the next page (the last event's id) when more events are "
+        "stored past this page, else null",
+    )
 
 
 class CordonRequest(BaseModel):
@@ -111,6 +164,46 @@ class JobCreate(BaseModel):
             "null: the orchestrator's PULSE_JOB_BACKEND"
         ),
     )
+    preflight: PreflightRequest | None = None
+
+
+class PreflightRequest(BaseModel):
+    """What a job asks checked before it launches."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fabric: bool = Field(
+        False,
+        strict=True,  # a bool, not 0 or "yes": a typo must not turn a preflight off
+        description="a fabric check of the placed nodes and PULSE_FABRIC_PREFLIGHT_SPARES spares first; the job "
+        "waits PENDING and is placed without the nodes it names slow (docs/design/fabric.md)",
+    )
+
+
+class RankPhasesPublic(BaseModel):
+    """One rank's mean seconds per optimizer step in each phase over the window."""
+
+    node: str
+    steps: int
+    data: float
+    forward: float
+    backward: float
+    communication: float
+    optimizer: float
+    wait: float = Field(description="of communication: waiting for the last peer to arrive at the reduction")
+
+
+class BottleneckPublic(BaseModel):
+    """What the job's step was bound by over its last window (docs/design/step.md)."""
+
+    kind: Literal["data", "communication", "compute"]
+    rank: int | None = Field(None, description="the rank that stands out (data, compute), else null")
+    node: str | None = Field(None, description="the node that stands out (its rank's, or for communication)")
+    reason: str
+    window_s: float
+    at: float = Field(description="when the window closed (the orchestrator's clock)")
+    phases: dict[str, float] = Field(description="phase -> mean seconds per step over the ranks")
+    ranks: dict[str, RankPhasesPublic] = Field(description="rank -> its phases")
 
 
 class JobPublic(BaseModel):
@@ -139,6 +232,9 @@ class JobPublic(BaseModel):
         default_factory=list,
         description="what is wrong around a running job that does not stop it: a node whose ports' traffic "
         "left the fabric (NCCL on TCP), with the figures",
+    )
+    bottleneck: BottleneckPublic | None = Field(
+        None, description="where the step's time goes and what it is bound by; null before a window closed"
     )
 
 
@@ -244,3 +340,54 @@ class ErrorPublic(BaseModel):
     """Every refusal but a request validation error (422 lists the failing fields instead)."""
 
     detail: str
+
+
+class FabricCheckCreate(BaseModel):
+    """``POST /v1/fabric/checks`` (the body is optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: list[Annotated[str, Field(pattern=NAME_PATTERN)]] | None = Field(
+        None,
+        min_length=2,
+        max_length=16384,
+        json_schema_extra={"uniqueItems": True},
+        description="the nodes to probe in pairs, each once; null: every HEALTHY or SUSPECT node no active job holds",
+    )
+
+    @field_validator("nodes")
+    @classmethod
+    def _once_each(cls, nodes: list[str] | None) -> list[str] | None:
+        twice = sorted({n for n in nodes or [] if nodes and nodes.count(n) > 1})
+        if twice:
+            raise ValueError(f"named twice: {', '.join(twice)}")
+        return nodes
+
+
+class FabricPairPublic(BaseModel):
+    round: int
+    nodes: list[str]
+    state: Literal["pending", "running", "done", "failed", "unmeasured"] = Field(
+        description="unmeasured: a node's agent never took the probe (no word within the probe timeout)"
+    )
+    busbw_gbps: float | None = Field(None, description="the all-reduce's bus bandwidth, GB/s (nccl-tests' busbw)")
+    detail: str = ""
+
+
+class FabricCheckPublic(BaseModel):
+    id: str
+    state: Literal["RUNNING", "DONE"]
+    reason: str
+    nodes: list[str]
+    spares: list[str] = Field(default_factory=list, description="a job's preflight: nodes it may take instead")
+    job: str | None = None
+    pairs: list[FabricPairPublic]
+    slow: list[str] = Field(description="the nodes named slow (each made SUSPECT), in name order")
+    slow_reasons: dict[str, str] = Field(default_factory=dict)
+    unmeasured: dict[str, str] = Field(
+        default_factory=dict, description="node -> why: the nodes no pair measured, neither slow nor cleared"
+    )
+    median_gbps: float | None = None
+    created_by: str
+    created_at: float
+    finished_at: float | None = None

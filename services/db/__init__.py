@@ -3,8 +3,8 @@ route and loop goes through (none re-implements a query).
 
 Repository functions are keyword-only and take a Session; they never commit (the caller does).
 The modules: :mod:`.engine` (engines, migrations, sessions), :mod:`.nodes` (nodes, GPUs, events),
-:mod:`.jobs` (jobs, ranks, plans), :mod:`.retention`, :mod:`.tokens`, :mod:`.lease`. Every name
-is re-exported here, so callers write ``from services import db`` and ``db.create_job(...)``.
+:mod:`.jobs` (jobs, ranks, plans), :mod:`.fabric` (fabric checks), :mod:`.retention`, :mod:`.tokens`,
+:mod:`.lease`. Every name is re-exported here, so callers write ``from services import db`` and ``db.create_job(...)``.
 """
 
 from services.db.engine import (
@@ -19,6 +19,17 @@ from services.db.engine import (
     ping,
     session_factory,
     upgrade,
+)
+from services.db.fabric import (
+    FABRIC_DONE,
+    FABRIC_RUNNING,
+    create_fabric_check,
+    finished_fabric_checks,
+    get_fabric_check,
+    preflights_running,
+    running_fabric_checks,
+    set_job_placement,
+    update_fabric_check,
 )
 from services.db.jobs import (
     create_job,
@@ -68,6 +79,8 @@ from services.db.tokens import (
 __all__ = [
     "EPOCH",
     "EVENT_ORDER_KEY",
+    "FABRIC_DONE",
+    "FABRIC_RUNNING",
     "MIGRATIONS_DIR",
     "LeaseState",
     "NodeIdentity",
@@ -75,6 +88,7 @@ __all__ = [
     "acquire_lease",
     "active_token_by_digest",
     "alembic_config",
+    "create_fabric_check",
     "create_job",
     "create_token",
     "current_revision",
@@ -84,6 +98,8 @@ __all__ = [
     "ensure_sqlite_dir",
     "events_after",
     "fence_epoch",
+    "finished_fabric_checks",
+    "get_fabric_check",
     "get_job",
     "get_node",
     "get_token",
@@ -101,6 +117,7 @@ __all__ = [
     "lock_event_order",
     "make_engine",
     "ping",
+    "preflights_running",
     "prune_events",
     "prune_gpus",
     "prune_jobs",
@@ -114,13 +131,16 @@ __all__ = [
     "release_lease",
     "renew_lease",
     "revoke_token",
+    "running_fabric_checks",
     "session_factory",
     "set_job_node_status",
+    "set_job_placement",
     "set_job_slurm",
     "set_job_state",
     "set_schedulable",
     "store_identity",
     "store_seen",
+    "update_fabric_check",
     "upgrade",
     "upsert_ranks",
 ]

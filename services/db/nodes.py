@@ -232,8 +232,13 @@ def list_events(
     since: float | None = None,
     kinds: Iterable[str] = (),
     limit: int = 500,
+    after_id: int | None = None,
 ) -> list[EventRow]:
+    """Events that pass the filters, oldest first: the newest ``limit`` of them (by time), or with
+    ``after_id`` the first ``limit`` whose id is above it (by id: a page, ``GET /v1/events?after=``)."""
     q = select(EventRow)
+    if after_id is not None:
+        q = q.where(EventRow.id > after_id)
     if job is not None:
         q = q.where(EventRow.job == job)
     if node is not None:
@@ -243,6 +248,8 @@ def list_events(
     kinds = list(kinds)
     if kinds:
         q = q.where(EventRow.kind.in_(kinds))
+    if after_id is not None:
+        return list(session.scalars(q.order_by(EventRow.id).limit(limit)))
     q = q.order_by(EventRow.at.desc(), EventRow.id.desc()).limit(limit)
     return list(reversed(list(session.scalars(q))))
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from sqlalchemy import delete, func, or_, select, tuple_
 from sqlalchemy.orm import Session
 
-from services.models import EventRow, GpuRow, JobRankRow, JobRow, NodeRow, PlanRow
+from services.models import EventRow, FabricCheckRow, GpuRow, JobRankRow, JobRow, NodeRow, PlanRow
 
 
 def prune_events(
@@ -31,13 +31,15 @@ def prune_events(
 
 
 def prune_jobs(session: Session, *, before: float, limit: int, terminal: Sequence[str]) -> int:
-    """Jobs in a ``terminal`` state last changed before ``before``, with their ranks and plans."""
+    """Jobs in a ``terminal`` state last changed before ``before``, with their ranks and plans;
+    and the fabric checks finished before then."""
     q = select(JobRow.id).where(JobRow.state.in_(list(terminal)), JobRow.updated_at < before)
     ids = list(session.scalars(q.order_by(JobRow.updated_at).limit(limit)))
     if ids:
         session.execute(delete(JobRankRow).where(JobRankRow.job.in_(ids)))
         session.execute(delete(PlanRow).where(PlanRow.job.in_(ids)))
         session.execute(delete(JobRow).where(JobRow.id.in_(ids)))
+    session.execute(delete(FabricCheckRow).where(FabricCheckRow.finished_at < before))
     return len(ids)
 
 

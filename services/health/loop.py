@@ -87,7 +87,7 @@ class Evaluator(Tick):
             except REDIS_DOWN:  # a pooled connection a restarted server closed fails once
                 await self.clock.sync()
             if shared.redis_down_since is not None:
-                await self.plans.republish()
+                await self.plans.republish(refence=True)
         except REDIS_DOWN as exc:
             cluster = shared.cluster
             assert cluster is not None

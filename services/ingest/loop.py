@@ -13,12 +13,14 @@ claiming a node whose own latest key does not vouch for it is refused (reason ``
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import msgspec
-import redis.asyncio as aioredis
 import redis.exceptions
 
 from clusterpulse import wire
+from clusterpulse.redis_client import AsyncRedis
+from clusterpulse.retry import is_transient
 from clusterpulse.settings import Settings
 from clusterpulse.states import EventKind, JobState
 from services.clock import entry_time
@@ -27,7 +29,7 @@ from services.health.nics import nccl_over_tcp
 from services.ingest import observations
 from services.ingest.decide import SenderCheck
 from services.ingest.screen import Entries, autoclaim, read_group, screen
-from services.jobs import checkpoints
+from services.jobs import breakdown, checkpoints
 from services.persist.outbox import Outbox, Registered
 from services.runner import Tick
 from services.shared import Shared
@@ -39,7 +41,7 @@ def stream_keys(settings: Settings) -> list[str]:
     """Every stream the leader reads: the heartbeat shards, or with ingest processes
     (``PULSE_INGEST_PROCESSES``) the observations they make of them."""
     heartbeats = (
-        [observations.OBSERVATION_STREAM]
+        observations.stream_keys(settings.heartbeat_stream_shards, cluster=settings.redis_cluster)
         if settings.ingest_processes
         else wire.heartbeat_stream_keys(settings.heartbeat_stream_shards)
     )
@@ -61,7 +63,7 @@ class Ingest(Tick):
         self,
         settings: Settings,
         *,
-        redis_client: aioredis.Redis,
+        redis_client: AsyncRedis,
         consumer: str,
         shared: Shared,
         outbox: Outbox,
@@ -73,13 +75,22 @@ class Ingest(Tick):
         self.outbox = outbox
         self.interval_s = settings.ingest_block_s
         self.streams = stream_keys(settings)
+        self._observation_streams = frozenset(
+            observations.stream_keys(settings.heartbeat_stream_shards, cluster=settings.redis_cluster)
+            if settings.ingest_processes
+            else ()
+        )
         self.unacked: dict[str, list[bytes]] = {s: [] for s in self.streams}
         self._folded_upto: dict[str, str] = {}  # per stream: the last entry id folded
         self._senders = SenderCheck()
         self._stragglers: set[tuple[str, int]] = set()
+        self._verdicts: dict[str, tuple[str, int | None, str | None]] = {}  # job -> the verdict last said
         self._over_tcp: set[str] = set()  # nodes whose traffic left the fabric, said once (:meth:`_tcp`)
         self._checkpoints = checkpoints.WrittenLedger()  # (job, step) checkpoints already recorded
-        self._reread = True  # fold what was given to this consumer first (:meth:`tick`)
+        self._cluster = settings.redis_cluster
+        # streams whose entries given to this consumer are folded first at the next turn (:meth:`tick`)
+        self._reread: set[str] = set(self.streams)
+        self._down: set[str] = set()  # streams whose read failed at the last turn (a Redis Cluster's)
 
     # --- what the other loops ask of it ---------------------------------------------------------
     def reset(self) -> None:
@@ -106,6 +117,7 @@ class Ingest(Tick):
     def forget_job(self, job: str) -> None:
         """A job's progress expired: its stragglers and recorded checkpoints go with it."""
         self._stragglers = {k for k in self._stragglers if k[0] != job}
+        self._verdicts.pop(job, None)
         self._checkpoints.forget(job)  # the database still refuses a second event of a step
 
     # --- reading --------------------------------------------------------------------------------
@@ -123,36 +135,52 @@ class Ingest(Tick):
             async for _ in autoclaim(self.redis, stream, self.consumer, min_idle_ms=min_idle_ms, count=1000):
                 pass
 
-    async def read_pending(self) -> None:
+    async def read_pending(self, streams: Iterable[str] | None = None, *, failed: set[str] | None = None) -> None:
         """Fold entries delivered to this consumer but not folded yet: after a takeover (from the
         start: a predecessor's, claimed), and after an ingest error, whose XREADGROUP reply may
-        have been lost on the way (a timeout) although Redis counts its entries as delivered."""
-        for stream in self.streams:
-            last = self._folded_upto.get(stream, "0")
-            while True:
-                try:
-                    resp = await self.read({stream: last}, block_ms=None)
-                except redis.exceptions.ResponseError as exc:
-                    if "NOGROUP" not in str(exc):
-                        raise
-                    await self.ensure_group(stream)  # deleted with a Redis restart: nothing is pending
-                    break
-                entries = resp[0][1] if resp else []
-                if not entries:
-                    break
-                await self.fold(stream, entries)
-                last = entries[-1][0].decode()
+        have been lost on the way (a timeout) although Redis counts its entries as delivered.
+
+        On a Redis Cluster, with ``failed`` given, a stream whose master does not answer (failing
+        over) is added to it and the others are read: one master down stops no other shard."""
+        for stream in self.streams if streams is None else [s for s in self.streams if s in streams]:
+            try:
+                await self._read_pending(stream)
+            except Exception as exc:
+                if failed is None or not (self._cluster and is_transient(exc)):
+                    raise
+                failed.add(stream)
+                if stream not in self._down:
+                    log.warning("event=stream_unreadable stream=%s error=%r", stream, str(exc))
+
+    async def _read_pending(self, stream: str) -> None:
+        last = self._folded_upto.get(stream, "0")
+        while True:
+            try:
+                resp = await self.read({stream: last}, block_ms=None)
+            except redis.exceptions.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self.ensure_group(stream)  # deleted with a Redis restart: nothing is pending
+                break
+            entries = resp[0][1] if resp else []
+            if not entries:
+                break
+            await self.fold(stream, entries)
+            last = entries[-1][0].decode()
 
     async def tick(self, now: float) -> float:
         """One ``XREADGROUP`` (blocking up to ``ingest_block_s``) folded; read again at once. The
         first turn, and the turn after one that did not finish (its reply may have been lost),
-        fold what this consumer was given but did not fold first."""
-        if self._reread:
-            await self.read_pending()
-        self._reread = True
+        fold what this consumer was given but did not fold first; on a Redis Cluster, so does the
+        turn after one whose read of some slot failed, for that slot's streams."""
+        todo, self._reread = self._reread, set(self.streams)  # a turn that does not finish: all again
+        failed: set[str] = set()
+        if todo:
+            await self.read_pending(todo, failed=failed)
         block_ms = max(1, int(self.settings.ingest_block_s * 1000))
         try:
-            resp = await self.read(dict.fromkeys(self.streams, ">"), block_ms=block_ms)
+            kw = {"failed": failed} if self._cluster else {}  # a slot that fails leaves the others' entries
+            resp = await self.read(dict.fromkeys(self.streams, ">"), block_ms=block_ms, **kw)
         except redis.exceptions.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -160,12 +188,23 @@ class Ingest(Tick):
             resp = []
         for stream, entries in resp:
             await self.fold(stream, entries)
-        self._reread = False
+        self._reread = failed
+        if failed != self._down:  # said once per stream and outage (a master failing over)
+            for stream in sorted(failed - self._down):
+                log.warning("event=stream_unreadable stream=%s detail=%r", stream, "its master does not answer")
+            for stream in sorted(self._down - failed):
+                log.info("event=stream_readable stream=%s", stream)
+            self._down = failed
         return 0.0
 
-    async def read(self, streams: dict[str, str], *, block_ms: int | None) -> list[tuple[str, Entries]]:
+    async def read(
+        self, streams: dict[str, str], *, block_ms: int | None, failed: set[str] | None = None
+    ) -> list[tuple[str, Entries]]:
         """XREADGROUP of this replica's consumer (services/ingest/screen.py :func:`read_group`)."""
-        return await read_group(self.redis, self.consumer, streams, count=self.settings.ingest_batch, block_ms=block_ms)
+        return await read_group(
+            self.redis, self.consumer, streams, count=self.settings.ingest_batch, block_ms=block_ms,
+            failed=failed,
+        )  # fmt: skip
 
     # --- folding --------------------------------------------------------------------------------
     async def fold(self, stream: str, entries: Entries) -> None:
@@ -198,11 +237,14 @@ class Ingest(Tick):
                 except wire.WireError as exc:
                     log.warning("event=job_status_rejected reason=%s detail=%s", exc.reason, exc)
                     continue
+                if wire.is_fabric_probe(st.job):  # services/fabric/loop.py measures with it
+                    self.shared.fabric_statuses.append(st)
+                    continue
                 if st.state != "hung":  # word about one rank, not a state of the node's share (it runs)
                     self.shared.job_statuses.append(st)
                 self._ranks_exited(st, entry_time(entry_id))
             return
-        if stream == observations.OBSERVATION_STREAM:
+        if stream in self._observation_streams:
             for entry_id, fields in entries:
                 unacked.append(entry_id)
                 self._fold_observations((fields or {}).get(observations.OBSERVATION_FIELD))
@@ -299,6 +341,8 @@ class Ingest(Tick):
         if report is None or report.exit_code is not None:  # an exit report is kept by progress alone
             return
         cluster.set_progress(report.node, at)
+        if progress.closed:
+            self._windows(at)
         for rank in report.unreachable_ranks or ():
             if plans.rank_unreachable(report.job, rank):
                 self.shared.ranks_changed = True
@@ -308,13 +352,13 @@ class Ingest(Tick):
                 )
                 node = plans.ranks[report.job][rank].node
                 self.outbox.append(ClusterEvent(EventKind.RANK_UNREACHABLE, reason, at, node))
-        if report.event and checkpoints.written_path(report.event) is not None:
-            if (written := self._checkpoints.observe(report, at=at)) is not None:  # one per (job, step)
-                self.outbox.append(written)
-        elif report.event:
-            kind = report.event.split(" ", 1)[0]
-            reason = f"job {report.job} rank {report.rank} step {report.step}: {report.event}"
-            self.outbox.append(ClusterEvent(kind, reason, at, report.node))
+        for line in filter(None, map(str.strip, (report.event or "").splitlines())):  # an event a line
+            if checkpoints.written_path(line) is not None:
+                if (written := self._checkpoints.observe(report, at=at)) is not None:  # one per (job, step)
+                    self.outbox.append(written)
+            else:
+                reason = f"job {report.job} rank {report.rank} step {report.step}: {line}"
+                self.outbox.append(ClusterEvent(line.split(" ", 1)[0], reason, at, report.node, report.job))
         job = progress.jobs[report.job]
         now_slow = job.stragglers(progress.straggler_factor)
         for rank, why in now_slow.items():
@@ -325,3 +369,26 @@ class Ingest(Tick):
                 reason = f"job {report.job}: {why}" + (f"; node signals: {signals}" if signals else "")
                 self.outbox.append(ClusterEvent(EventKind.STRAGGLER, reason, at, node))
         self._stragglers = {k for k in self._stragglers if k[0] != report.job} | {(report.job, r) for r in now_slow}
+
+    def _windows(self, at: float) -> None:
+        """Jobs whose breakdown window closed (services/jobs/breakdown.py): an event when the verdict
+        changes; a node named for communication enough windows in a row is held SUSPECT for
+        ``bottleneck_suspect_s``, as a fabric check holds one (``Cluster.held``)."""
+        progress, cluster = self.shared.progress, self.shared.cluster
+        assert cluster is not None
+        closed, progress.closed = progress.closed, []
+        for job_id in dict.fromkeys(closed):
+            job = progress.jobs.get(job_id)
+            bd = job.breakdown if job is not None else None
+            if bd is None or bd.verdict is None:
+                continue
+            v = bd.verdict
+            if self._verdicts.get(job_id) != (v.kind, v.rank, v.node):
+                self._verdicts[job_id] = (v.kind, v.rank, v.node)
+                reason = f"job {job_id}: {v.kind}-bound: {v.reason}"
+                log.info("event=bottleneck job=%s kind=%s rank=%s node=%s reason=%r", job_id, v.kind, v.rank, v.node,
+                         v.reason)  # fmt: skip
+                self.outbox.append(ClusterEvent(EventKind.BOTTLENECK, reason, at, v.node, job_id))
+            for node, why in breakdown.suspects(bd, progress.breakdown).items():
+                if node in cluster.nodes:
+                    cluster.held[node] = (f"job {job_id}: {why}", at + self.settings.bottleneck_suspect_s)

@@ -4,7 +4,7 @@ With ``PULSE_INGEST_PROCESSES`` above 0, the ingest processes (services/ingest/w
 the heartbeat stream shards, screen each entry (services/ingest/screen.py) and read what it says about
 the hardware (:func:`services.health.decide.read`), and hand the result over in one step: a Lua script
 (:data:`HANDOFF`) acknowledges a batch's heartbeat entries (``XACK``) and appends their
-observations, as one msgpack array, to ``OBSERVATION_STREAM``, only if every one of them is still
+observations, as one msgpack array, to an observation stream, only if every one of them is still
 pending. An entry that another ingest process claimed and handed over first is not pending any
 more: the script then changes nothing and names the entries still pending, and the process hands
 over those alone. So every heartbeat reaches the leader once, and a process killed before the
@@ -19,9 +19,24 @@ from __future__ import annotations
 
 import msgspec
 
+from clusterpulse import wire
 from services.health import decide as health
 
 OBSERVATION_STREAM = "pulse:{ingest}:observations"
+"""The one observation stream on one Redis. On a Redis Cluster the script's keys must share a slot,
+so each heartbeat stream shard has its own, on its slot (``wire.observation_stream_key``)."""
+
+
+def stream_keys(shards: int, *, cluster: bool) -> list[str]:
+    """Every observation stream the leader reads."""
+    return wire.observation_stream_keys(shards) if cluster else [OBSERVATION_STREAM]
+
+
+def stream_for(shard: int, *, cluster: bool) -> str:
+    """The observation stream the observations of heartbeat stream shard ``shard`` go to."""
+    return wire.observation_stream_key(shard) if cluster else OBSERVATION_STREAM
+
+
 OBSERVATION_FIELD = b"o"
 
 

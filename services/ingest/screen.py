@@ -5,18 +5,25 @@ read per batch of the keys whose earlier contents do not vouch for their entries
 Both readers of the heartbeat streams use it: the leader's ingest (services/ingest/loop.py) when it
 reads them itself, and the ingest processes (services/ingest/worker.py) when they do; and both
 read their streams with :func:`read_group` and take over idle entries with :func:`autoclaim`.
+
+On a Redis Cluster one ``XREADGROUP`` may name streams of one slot only: :func:`read_group` reads
+each slot's streams with one command, all slots at once, and a slot whose master does not answer
+(failing over) does not hold up the others (docs/design/redis-cluster.md, "Reading by shard").
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-import redis.asyncio as aioredis
+import redis.exceptions
 
 from clusterpulse import wire
+from clusterpulse.redis_client import AsyncRedis, by_slot, is_cluster
+from clusterpulse.retry import is_transient
 from clusterpulse.settings import Settings
 from services.ingest.decide import SenderCheck
 from services.shared import read_latest, until_ok
@@ -27,10 +34,69 @@ Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
 async def read_group(
-    client: aioredis.Redis, consumer: str, streams: dict[str, str], *, count: int, block_ms: int | None
+    client: AsyncRedis,
+    consumer: str,
+    streams: dict[str, str],
+    *,
+    count: int,
+    block_ms: int | None,
+    failed: set[str] | None = None,
 ) -> list[tuple[str, Entries]]:
     """XREADGROUP of the orchestrator's group, normalised to [(stream, [(id, fields)])] for RESP2
-    and RESP3 replies."""
+    and RESP3 replies.
+
+    On a Cluster, one read per slot, concurrently: first without blocking, and only when none of
+    them brought anything, again blocking up to ``block_ms`` (so a quiet slot never delays a busy
+    one's entries; on a quiet Cluster an entry may wait up to ``block_ms`` for the other slots'
+    reads). With ``failed`` given, a slot whose read fails transiently (its master down, a
+    failover under way) adds its streams to ``failed`` and the others' entries are returned; the
+    error is raised only when every slot failed. The entries such a read may have been given
+    before its reply was lost stay pending with this consumer: the caller reads them again."""
+    if not is_cluster(client):
+        return await _read_one(client, consumer, streams, count=count, block_ms=block_ms)
+    groups = [{k: streams[k] for k in keys} for keys in by_slot(streams)]
+    out = await _read_slots(client, consumer, groups, count=count, block_ms=None, failed=failed)
+    if block_ms is not None and not any(entries for _, entries in out):
+        out = await _read_slots(client, consumer, groups, count=count, block_ms=block_ms, failed=failed)
+    return out
+
+
+async def _read_slots(
+    client: AsyncRedis,
+    consumer: str,
+    groups: list[dict[str, str]],
+    *,
+    count: int,
+    block_ms: int | None,
+    failed: set[str] | None,
+) -> list[tuple[str, Entries]]:
+    replies = await asyncio.gather(
+        *(_read_one(client, consumer, g, count=count, block_ms=block_ms) for g in groups), return_exceptions=True
+    )
+    out: list[tuple[str, Entries]] = []
+    errors: list[BaseException] = []
+    for group, reply in zip(groups, replies, strict=True):
+        if isinstance(reply, BaseException):
+            if failed is None or not (is_transient(reply) or _moved_away(reply)):
+                raise reply
+            errors.append(reply)
+            failed.update(group)
+        else:
+            out.extend(reply)
+    if errors and len(errors) == len(groups):
+        raise errors[0]
+    return out
+
+
+def _moved_away(exc: BaseException) -> bool:
+    """A blocked read whose stream was migrated to another master (resharding) while it waited:
+    read again, at the new master."""
+    return isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("UNBLOCKED")
+
+
+async def _read_one(
+    client: AsyncRedis, consumer: str, streams: dict[str, str], *, count: int, block_ms: int | None
+) -> list[tuple[str, Entries]]:
     resp: Any = await client.xreadgroup(
         wire.ORCHESTRATOR_GROUP, consumer, cast(Any, streams), count=count, block=block_ms
     )
@@ -43,7 +109,7 @@ async def read_group(
 
 
 async def autoclaim(
-    client: aioredis.Redis, stream: str, consumer: str, *, min_idle_ms: int, count: int
+    client: AsyncRedis, stream: str, consumer: str, *, min_idle_ms: int, count: int
 ) -> AsyncIterator[Entries]:
     """Every entry of ``stream`` pending with any consumer for at least ``min_idle_ms`` becomes
     ``consumer``'s (``XAUTOCLAIM``), a batch at a time, until the whole pending list was scanned;
@@ -71,7 +137,7 @@ class Screened:
 
 
 async def screen(
-    entries: Entries, *, stream: str, redis_client: aioredis.Redis, senders: SenderCheck, settings: Settings
+    entries: Entries, *, stream: str, redis_client: AsyncRedis, senders: SenderCheck, settings: Settings
 ) -> list[Screened]:
     decoded: list[tuple[bytes, bytes | None, wire.Heartbeat | wire.WireError | None]] = []
     for entry_id, fields in entries:

@@ -26,12 +26,14 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
 import redis.exceptions
 
 from clusterpulse import wire
 from clusterpulse.proc import LOG_FORMAT
+from clusterpulse.redis_client import AsyncRedis, connect
+from clusterpulse.retry import is_transient
 from clusterpulse.settings import Settings
 from services.clock import entry_time
 from services.health import decide as health
@@ -59,14 +61,20 @@ class IngestWorker(Tick):
     name = "ingest_worker"
     leader_only = False
 
-    def __init__(self, settings: Settings, *, redis_client: aioredis.Redis, consumer: str | None = None) -> None:
+    def __init__(self, settings: Settings, *, redis_client: AsyncRedis, consumer: str | None = None) -> None:
         self.settings = settings
         self.redis = redis_client
         self.consumer = consumer or f"ingest-{socket.gethostname()}-{os.getpid()}"
         self.streams = wire.heartbeat_stream_keys(settings.heartbeat_stream_shards)
+        # each shard's observations: one stream on one Redis, the shard's own on a Cluster
+        self.observations = {
+            s: observations.stream_for(i, cluster=settings.redis_cluster) for i, s in enumerate(self.streams)
+        }
         self.policy = health.Policy.from_settings(settings)
         self.senders = SenderCheck()
-        self.maxlen = settings.heartbeat_stream_maxlen * settings.heartbeat_stream_shards
+        self.maxlen = settings.heartbeat_stream_maxlen * (
+            1 if settings.redis_cluster else settings.heartbeat_stream_shards
+        )
         self.handoff = redis_client.register_script(observations.HANDOFF)
         self.forget = redis_client.register_script(_FORGET)
         self.handed = 0  # entries handed over by this process
@@ -77,12 +85,15 @@ class IngestWorker(Tick):
 
     async def tick(self, now: float) -> float:
         """One read handed over; read again at once. The first turn, and the turn after one that
-        did not finish (a Redis restart deletes the group), create the group and claim first."""
+        did not finish (a Redis restart deletes the group), create the group and claim first.
+        On a Redis Cluster a shard whose master does not answer (failing over) is skipped this
+        turn, the others are read: what it gave this process before is claimed back later."""
         claim_every = max(0.05, self.settings.ingest_claim_s / 2)
         if self._fresh:
             for stream in self.streams:
-                with contextlib.suppress(redis.exceptions.ResponseError):  # BUSYGROUP: it exists
-                    await self.redis.xgroup_create(stream, wire.ORCHESTRATOR_GROUP, id="0", mkstream=True)
+                async with self._shard(stream):
+                    with contextlib.suppress(redis.exceptions.ResponseError):  # BUSYGROUP: it exists
+                        await self.redis.xgroup_create(stream, wire.ORCHESTRATOR_GROUP, id="0", mkstream=True)
             self._claimed_at = -claim_every
         self._fresh = True
         if time.monotonic() - self._claimed_at >= claim_every:
@@ -90,27 +101,42 @@ class IngestWorker(Tick):
             self._claimed_at = time.monotonic()
         block_ms = max(1, int(self.settings.ingest_block_s * 1000))
         streams = dict.fromkeys(self.streams, ">")
-        read = await read_group(self.redis, self.consumer, streams, count=self.settings.ingest_batch, block_ms=block_ms)
+        read = await read_group(
+            self.redis, self.consumer, streams, count=self.settings.ingest_batch, block_ms=block_ms,
+            failed=set() if self.settings.redis_cluster else None,
+        )  # fmt: skip
         for stream, entries in read:
             await self.hand_over(stream, entries)
         self._fresh = False
         return 0.0
 
+    @contextlib.asynccontextmanager
+    async def _shard(self, stream: str) -> AsyncIterator[None]:
+        """On a Redis Cluster: a transient error of one shard (its master failing over) is logged
+        and that shard left for a later turn; on one Redis, and any other error, it is raised."""
+        try:
+            yield
+        except Exception as exc:
+            if not (self.settings.redis_cluster and is_transient(exc)):
+                raise
+            log.warning("event=shard_unavailable stream=%s consumer=%s error=%r", stream, self.consumer, str(exc))
+
     async def claim(self) -> None:
         """Take over what other consumers read and left pending longer than a claim lease."""
         min_idle_ms = int(self.settings.ingest_claim_s * 1000)
         for stream in self.streams:
-            batches = autoclaim(
-                self.redis, stream, self.consumer, min_idle_ms=min_idle_ms, count=self.settings.ingest_batch
-            )
-            async for entries in batches:
-                if entries:
-                    self.claimed += len(entries)
-                    log.info(
-                        "event=ingest_claimed stream=%s entries=%d consumer=%s", stream, len(entries), self.consumer
-                    )
-                    await self.hand_over(stream, entries)
-            await self._forget_gone(stream, min_idle_ms)
+            async with self._shard(stream):
+                batches = autoclaim(
+                    self.redis, stream, self.consumer, min_idle_ms=min_idle_ms, count=self.settings.ingest_batch
+                )
+                async for entries in batches:
+                    if entries:
+                        self.claimed += len(entries)
+                        log.info(
+                            "event=ingest_claimed stream=%s entries=%d consumer=%s", stream, len(entries), self.consumer
+                        )
+                        await self.hand_over(stream, entries)
+                await self._forget_gone(stream, min_idle_ms)
 
     async def _forget_gone(self, stream: str, min_idle_ms: int) -> None:
         """Consumers of ingest processes gone long ago, with nothing pending, leave the group's
@@ -146,7 +172,7 @@ class IngestWorker(Tick):
         n = 0
         while items:  # once, unless another process handed over part of the batch meanwhile
             blob = observations.encode_batch(list(items.values()))
-            keys = [observations.OBSERVATION_STREAM, stream]
+            keys = [self.observations[stream], stream]
             res = await self.handoff(
                 keys=keys, args=[wire.ORCHESTRATOR_GROUP, self.consumer, self.maxlen, blob, *items]
             )
@@ -161,7 +187,7 @@ class IngestWorker(Tick):
 
 async def run(settings: Settings) -> None:
     """One ingest process until SIGTERM or SIGINT."""
-    client = aioredis.from_url(settings.redis_url, socket_timeout=settings.redis_timeout_s)
+    client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=settings.redis_timeout_s)
     worker = IngestWorker(settings, redis_client=client)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

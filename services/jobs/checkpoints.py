@@ -55,8 +55,8 @@ def requested_reason(*, actor: str, reason: str, nodes: Sequence[str], undeliver
 
 def written_path(event: str) -> str | None:
     """The directory a ``checkpoint_written DIR`` event names ("" when it names none), or None when
-    the event is of another kind."""
-    kind, _, rest = event.strip().partition(" ")
+    the event is of another kind (of an event of several lines, the first's)."""
+    kind, _, rest = event.strip().split("\n", 1)[0].partition(" ")  # the first line: the note comes first
     return rest.strip() if kind == WRITTEN else None
 
 

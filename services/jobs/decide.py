@@ -73,16 +73,20 @@ def decide(
     max_rejoins: int = 0,
     rejoin: bool = True,
     exits: Mapping[int, int] | None = None,
+    held: str = "",
 ) -> JobDecision:
     """What to do with a job in ``state`` since ``since``, given ``status[node]`` (the latest
     JobStatus of each node as a dict) and ``joined``, the ranks that registered or reported a step
     (ranks outside the job's world are ignored). ``rendezvous`` (``addr:port``) is only named in
     reasons. A command in ``send`` with an unchanged state is a resend: the caller sends it at
-    most every few seconds, so a command lost in a crash is sent again."""
+    most every few seconds, so a command lost in a crash is sent again. ``held``: why a PENDING
+    job may not launch yet (its fabric preflight runs, services/fabric/loop.py)."""
     if state in TERMINAL_JOB_STATES:
         return JobDecision(state, "")
     status = _with_rank_exits(nodes, status, exits or {}, per_node=max(1, gpus_per_node))
     states = {n: str(status[n]["state"]) for n in nodes if n in status}
+    if state == JobState.PENDING and held:
+        return JobDecision(JobState.PENDING, held)
     if state == JobState.PENDING:
         return JobDecision(JobState.STARTING, f"launch sent to {', '.join(nodes)}", send="launch")
     if state == JobState.STOPPING:

@@ -50,6 +50,7 @@ class Send:
     request: str = ""  # a checkpoint's request id
     job_stream: bool = False  # one command on the job's stream (a Slurm job's, wire.job_commands_key), not the nodes'
     node_rank: int | None = None  # the node's place in the job where it is not its place in ``nodes`` (Slurm's order)
+    probe: bool = False  # a fabric probe (services/fabric/loop.py): wire.JobCommand.probe
 
 
 def hostport(addr: str, port: int) -> str:
@@ -149,6 +150,7 @@ class JobReconciler(Tick):
                 env={**spec.get("env", {}), **ds_env(spec), **({"PULSE_REJOIN": "1"} if send.rejoin else {})},
                 grace_s=self.settings.job_stop_grace_s,
                 node=node if send.job_stream else "",
+                probe=send.probe,
                 issued_at=issued,
                 not_after=issued + cfg.job_command_ttl_s,
             )
@@ -170,6 +172,7 @@ class JobReconciler(Tick):
         excluded, joined = self._excluded_nodes, self._joined  # snapshots taken on the event loop
         healthy = self._healthy_excluded
         with self.writer.tx("jobs") as s:
+            preflights = db.preflights_running(s)
             for st in statuses:
                 try:
                     self._store_status(s, st, now)
@@ -196,6 +199,7 @@ class JobReconciler(Tick):
                     max_rejoins=self.settings.job_max_rejoins,
                     rejoin=rejoinable(job.spec.get("deepspeed_config")),
                     exits=self._exits.get(job.id),
+                    held="waiting for its fabric preflight" if job.id in preflights else "",
                 )
                 if d.state != job.state:
                     db.set_job_state(s, job_id=job.id, state=d.state, reason=d.reason, at=now)

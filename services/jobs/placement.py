@@ -4,7 +4,8 @@
 constraint that failed. Rules:
 
 - only HEALTHY, schedulable nodes (not cordoned here, and, with Slurm sync on, not drained or
-  down in Slurm: ``blocked`` says why) whose labels match the request's selector, with at least
+  down in Slurm; for a job our agents launch, not one whose agent launches nothing, such as
+  ``pulse simulate``'s: ``blocked`` says why) whose labels match the request's selector, with at least
   ``gpus_per_node`` GPUs free (reported GPUs, none lost, minus the GPUs of jobs already placed
   there), are eligible; never a SUSPECT, DEGRADED, LOST or cordoned node;
 - pack: the smallest topology domain that holds the whole job wins, NVLink domain first, then
@@ -68,11 +69,22 @@ def _why_not(n: NodeCapacity, req: PlacementRequest) -> str | None:
     return None
 
 
+def eligible(nodes: Sequence[NodeCapacity], req: PlacementRequest) -> list[NodeCapacity]:
+    """The nodes the request may take, in name order."""
+    return sorted((n for n in nodes if _why_not(n, req) is None), key=lambda n: n.name)
+
+
+def spares(nodes: Sequence[NodeCapacity], req: PlacementRequest, placed: Placement, most: int) -> list[str]:
+    """Up to ``most`` eligible nodes beside ``placed``, in name order: what a fabric preflight
+    (services/fabric/loop.py) may swap in for a node it names slow."""
+    return [n.name for n in eligible(nodes, req) if n.name not in placed.nodes][:most]
+
+
 def place(nodes: Sequence[NodeCapacity], req: PlacementRequest) -> Placement | PlacementRefusal:
     if req.nodes <= 0:
         return PlacementRefusal(f"nodes={req.nodes}: a job needs at least one node")
-    eligible = sorted((n for n in nodes if _why_not(n, req) is None), key=lambda n: n.name)
-    if len(eligible) < req.nodes:
+    fit = eligible(nodes, req)
+    if len(fit) < req.nodes:
         reasons: dict[str, int] = {}
         for n in nodes:
             why = _why_not(n, req)
@@ -82,15 +94,15 @@ def place(nodes: Sequence[NodeCapacity], req: PlacementRequest) -> Placement | P
         detail = "; ".join(f"{count} {why}" for why, count in sorted(reasons.items())) or "no nodes known"
         return PlacementRefusal(
             f"{req.nodes} nodes with {req.gpus_per_node} free GPUs each requested, "
-            f"{len(eligible)} HEALTHY and schedulable match (others: {detail})"
+            f"{len(fit)} HEALTHY and schedulable match (others: {detail})"
         )
     for key in TOPOLOGY_ORDER:
         groups: dict[str, list[NodeCapacity]] = {}
-        for n in eligible:
+        for n in fit:
             if key in n.labels:
                 groups.setdefault(n.labels[key], []).append(n)
         fitting = sorted((len(g), v) for v, g in groups.items() if len(g) >= req.nodes)
         if fitting:
             _, value = fitting[0]  # the tightest domain that fits: keeps big domains whole
             return Placement(tuple(n.name for n in groups[value][: req.nodes]), f"{key}={value}")
-    return Placement(tuple(n.name for n in eligible[: req.nodes]), "cluster")
+    return Placement(tuple(n.name for n in fit[: req.nodes]), "cluster")

@@ -5,12 +5,14 @@ Each training rank publishes a :class:`clusterpulse.wire.TrainerReport` after it
 
 - per job: ``step`` (the slowest rank's, the step every rank has reached), ``loss`` (mean of the
   ranks' latest), ``grad_norm`` (max: one exploding rank matters), ``step_time_s`` (max: the
-  slowest rank sets the pace of a synchronous job), ``tokens_per_s`` (sum) and ``mfu_ratio`` (mean
+  slowest rank sets the pace of a synchronous job), ``update_ratio`` (max of the ranks' last
+  measured), ``tokens_per_s`` (sum) and ``mfu_ratio`` (mean
   of the ranks' MFU, which equals the job's achieved FLOP/s over ranks x peak when every rank
   uses the same peak);
 - per node: the time of its ranks' last progress, which feeds the LOST rule of
   ``services/health/decide.py`` (a silent agent whose ranks still step is DEGRADED, not LOST);
-- stragglers: a rank whose step time exceeds ``straggler_factor`` x the median of its peers'.
+- stragglers: a rank whose step time exceeds ``straggler_factor`` x the median of its peers';
+- the step's breakdown by window and its verdict (``services/jobs/breakdown.py``).
 
 A job whose ranks have all been silent for ``stale_after`` is dropped, so its series leave
 /metrics instead of freezing at their last value. A rank's last report carries its exit code
@@ -25,18 +27,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from clusterpulse import wire
+from services.jobs import breakdown
+from services.jobs.breakdown import BreakdownPolicy, JobBreakdown
 
 
 @dataclass
 class RankProgress:
     report: wire.TrainerReport
     at: float
+    update_ratio: float | None = None  # the last measured (reports carry one every few steps)
 
 
 @dataclass
 class JobProgress:
     job: str
     ranks: dict[int, RankProgress] = field(default_factory=dict)
+    breakdown: JobBreakdown | None = None  # the step's phases by window (services/jobs/breakdown.py)
 
     def _latest(self) -> list[wire.TrainerReport]:
         return [r.report for r in self.ranks.values()]
@@ -50,6 +56,9 @@ class JobProgress:
         return max(r.at for r in self.ranks.values())
 
     def figure(self, name: str) -> float | None:
+        if name == "update_ratio":  # the last measured, not the latest report's
+            vals = [r.update_ratio for r in self.ranks.values() if r.update_ratio is not None]
+            return float(max(vals)) if vals else None
         vals = [v for v in (getattr(r, name) for r in self._latest()) if v is not None]
         if not vals:
             return None
@@ -75,9 +84,13 @@ class JobProgress:
 
 
 class Progress:
-    def __init__(self, *, straggler_factor: float = 1.5, stale_after: float = 300.0) -> None:
+    def __init__(
+        self, *, straggler_factor: float = 1.5, stale_after: float = 300.0, breakdown: BreakdownPolicy | None = None
+    ) -> None:
         self.straggler_factor = straggler_factor
         self.stale_after = stale_after
+        self.breakdown = breakdown if breakdown is not None else BreakdownPolicy()
+        self.closed: list[str] = []  # jobs whose breakdown window closed since the caller last took them
         self.jobs: dict[str, JobProgress] = {}
         self.exits: dict[str, dict[int, tuple[int, float]]] = {}  # job -> rank -> (exit code, received at)
         self.rejected: Counter[str] = Counter()
@@ -99,8 +112,13 @@ class Progress:
             del exits[report.rank]
         job = self.jobs.setdefault(report.job, JobProgress(report.job))
         prev = job.ranks.get(report.rank)
+        if prev is None or report.step > prev.report.step:  # a redelivered report is not counted twice
+            job.breakdown, closed = breakdown.fold(job.breakdown, report, at=received_at, policy=self.breakdown)
+            if closed:
+                self.closed.append(report.job)
         if prev is None or report.step >= prev.report.step:
-            job.ranks[report.rank] = RankProgress(report, received_at)
+            ratio = report.update_ratio if report.update_ratio is not None or prev is None else prev.update_ratio
+            job.ranks[report.rank] = RankProgress(report, received_at, ratio)
         return report
 
     def expire(self, *, now: float) -> list[str]:

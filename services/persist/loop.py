@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 import time
 
-import redis.asyncio as aioredis
-
 from clusterpulse import wire
+from clusterpulse.redis_client import AsyncRedis
 from clusterpulse.retry import is_transient
 from clusterpulse.settings import Settings
 from services import db
@@ -49,7 +48,7 @@ class Persister(Tick):
         self,
         settings: Settings,
         *,
-        redis_client: aioredis.Redis,
+        redis_client: AsyncRedis,
         shared: Shared,
         writer: Writer,
         outbox: Outbox,

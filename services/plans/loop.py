@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 
-import redis.asyncio as aioredis
-
 from clusterpulse import wire
+from clusterpulse.redis_client import AsyncRedis, is_cluster
 from services.leader import FENCED_PLANS, LeaderLease, plans_args
 from services.persist.outbox import Outbox, StoredPlan
 from services.plans.keeper import PlanChange
@@ -26,7 +25,7 @@ class PlanPublisher:
     def __init__(
         self,
         *,
-        redis_client: aioredis.Redis,
+        redis_client: AsyncRedis,
         leader: LeaderLease,
         shared: Shared,
         outbox: Outbox,
@@ -95,8 +94,12 @@ class PlanPublisher:
                     "published to Redis, never stored (the orchestrator stopped in between)",
                 )
 
-    async def republish(self) -> None:
-        """After a start: the plans in force go back into Redis (it may have restarted)."""
+    async def republish(self, *, refence: bool = False) -> None:
+        """After a start: the plans in force go back into Redis (it may have restarted).
+        ``refence``: after Redis did not answer, first raise the fence again everywhere (on a
+        Redis Cluster, every slot's: a master that failed over or restarted may have lost it)."""
+        if refence and is_cluster(self.redis):
+            await self.leader.raise_epoch(self.leader.fence())
         if self.shared.plans.plans:
             plans = [(job, wire.encode(p)) for job, p in sorted(self.shared.plans.plans.items())]
             keys, args = plans_args(self.leader.fence(), plans)

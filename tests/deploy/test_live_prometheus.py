@@ -73,6 +73,10 @@ TYPE_ONLY = frozenset(
         "pulse_job_tokens_per_second",
         "pulse_job_loss",
         "pulse_job_grad_norm",
+        "pulse_job_update_ratio",
+        "pulse_job_step_phase_seconds",
+        "pulse_job_bottleneck",
+        "pulse_job_bottleneck_info",
     }
 )
 

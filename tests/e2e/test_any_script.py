@@ -53,7 +53,14 @@ def _config(stage: int) -> dict[str, Any]:
 
 
 def _start(
-    s: Stack, tmp_path: Path, *, stage: int, backward: str, max_steps: int, env: dict[str, str] | None = None
+    s: Stack,
+    tmp_path: Path,
+    *,
+    stage: int,
+    backward: str,
+    max_steps: int,
+    env: dict[str, str] | None = None,
+    extra: list[str] | None = None,
 ) -> tuple[str, Path]:
     script = tmp_path / "user" / "train.py"  # outside the repository: nothing of ours next to it
     script.parent.mkdir()
@@ -69,7 +76,7 @@ def _start(
         "nodes": 4,
         "gpus_per_node": 1,
         "entrypoint": [str(script), "--backward", backward, "--max-steps", str(max_steps), "--sleep", "0.1",
-                       "--out", str(out)],
+                       "--out", str(out), *(extra or [])],
         "deepspeed_config": _config(stage),
         "env": {"PULSE_PLAN_POLL_S": "0.2", "PULSE_COLLECTIVE_TIMEOUT_S": "3", "PULSE_PROXY_TIMEOUT_S": "5",
                 "OMP_NUM_THREADS": "1", **(env or {})},
@@ -126,9 +133,10 @@ def test_a_users_script_survives_a_killed_rank_without_a_restart(
 ) -> None:
     s = Stack(tmp_path, PULSE_JOB_START_TIMEOUT_S="180")
     try:
-        steps = 200 if stage else 90  # ZeRO 1-2: long enough for the killed rank to come back
+        steps = 120 if stage else 90  # ZeRO 1-2: steps enough after the killed rank is back
+        hold = tmp_path / "hold"
         job, out = _start(
-            s, tmp_path, stage=stage, backward=backward, max_steps=steps,
+            s, tmp_path, stage=stage, backward=backward, max_steps=steps, extra=["--hold-file", str(hold)],
             env={"PULSE_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "PULSE_ZERO_MIRROR_STEPS": "2"},
         )  # fmt: skip
         s.wait_job_metrics(job, ("step", "loss", "step_time_seconds"), timeout=120)
@@ -159,6 +167,11 @@ def test_a_users_script_survives_a_killed_rank_without_a_restart(
         assert (ckpt / f"emergency-step{step}" / "mp_rank_00_model_states.pt").is_file(), list(ckpt.rglob("*"))
         kinds = [e["kind"] for e in s.events(job=job)]
         assert kinds.index("checkpoint_requested") < kinds.index("checkpoint_written"), kinds
+        if stage:  # the survivors wait at a step boundary until the relaunched rank 1 has registered
+            hold.touch()  # (its start takes what it takes on a loaded machine), then take it back
+            wait_for(lambda: [g.rank for g in registrations(redis_url) if g.job == job].count(1) == 2,
+                     timeout=180, what="rank 1 registered again")  # fmt: skip
+            hold.unlink()
         s.wait_state(job, "SUCCEEDED", timeout=180)
         regs = [g.rank for g in registrations(redis_url) if g.job == job]
         logs = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from clusterpulse.wire import REJOIN_REFUSED_EXIT
-from tests.stack import Stack, first_step_with, latest_step, rank_outcomes, rank_pid, registrations
+from tests.stack import Stack, first_step_with, latest_step, rank_outcomes, rank_pid, registrations, reports
 from tests.support import REDIS_URL, REPO, free_port, pulse_env, wait_all, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -180,6 +180,13 @@ def test_a_framework_script_is_carried_and_survives_a_killed_rank(
             assert node["exit_code"] == REJOIN_REFUSED_EXIT, node  # and it was not relaunched again
             done = rank_outcomes(out, [0, 2, 3])
         assert {d["step"] for d in done.values()} == {steps}, done
+        timed = [rep for rep in reports(REDIS_URL) if rep.job == job and rep.step_time_s and rep.phases]
+        assert len(timed) >= steps, len(timed)  # the step's breakdown under the framework too (issue 34)
+        for rep in timed:
+            p = rep.phases
+            assert p is not None
+            total = p.data + p.forward + p.backward + p.communication + p.optimizer
+            assert total == pytest.approx(rep.step_time_s, rel=0.05), rep
         # the step lost to the kill counts on the engine as in the framework (so a rank taken back,
         # which takes the engine's step, logs and checkpoints at the live ranks' steps)
         assert {d["engine_step"] for d in done.values()} == {steps}, done

@@ -131,7 +131,8 @@ def test_the_slow_and_the_briefly_stopped_are_never_excluded(redis_url: str, tmp
         gaps = [(a - t0, b - a) for a, b in itertools.pairwise(slow)]
         before = statistics.median(g for at, g in gaps if 2 < at < SLOW_FROM_S - 1)
         during = statistics.median(g for at, g in gaps if SLOW_FROM_S + 2 < at < SLOW_FROM_S + 13)
-        assert during >= 2.5 * before, (before, during)  # it was a straggler for those 15 s
+        # it was a straggler for those 15 s: held to 3x, at least 2x on a loaded machine (the flag is 1.5x)
+        assert during >= 2.0 * before, (before, during)
         logs = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
         assert "event=peer_hung" not in logs and "event=collective_failed" not in logs
         assert "rank_unreachable" not in [e["kind"] for e in s.events()]

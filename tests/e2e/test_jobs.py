@@ -132,13 +132,15 @@ def test_idempotency_key_returns_the_first_job(stack: Stack) -> None:
 
 
 def test_orchestrator_killed_mid_job_tracks_it_to_completion(stack: Stack) -> None:
-    job = stack.post("/v1/jobs", spec("survivor", seconds=8)).json()
+    job = stack.post("/v1/jobs", spec("survivor", seconds=15)).json()
     stack.wait_state(job["id"], "RUNNING")
     stack.procs["orch"].kill()
     stack.procs["orch"].wait()
     time.sleep(1.0)
     stack.orchestrator()
-    assert stack.job(job["id"])["state"] == "RUNNING"  # the record survived
+    # the record survived: still RUNNING, or already SUCCEEDED when the ranks ended while the
+    # orchestrator was down (its start on a loaded machine can outlast them)
+    assert stack.job(job["id"])["state"] in ("RUNNING", "SUCCEEDED")
     done = stack.wait_state(job["id"], "SUCCEEDED", timeout=60)
     assert done["assigned_nodes"] == job["assigned_nodes"]
     events = [e["to_state"] for e in stack.get("/v1/events", params={"job": job["id"]})["data"] if e["kind"] == "job"]

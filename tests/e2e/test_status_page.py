@@ -12,6 +12,11 @@ rank, agent/launcher.py); the ranks report steps through the trainer library, an
 shows a step rate and loss and MFU trends. A screenshot goes to the
 test's folder (and to docs/status-page.png with ``PULSE_SCREENSHOT_TO_DOCS=1``: the one the
 README shows). Then /docs, served offline, lists ``POST /v1/jobs``.
+
+The grid is drawn from the nodes' summaries, two a request here (``PULSE_STATUS_PAGE_NODES=2``):
+every refresh pages through ``GET /v1/nodes?fields=summary`` following each answer's ``next``, and
+a node's hardware in full (``GET /v1/nodes/{name}``) is read only once its page is opened, for
+that node alone.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ T = TypeVar("T")
 # Longer than the page may take to show a change: only the event stream, which wakes a refresh at
 # once, gets it there in time (the timed refresh is what events do not carry: heartbeat ages).
 REFRESH_S = 15.0
+NODES_PAGE = 2  # PULSE_STATUS_PAGE_NODES: the grid of 4 nodes is two pages
 # rack -> NVLink domain -> nodes
 TOPOLOGY = {"rack-a": {"nvl-a0": ["sp-a0", "sp-a1"], "nvl-a1": ["sp-a2"]}, "rack-b": {"nvl-b0": ["sp-b0"]}}
 NODES = sorted(n for doms in TOPOLOGY.values() for ns in doms.values() for n in ns)
@@ -71,7 +77,15 @@ def browser() -> Iterator[Any]:
 def stack(tmp_path: Path) -> Iterator[Stack]:
     r = redis.Redis.from_url(REDIS_URL)
     r.flushdb()
-    s = Stack(tmp_path, PULSE_AUTH_READS="true", PULSE_STATUS_REFRESH_S=str(REFRESH_S), PULSE_RECOVER_AFTER="2")
+    s = Stack(
+        tmp_path,
+        PULSE_AUTH_READS="true",
+        PULSE_STATUS_REFRESH_S=str(REFRESH_S),
+        PULSE_RECOVER_AFTER="2",
+        PULSE_STATUS_PAGE_NODES=str(NODES_PAGE),
+        # the victim's agent is restarted with its fault: its start on a loaded machine is no silence
+        PULSE_DEGRADED_AFTER_S="15",
+    )
     try:
         s.orchestrator()
         for node in NODES:
@@ -104,6 +118,15 @@ def _stable(read: Callable[[], T]) -> T:
         except StaleElementReferenceException:
             time.sleep(0.05)
     return read()
+
+
+def _node_reads(driver: Any) -> list[tuple[str, dict[str, list[str]]]]:
+    """The path and query of every request the page made under /v1/nodes, in order."""
+    from urllib.parse import parse_qs, urlsplit
+
+    urls = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    parts = [urlsplit(u) for u in urls]
+    return [(p.path, parse_qs(p.query)) for p in parts if p.path.startswith("/v1/nodes")]
 
 
 def _plan(stack: Stack, job: str) -> dict[str, Any] | None:
@@ -140,6 +163,7 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     secret = viewer.json()["secret"]
 
     browser.get(f"{stack.api}/")
+    browser.execute_script("performance.setResourceTimingBufferSize(100000)")  # every request of the test
     wait_for(lambda: browser.find_element(By.ID, "signin").is_displayed(), timeout=20, what="the sign-in box")
     assert not browser.find_element(By.ID, "content").is_displayed()
     browser.find_element(By.ID, "token").send_keys(secret)
@@ -153,6 +177,13 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
         for dom, nodes in doms.items():
             cards = browser.find_elements(By.CSS_SELECTOR, f"[data-rack='{rack}'] [data-domain='{dom}'] [data-node]")
             assert sorted(c.get_attribute("data-node") for c in cards) == sorted(nodes), (rack, dom)
+    # the grid came from summaries, two a request, each page after the one before: never in full
+    reads = _node_reads(browser)
+    summary = {"fields": ["summary"], "limit": [str(NODES_PAGE)]}
+    assert reads and all(path == "/v1/nodes" for path, _ in reads), reads
+    pages = [q for _, q in reads]
+    assert summary in pages and {**summary, "after": [NODES[1]]} in pages, reads
+    assert all(q in (summary, {**summary, "after": [NODES[1]]}) for q in pages), reads
 
     # a job on the victim and its neighbour; every rank registered: generation 1 carries nobody
     spec = {
@@ -203,6 +234,7 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
         shutil.copyfile(tmp_path / "status-page.png", REPO / "docs" / "status-page.png")
 
     # the victim's own page: its GPUs in full and its history of transitions, newest first
+    assert {path for path, _ in _node_reads(browser)} == {"/v1/nodes"}  # no node's detail before it is opened
     browser.find_element(By.CSS_SELECTOR, f"[data-node='{VICTIM}'] a.node-name").click()
     wait_for(
         lambda: browser.find_elements(By.CSS_SELECTOR, "#node-history [data-transition]"),
@@ -218,6 +250,8 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     api = [e for e in r.json()["data"] if e["to_state"]]
     assert len(history) == len(api) and "→ DEGRADED" in history[0] and "PSU current imbalance" in history[0], history
     browser.save_screenshot(str(tmp_path / "node-page.png"))
+    details = {path for path, _ in _node_reads(browser)} - {"/v1/nodes"}
+    assert details == {f"/v1/nodes/{VICTIM}"}, details  # the opened node's detail, and no other's
     browser.find_element(By.LINK_TEXT, "← all nodes").click()
     wait_for(lambda: browser.find_element(By.ID, "overview").is_displayed(), timeout=REFRESH_S / 2, what="the grid")
     print(f"DEGRADED on the page {shown_after:.2f}s after the orchestrator decided it")

@@ -148,8 +148,9 @@ def test_stream_follows_a_psu_fault_and_its_recovery_across_a_reconnect(stack: S
 
 
 def test_stream_replays_after_since_id_then_keeps_alive(stack: Stack) -> None:
+    # the start's events wait in the outbox until the writer's next flush, after /readyz answers
+    wait_for(lambda: _events(stack), timeout=10, what="the orchestrator's start as an event")
     stored = _events(stack)
-    assert stored, "the orchestrator's start is an event"
     got: list[Message] = []
     client = httpx.Client(base_url=stack.api, headers=AUTH, timeout=httpx.Timeout(5.0, read=10.0))
     with client, client.stream("GET", "/v1/stream", params={"since_id": 0}) as r:

@@ -183,7 +183,8 @@ def test_a_database_outage_longer_than_the_lease_does_not_stop_the_leader(
                     q = "SELECT to_state, epoch FROM events WHERE kind = 'health' AND node = :n ORDER BY id"
                     return list(conn.execute(text(q), {"n": NODES[0]}))
 
-            wait_for(lambda: [r[0] for r in stored()] == ["SUSPECT", "DEGRADED"], timeout=60, what="stored")
+            # the last two: a heartbeat late on a loaded machine may have made a SUSPECT and back before
+            wait_for(lambda: [r[0] for r in stored()][-2:] == ["SUSPECT", "DEGRADED"], timeout=60, what="stored")
             assert {r[1] for r in stored()} == {int(epoch)}  # the same leader, the same epoch
         finally:
             engine.dispose()

@@ -100,7 +100,9 @@ def test_postgres_outage_loses_nothing(stack: Stack, private_postgres: PrivatePo
     )
     assert isinstance(after, list)
     new = [(e["node"], e["from_state"], e["to_state"]) for e in after[len(before) :]]
-    assert new == [(victim, "HEALTHY", "SUSPECT"), (victim, "SUSPECT", "DEGRADED")], new
+    assert [t for t in new if t[0] == victim] == [(victim, "HEALTHY", "SUSPECT"), (victim, "SUSPECT", "DEGRADED")], new
+    # another node's heartbeat late on a loaded machine is a SUSPECT and back, stored too; never a fault
+    assert all(t[2] in ("SUSPECT", "HEALTHY") for t in new if t[0] != victim), new
     assert all(down_at < e["at"] < up_at for e in after[len(before) :])
     assert sorted(e["node"] for e in _kind(stack, "registered")) == [*NODES, NEWCOMER]
 

@@ -32,7 +32,7 @@ import torch
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
 from clusterpulse import wire
-from tests.stack import first_step_with
+from tests.stack import first_step_with, latest_step
 from tests.support import REPO, free_port, pulse_env, wait_all, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -107,15 +107,29 @@ class _Ranks:
         """The ranks that reported a step with ``generation`` in force."""
         return set(first_step_with(self.redis_url, self.job, generation))
 
-    def lose(self, lost: int) -> dict[int, subprocess.Popen[bytes]]:
-        """Every rank trains under generation 1; then ``lost`` is killed and generation 2 leaves it out."""
+    def lose(self, lost: int, *, hold: Path | None = None) -> dict[int, subprocess.Popen[bytes]]:
+        """Every rank trains under generation 1; then ``lost`` is killed and generation 2 leaves it
+        out. With ``hold`` (the script's ``--hold-file``), the kill comes while every rank waits
+        between two steps, none in a collective."""
         self.publish(_plan(self.job, 1, [0, 1, 2, 3], []))
         procs = {rank: self.start(rank) for rank in range(WORLD)}
         self.until(lambda: self.stepped(1) == set(range(WORLD)), timeout=120, what="every rank stepped")
+        if hold is not None:
+            hold.touch()
+            self.until(self._held, timeout=60, what="every rank held at one step")
         procs[lost].kill()
         procs[lost].wait(10)
         self.publish(_plan(self.job, 2, [r for r in range(WORLD) if r != lost], [lost]))
+        if hold is not None:
+            hold.unlink()
         return procs
+
+    def _held(self) -> bool:
+        """Every rank at one step, which stays the same for a second."""
+        before = latest_step(self.redis_url, self.job)
+        time.sleep(1.0)
+        now = latest_step(self.redis_url, self.job)
+        return len(now) == WORLD and now == before and len(set(now.values())) == 1
 
     def relaunch(self, rank: int) -> subprocess.Popen[bytes]:
         """``rank`` again with ``PULSE_REJOIN=1``, once it waits for its invitation."""
@@ -184,10 +198,17 @@ def test_the_checkpoint_at_the_boundary_that_brings_a_rank_back_holds_every_part
     out = tmp_path / "out"
     out.mkdir()
     # long enough for the relaunched rank to start while the survivors train
-    ranks = _Ranks(redis_url, out, f"rejoin-saved-{os.getpid()}", "--save-every", "1", steps=120, sleep=0.1)
+    hold = tmp_path / "hold"
+    ranks = _Ranks(
+        redis_url, out, f"rejoin-saved-{os.getpid()}", "--save-every", "1", "--hold-file", str(hold), steps=120,
+        sleep=0.1,
+    )  # fmt: skip
     ranks.host_store()
     try:
-        procs = ranks.lose(0)
+        # rank 0 dies between two steps: its death inside a save, where some survivors may have left
+        # a collective the others are still in, is not what this test is about (a gap, described
+        # in docs/design/rerouting.md "The world group's collectives")
+        procs = ranks.lose(0, hold=hold)
         rejoined = ranks.relaunch(0)  # it starts while the survivors train on
         ranks.until(lambda: {1, 2, 3} <= ranks.stepped(2), timeout=60, what="the survivors on generation 2")
         ranks.publish(_plan(ranks.job, 3, [0, 1, 2, 3], []))  # at the survivors' next boundary

@@ -97,12 +97,46 @@ def test_migrations_create_the_schema_and_downgrade_cleanly(tmp_path: object) ->
     from alembic import command
 
     url = f"sqlite:///{tmp_path}/m.db"
-    assert db.upgrade(url) == "0008"
+    assert db.upgrade(url) == "0009"
     eng = db.make_engine(url)
-    assert {"nodes", "gpus", "events", "jobs", "job_ranks", "plans", "tokens", "alembic_version"} <= set(
-        inspect(eng).get_table_names()
-    )
-    assert db.current_revision(eng) == "0008"
+    assert {
+        "nodes",
+        "gpus",
+        "events",
+        "jobs",
+        "job_ranks",
+        "plans",
+        "tokens",
+        "fabric_checks",
+        "alembic_version",
+    } <= set(inspect(eng).get_table_names())
+    assert db.current_revision(eng) == "0009"
     command.downgrade(db.alembic_config(url), "base")
     assert set(inspect(eng).get_table_names()) == {"alembic_version"}
     eng.dispose()
+
+
+def test_fabric_checks_hold_their_pairs_wait_jobs_and_go_with_retention(session: Session) -> None:
+    pair = {"round": 1, "nodes": ["a", "b"], "state": "running", "busbw_gbps": None, "detail": "", "port": 29600}
+    row = db.create_fabric_check(session, check_id="c1", nodes=["a", "b"], pairs=[pair], at=10.0, actor="t", job="j1")
+    db.create_fabric_check(session, check_id="c2", nodes=["c", "d"], pairs=[pair], at=10.0, actor="t")
+    session.flush()
+    assert db.preflights_running(session) == {"j1"}  # c2 belongs to no job
+    assert {r.id for r in db.running_fabric_checks(session)} == {"c1", "c2"}
+    done = {**pair, "state": "done", "busbw_gbps": 2.5}
+    db.update_fabric_check(session, row=row, pairs=[done], reason="v", at=20.0, slow={"b": "why"}, median_gbps=2.5)
+    session.flush()
+    assert db.preflights_running(session) == set()
+    [fin] = db.finished_fabric_checks(session, since=15.0)
+    assert (fin.id, fin.state, fin.slow, fin.pairs[0]["busbw_gbps"], fin.finished_at) == (
+        "c1",
+        "DONE",
+        {"b": "why"},
+        2.5,
+        20.0,
+    )
+    assert db.finished_fabric_checks(session, since=20.0) == []
+    db.prune_jobs(session, before=30.0, limit=100, terminal=["SUCCEEDED"])
+    session.flush()
+    assert db.get_fabric_check(session, check_id="c1") is None  # finished before: pruned
+    assert db.get_fabric_check(session, check_id="c2") is not None  # still running: kept

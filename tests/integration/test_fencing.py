@@ -210,7 +210,9 @@ def test_pause_ends_a_loop_whose_redis_call_swallowed_the_cancel(
         if block_ms:  # a blocking read (the first turn re-reads what is pending without blocking)
             reading.append(time.monotonic())
         try:
-            await asyncio.sleep((block_ms or 0) / 1000)
+            # a blocking read waits its whole block with nothing to read: a second here, so that the
+            # cancel lands inside it on a loaded machine too (its 50 ms let it land between reads)
+            await asyncio.sleep(1.0 if block_ms else 0.0)
         except asyncio.CancelledError:
             swallowed.append(time.monotonic())  # as redis-py did: returns as if nothing happened
         return []
@@ -219,7 +221,7 @@ def test_pause_ends_a_loop_whose_redis_call_swallowed_the_cancel(
 
     async def main() -> None:
         async with _one_replica(redis_url, database_url) as (a, _):
-            assert _leads(a)
+            await _until(lambda: _leads(a), "a leads")
             await _until(lambda: reading, "the ingest loop in a blocking read")
             await asyncio.wait_for(a.pause(), timeout=10)
             assert swallowed, "the ingest loop was cancelled inside a read"
@@ -269,7 +271,7 @@ def test_pause_and_stop_return_only_once_the_database_calls_of_their_loops_did(
     async def main() -> None:
         nonlocal phase
         async with _one_replica(redis_url, database_url) as (a, engine):
-            assert _leads(a)
+            await _until(lambda: _leads(a), "a leads")  # a renewal late on a loaded machine: not yet
             monkeypatch.setattr(db, "renew_lease", slow_renew)
             assert await asyncio.to_thread(in_renewal.wait, 10), "a's lease loop renews"
             await a.pause()  # cancelled mid-renewal

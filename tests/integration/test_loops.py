@@ -14,7 +14,8 @@ from services.orchestrator import Orchestrator
 from services.runner import Tick
 
 EVERY_LOOP = {
-    "lease", "follow", "ingest", "evaluate", "persist", "jobs", "retention", "ingest_pool", "slurm", "slurm_jobs",
+    "lease", "follow", "ingest", "evaluate", "persist", "jobs", "fabric", "retention", "ingest_pool", "slurm",
+    "slurm_jobs",
 }  # fmt: skip
 
 

@@ -44,6 +44,7 @@ from agent.daemon import NodeAgent
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
 from clusterpulse.settings import load_settings
+from services import db
 from services.api.app import create_app
 from tests.support import REDIS_URL, wait_for
 
@@ -101,6 +102,17 @@ def _publish_heartbeat(client: redis.Redis) -> None:
     client.xadd(wire.heartbeat_stream_key(0), {wire.HEARTBEAT_FIELD: payload})
 
 
+def _stored_check(path: Path) -> str:
+    """A finished fabric check in the database (one node alone cannot start one over the API)."""
+    eng = db.make_engine(f"sqlite:///{path}")
+    with db.session_factory(eng).begin() as s:
+        pair = {"round": 1, "nodes": [NODE, "st-other"], "state": "done", "busbw_gbps": 1.0, "detail": ""}
+        row = db.create_fabric_check(s, check_id="st-check", nodes=[NODE, "st-other"], pairs=[pair], at=1.0, actor="st")
+        db.update_fabric_check(s, row=row, pairs=[pair], reason="done", at=2.0, slow={}, median_gbps=1.0)
+    eng.dispose()
+    return "st-check"
+
+
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     client = redis.Redis.from_url(REDIS_URL)
@@ -137,7 +149,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
             assert job.status_code == 201, job.text
             token = http.post("/v1/tokens", json={"name": "st-viewer", "role": "viewer"}, headers=AUTH)
             assert token.status_code == 201, token.text
-        yield Api(schema, {"name": NODE, "job_id": job.json()["id"]})
+        yield Api(schema, {"name": NODE, "job_id": job.json()["id"], "check_id": _stored_check(tmp / "pulse.db")})
     finally:
         asgi.shutdown_lifespans()
         client.flushdb()
@@ -202,7 +214,8 @@ def test_every_operation_conforms_and_never_fails(api: Api, mode: str, caller: s
 
 
 def test_named_things_that_exist(api: Api) -> None:
-    """Cordon/uncordon, job read/plan/stop/checkpoint and token revoke on names that exist, as admin."""
+    """Cordon/uncordon, job read/plan/stop/checkpoint, a fabric check and token revoke on names
+    that exist, as admin."""
     ran = {}
     for result in api.schema.get_all_operations():
         op = result.ok()
@@ -215,4 +228,4 @@ def test_named_things_that_exist(api: Api) -> None:
         ran[f"{op.method.upper()} {op.path}"] = _fuzz(
             op, mode="positive", headers=AUTH, examples=EXAMPLES // 2, path_parameters=existing
         )
-    assert len(ran) == 8 and all(ran.values()), ran
+    assert len(ran) == 9 and all(ran.values()), ran

@@ -102,14 +102,14 @@ def test_redis_down_never_blocks_or_raises() -> None:
 
 
 def test_spike_event_is_reported(redis_url: str) -> None:
-    with TrainerReporter(job="j", rank=0, node="n", world_size=1, redis_url=redis_url, every=10) as reporter:
-        assert reporter.report(step=1, loss=1.0) is None  # not due
-        rep = reporter.report(step=2, loss=50.0)  # an event is published whatever the cadence
+    with TrainerReporter(job="j", rank=0, node="n", world_size=1, redis_url=redis_url, every=100) as reporter:
+        assert all(reporter.report(step=s, loss=1.0) is None for s in range(1, 11))  # not due
+        rep = reporter.report(step=11, loss=50.0)  # an event is published whatever the cadence
         assert rep is not None and rep.event is not None and rep.event.startswith("loss_spike ")
-        rep = reporter.report(step=3, loss=float("nan"))
+        rep = reporter.report(step=12, loss=float("nan"))
         assert rep is not None and rep.event is not None and rep.event.startswith("nonfinite_loss ")
     reps = reports(redis_url)
-    assert [r.step for r in reps] == [2, 3]
+    assert [r.step for r in reps] == [11, 12]
     assert reps[1].loss is None  # NaN travels as JSON null
     assert reporter.events == 2
 
@@ -162,12 +162,11 @@ def test_loss_spike_detector_exact() -> None:
     det = LossSpikeDetector(window=3, factor=10.0)
     assert det.update(1, 2.0) is None
     assert det.update(2, 1.0) is None
-    assert det.update(3, 10.0) is None  # 10 == 10 x 1.0: not over
-    reason = det.update(4, 10.5)
+    assert det.update(3, 30.0) is None  # two losses: too few to judge a window of 3
+    assert det.update(4, 110.0) is None  # 110 == 10 x the mean 11 of steps 1-3: not over
+    reason = det.update(5, 500.0)  # the window holds steps 2-4: mean 47
     assert reason is not None and reason.split()[0] == "loss_spike"
-    assert "loss=10.5 at step 4 > 10 x min 1" in reason
-    # step 2's 1.0 leaves the window of 3 at step 5: the minimum is then 10.0
-    assert det.update(5, 20.0) is None
+    assert "loss=500 at step 5 > 10 x mean 47 of the last 3 losses" in reason
     assert det.update(6, float("inf")) == "nonfinite_loss loss=inf at step 6"
     assert det.update(7, 1.0, grad_norm=float("nan")) == "nonfinite_grad_norm grad_norm=nan at step 7"
     assert LossSpikeDetector().update(1, None) is None

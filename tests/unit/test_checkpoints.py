@@ -46,6 +46,8 @@ def test_requested_reason_names_who_why_and_where() -> None:
         ("checkpoint_written", ""),
         ("loss_spike loss 9.1 over 3 sigma", None),
         ("checkpoint_writtenX /x", None),
+        ("checkpoint_written /ck/s9\ndivergence_checkpoint loss_spike loss=9", "/ck/s9"),  # an event a line
+        ("loss_spike loss=9\ncheckpoint_written /ck/s9", None),  # the note comes first, or there is none
     ],
 )
 def test_written_path(event: str, path: str | None) -> None:

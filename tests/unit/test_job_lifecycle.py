@@ -39,6 +39,21 @@ def test_pending_launches_and_starting_resends_until_every_node_answers() -> Non
     assert (r.state, r.send, r.reason) == ("RUNNING", None, "every rank rendezvoused at a:29512: 2 ranks on a, b")
 
 
+def test_a_job_waiting_for_its_preflight_stays_pending_and_launches_nothing() -> None:
+    held = "waiting for its fabric preflight"
+    kw = {
+        "nodes": NODES,
+        "status": {},
+        "since": 0.0,
+        "now": 1e6,
+        "start_timeout": 60.0,
+        "joined": (),
+        "gpus_per_node": 1,
+    }
+    assert decide(state="PENDING", rendezvous=RDV, held=held, **kw) == JobDecision("PENDING", held)  # type: ignore[arg-type]
+    assert decide(state="PENDING", rendezvous=RDV, **kw).send == "launch"  # type: ignore[arg-type]
+
+
 def test_running_means_every_rank_rendezvoused_not_that_the_agents_started_them() -> None:
     both = {"a": started(), "b": started()}
     for joined in ((), (0,), (1,), (1, 5), (-1, 0)):  # ranks outside the world are no one's

@@ -130,7 +130,8 @@ def test_each_simulated_fault_reads_as_its_real_failure() -> None:
         "ecc": ("fault", "uncorrectable ECC"),
         "gpu_lost": ("fault", "GPU 7 lost"),
     }
-    assert set(expect) | {"silent", *NIC_FAULTS} == set(FAULT_KINDS)  # NIC_FAULTS: tests/unit/test_nic_health.py
+    # NIC_FAULTS: tests/unit/test_nic_health.py; slow_link is in no telemetry (below)
+    assert set(expect) | {"silent", "slow_link", *NIC_FAULTS} == set(FAULT_KINDS)
     for kind, (where, needle) in expect.items():
         sim = SimulatedNode("n", gpus=8, seed=3)
         sim.faults.add(kind)
@@ -189,3 +190,14 @@ def test_a_changed_steady_value_is_rendered_not_the_kept_text() -> None:
     assert after[("pulse_gpu_throttle_active", (("gpu", "0"), ("node", "n1"), ("reason", "thermal")))] == 1
     assert after[("pulse_gpu_pcie_link_width", (("gpu", "0"), ("node", "n0")))] == 16  # the other node as it was
     assert after == _samples(Renderer().render(c, now=11.0))  # the same as a renderer with nothing kept
+
+
+def test_a_slow_link_is_in_no_telemetry_only_in_the_ranks_it_launches() -> None:
+    """What the fabric check (tests/e2e/test_fabric_check.py) has to find by traffic."""
+    clean, slow = SimulatedNode("n", gpus=8, seed=3), SimulatedNode("n", gpus=8, seed=3)
+    slow.faults.add("slow_link")
+    for sim in (clean, slow):
+        hb = NodeAgent(node="n", gpu=sim, gpu_source="simulated", interval_s=1, sim=sim).heartbeat(sim.sample())
+        s = assess(hb, throttle_for=0.0, policy=Policy())
+        assert (s.faults, s.warnings) == ((), ()), s
+    assert clean.rank_env() == {} and slow.rank_env() == {wire.SLOW_LINK_ENV: "0.002"}

@@ -29,6 +29,16 @@ def test_job_figures_follow_the_slowest_and_sum_throughput() -> None:
     assert job.last_at == 103.0
 
 
+def test_the_update_ratio_is_the_ranks_last_measured_one() -> None:
+    p = Progress()
+    assert p.ingest(_report(0, 4, update_ratio=0.002), received_at=1.0) is not None
+    p.ingest(_report(1, 4, update_ratio=0.003), received_at=1.0)
+    p.ingest(_report(0, 5), received_at=2.0)  # reports between measurements carry none
+    assert p.jobs["j1"].figure("update_ratio") == 0.003
+    p.ingest(_report(1, 8, update_ratio=0.001), received_at=3.0)
+    assert p.jobs["j1"].figure("update_ratio") == 0.002
+
+
 def test_older_step_of_a_rank_does_not_replace_the_newer() -> None:
     p = Progress()
     p.ingest(_report(0, 5, loss=1.0), received_at=1.0)

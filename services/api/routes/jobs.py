@@ -12,6 +12,7 @@ from services import db
 from services.api.deps import Operator, OrchestratorDep, Viewer
 from services.api.routes.common import bad_query
 from services.api.schemas import (
+    BottleneckPublic,
     CheckpointPublic,
     CheckpointRequest,
     ErrorPublic,
@@ -19,8 +20,10 @@ from services.api.schemas import (
     JobPublic,
     JobsPublic,
     PlanPublic,
+    RankPhasesPublic,
 )
 from services.health.nics import nccl_over_tcp
+from services.jobs.breakdown import JobBreakdown
 from services.jobs.checkpoints import CheckpointRefused, CheckpointUndelivered
 from services.jobs.decide import JOB_STATES
 from services.operator import IdempotencyKeyReused, PlacementRefused
@@ -62,7 +65,19 @@ def _job_public(orch: Orchestrator, row: Any) -> JobPublic:
         backend=row.spec.get("backend") or "agents",
         slurm_job_id=row.slurm_job_id,
         warnings=_warnings(orch, row) if row.state == JobState.RUNNING else [],
+        bottleneck=_bottleneck(orch, prog.breakdown) if prog is not None and prog.breakdown is not None else None,
     )
+
+
+def _bottleneck(orch: Orchestrator, bd: JobBreakdown) -> BottleneckPublic | None:
+    v = bd.verdict
+    if v is None or bd.closed_at is None:
+        return None
+    return BottleneckPublic(
+        kind=v.kind, rank=v.rank, node=v.node, reason=v.reason, window_s=orch.progress.breakdown.window_s,
+        at=bd.closed_at, phases=bd.phases(),
+        ranks={str(r.rank): RankPhasesPublic(node=r.node, steps=r.steps, wait=r.wait, **r.phases()) for r in bd.ranks},
+    )  # fmt: skip
 
 
 def _warnings(orch: Orchestrator, row: Any) -> list[str]:
@@ -109,6 +124,12 @@ async def create_job(
             status.HTTP_409_CONFLICT,
             detail="backend 'slurm': Slurm is off on this orchestrator (PULSE_SLURM=on turns it on); "
             "use backend 'agents'",
+        )
+    if spec["backend"] == "slurm" and (spec.get("preflight") or {}).get("fabric"):
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            detail="preflight.fabric runs its probes through the agents: not for backend 'slurm' (Slurm places "
+            "the job); run `pulse check fabric` on the nodes first",
         )
     try:
         job_id, created, row = await orch.create_job(spec, idempotency_key=idempotency_key, actor=caller.name)

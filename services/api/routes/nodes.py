@@ -1,77 +1,48 @@
-"""Nodes: the snapshot's view of each node (health, telemetry, Slurm's state), cordon and uncordon."""
+"""Nodes: the snapshot's view of each node (health, telemetry, Slurm's state), cordon and uncordon.
+
+The list is served from services/api/bodies.py: each node's JSON built once per change of the
+node, in full or as its summary, paged in name order."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-import msgspec
-from fastapi import APIRouter, Body, HTTPException, Query, status
+from fastapi import APIRouter, Body, HTTPException, Query, Response, status
 
 from clusterpulse.states import NodeState
-from services.api.deps import Operator, OrchestratorDep, Viewer
+from services.api import bodies
+from services.api.bodies import Fields
+from services.api.deps import BodiesDep, Operator, OrchestratorDep, Viewer
 from services.api.routes.common import bad_query
-from services.api.schemas import CordonPublic, CordonRequest, NodePublic, NodesPublic, SchedulerPublic
+from services.api.schemas import CordonPublic, CordonRequest, NodePublic, NodesPublic, NodesSummaryPublic
 from services.cluster import NodeView
 from services.orchestrator import Orchestrator
 from services.slurm.nodes.loop import SlurmSync
 
 router = APIRouter()
 
-
-def scheduler_public(view: NodeView, slurm: SlurmSync | None) -> SchedulerPublic | None:
-    t = view.scheduler
-    if slurm is None or t is None:
-        return None
-    mine = slurm.memory.get(view.health.name)
-    return SchedulerPublic(
-        state=t.state_text,
-        available=t.available,
-        reason=t.reason,
-        reason_set_by=t.reason_user,
-        reason_set_at=t.reason_time,
-        drained_by_clusterpulse=mine is not None and t.drained and t.reason == mine.reason,
-    )
+MAX_PAGE = 10_000
 
 
 def node_public(view: NodeView, *, now: float, slurm: SlurmSync | None = None) -> NodePublic:
-    h, hb = view.health, view.latest
-    scheduler = scheduler_public(view, slurm)
-    return NodePublic(
-        name=h.name,
-        state=h.state.value,
-        reason=h.reason,
-        state_since=h.since,
-        schedulable=view.schedulable and (scheduler is None or scheduler.available),
-        scheduler=scheduler,
-        heartbeat_age_seconds=None if h.last_seen is None else round(now - h.last_seen, 3),
-        last_heartbeat_at=h.last_seen,
-        clock_skew_seconds=None if view.clock_skew_s is None else round(view.clock_skew_s, 3),
-        labels=view.labels,
-        gpus=[msgspec.to_builtins(g) for g in hb.gpus] if hb else [],
-        psus=[msgspec.to_builtins(p) for p in hb.psus] if hb else [],
-        nics=[msgspec.to_builtins(p) for p in hb.nics] if hb else [],
-        fans=[msgspec.to_builtins(f) for f in hb.fans] if hb else [],
-        faults=list(h.signals.faults),
-        warnings=list(h.signals.warnings),
-        agent=(
-            {
-                "boot_id": hb.boot_id,
-                "seq": hb.seq,
-                "gpu_source": hb.gpu_source,
-                "ipmi": hb.ipmi,
-                "interval_s": hb.interval_s,
-                "addr": hb.addr,
-            }
-            if hb
-            else {}
-        ),
-    )
+    seen = view.health.last_seen
+    return NodePublic(**bodies.full(view, slurm), heartbeat_age_seconds=None if seen is None else round(now - seen, 3))
 
 
-@router.get("/v1/nodes", response_model=NodesPublic)
+FIELDS_HELP = "full (default): each node with its telemetry; summary: each node at a glance (NodeSummaryPublic)"
+
+
+@router.get(
+    "/v1/nodes",
+    response_model=NodesPublic | NodesSummaryPublic,
+    description="Nodes in name order. Paging: `limit` nodes a page, the next page `after` the `next` this "
+    "one answered (null: the last page); without `limit`, every node that passes the filter.",
+)
 async def list_nodes(
+    *,
     orch: OrchestratorDep,
     _: Viewer,
+    cache: BodiesDep,
     state: Annotated[
         str | None,
         Query(
@@ -79,17 +50,25 @@ async def list_nodes(
             json_schema_extra={"enum": list(NodeState.__members__)},
         ),
     ] = None,
-) -> NodesPublic:
+    fields: Annotated[Fields, Query(description=FIELDS_HELP)] = "full",
+    limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE, description="nodes a page (default: all)")] = None,
+    after: Annotated[
+        str | None, Query(max_length=256, description="only nodes whose name sorts after this: a page's `next`")
+    ] = None,
+) -> Response:
     assert orch.cluster is not None
     if state is not None and state.upper() not in NodeState.__members__:
         raise bad_query("state", state, f"one of {', '.join(NodeState.__members__)}")
-    now = orch.clock.now()
-    data = [
-        node_public(v, now=now, slurm=orch.slurm)
-        for _, v in sorted(orch.cluster.nodes.items())
-        if state is None or v.health.state.value == state.upper()
-    ]
-    return NodesPublic(data=data, count=len(data))
+    body = cache.page(
+        orch.cluster,
+        now=orch.clock.now(),
+        fields=fields,
+        state=None if state is None else state.upper(),
+        after=after,
+        limit=limit,
+        slurm=orch.slurm,
+    )
+    return Response(body, media_type="application/json")
 
 
 def _view(orch: Orchestrator, name: str) -> NodeView:

@@ -1,13 +1,15 @@
 """The status page, ``GET /``: server-rendered HTML and one small vanilla script (no build step).
 
 The page itself carries no cluster data, so it is served to everyone; the script
-(``services/api/static/status.js``) reads ``GET /v1/nodes``, ``/v1/jobs``, ``/v1/events`` and the plan
-of each running job, one request per resource per refresh, when the event stream (``GET
+(``services/api/static/status.js``) reads the nodes' summaries (``GET /v1/nodes?fields=summary``, in
+pages of ``PULSE_STATUS_PAGE_NODES``), ``/v1/jobs``, ``/v1/events`` and the plan of each running job,
+one request per resource (per page of nodes) per refresh, when the event stream (``GET
 /v1/stream``, read with ``fetch``: ``EventSource`` cannot send the bearer header) says something
 happened and every ``PULSE_STATUS_REFRESH_S`` for what events do not carry, and
 draws: nodes as a grid grouped by rack and NVLink domain (their labels), each with its state in
 words and colour, its reason and its hardware at a glance; running jobs with step, loss, MFU and
-the plan in force; recent events; the partition brake and the leader from the latest events.
+the plan in force; recent events; the partition brake and the leader from the latest events. A
+node's hardware in full (``GET /v1/nodes/{name}``) is read only on its own page, once it is opened.
 Where reads need a token (a 401), it shows a sign-in box; the token is kept in the tab's
 ``sessionStorage`` and sent as a bearer header, never in a URL.
 """
@@ -36,7 +38,7 @@ PAGE = """<!doctype html>
 <title>{title}</title>
 <link rel="stylesheet" href="{assets}/status.css">
 </head>
-<body data-refresh-ms="{refresh_ms}">
+<body data-refresh-ms="{refresh_ms}" data-nodes-page="{nodes_page}">
 <header>
   <h1>{title}</h1>
   <span id="cluster-summary">loading&hellip;</span>
@@ -78,6 +80,7 @@ async def status_page(settings: SettingsDep) -> HTMLResponse:
             title=html.escape("ClusterPulse"),
             assets=ASSETS,
             refresh_ms=round(settings.status_refresh_s * 1000),
+            nodes_page=settings.status_page_nodes,
         ),
         headers={"Cache-Control": "no-cache"},
     )

@@ -1,9 +1,11 @@
 """The event stream: ``GET /v1/stream``, Server-Sent Events (viewer role).
 
-It polls the events table for ``id > last`` every ``PULSE_STREAM_POLL_S`` and sends each new row
-as one message (``id``, ``event``: transition, plan, job or event, ``data``: the event as
-``GET /v1/events`` shows it). It starts after ``Last-Event-ID`` or ``?since_id=``, else after the
-newest event (no replay); a quiet stream sends a keepalive comment every
+Every stream of the orchestrator is served from one reader of the events table
+(services/api/feed.py), which reads ``id > last`` every ``PULSE_STREAM_POLL_S`` and formats each new
+row once as one message (``id``, ``event``: transition, plan, job or event, ``data``: the event as
+``GET /v1/events`` shows it); a stream behind what the reader keeps reads the table itself until it
+caught up. It starts after ``Last-Event-ID`` or ``?since_id=``, else after the newest event the
+reader had read (no replay); a quiet stream sends a keepalive comment every
 ``PULSE_STREAM_KEEPALIVE_S``. The caller's token is checked again at least every
 ``PULSE_STREAM_TOKEN_CHECK_S`` and at once when a token changes here: a revoked token's stream
 ends with a ``closed`` message. No event is skipped under concurrent commits (event ids are drawn
@@ -13,7 +15,6 @@ in commit order). The message format and why: docs/design/stream.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -24,19 +25,21 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
+from clusterpulse.settings import Settings
 from clusterpulse.states import EventKind
 from services import db
-from services.api.deps import Bearer, OrchestratorDep, SettingsDep, TokensDep, Viewer
+from services.api.deps import Bearer, FeedDep, SettingsDep, TokensDep, Viewer
+from services.api.feed import EventFeed
 from services.api.routes.events import event_public
 from services.api.schemas import EventPublic
 from services.api.tokens import AuthRefusal, Role, TokenStore, authorize
+from services.orchestrator import Orchestrator
 
 log = logging.getLogger("pulse.orchestrator.stream")
 
 router = APIRouter()
 
 MEDIA_TYPE = "text/event-stream"
-BATCH = 500  # rows per poll; a fuller backlog is read again without waiting
 MESSAGE_OF: dict[str, str] = {EventKind.HEALTH: "transition", EventKind.PLAN: "plan", EventKind.JOB: "job"}
 CLOSED = "closed"
 
@@ -49,6 +52,20 @@ def message_name(kind: str) -> str:
 def format_message(event: dict[str, Any]) -> str:
     """One SSE message (``data`` is one line of JSON, so it needs no splitting)."""
     return f"id: {event['id']}\nevent: {message_name(event['kind'])}\ndata: {json.dumps(event)}\n\n"
+
+
+def event_feed(orch: Orchestrator, settings: Settings) -> EventFeed:
+    """The one reader of the events table every stream of ``orch`` is served from."""
+
+    def read(after: int, limit: int) -> list[dict[str, Any]]:
+        with orch.sessions() as s:
+            return [event_public(e) for e in db.events_after(s, after_id=after, limit=limit)]
+
+    def newest() -> int:
+        with orch.sessions() as s:
+            return db.last_event_id(s)
+
+    return EventFeed(read=read, newest=newest, format=format_message, poll_s=settings.stream_poll_s)
 
 
 class StreamClosed(BaseModel):
@@ -106,7 +123,7 @@ async def _refusal(*, needed: bool, tokens: TokenStore, creds: Any, max_age_s: f
 async def stream(
     request: Request,
     *,
-    orch: OrchestratorDep,
+    feed: FeedDep,
     settings: SettingsDep,
     tokens: TokensDep,
     creds: Bearer,
@@ -117,27 +134,18 @@ async def stream(
     start = last_event_id if last_event_id is not None else since_id
     check_s = settings.stream_token_check_s
 
-    def newest() -> int:
-        with orch.sessions() as s:
-            return db.last_event_id(s)
-
-    def after(last: int) -> list[dict[str, Any]]:
-        with orch.sessions() as s:
-            return [event_public(e) for e in db.events_after(s, after_id=last, limit=BATCH)]
-
     async def messages() -> AsyncIterator[str]:
-        last = start if start is not None else await asyncio.to_thread(newest)
+        newest = await feed.start()
+        last = start if start is not None else newest
         client = request.client.host if request.client else "unknown"
         log.info("event=stream_opened client=%s after_id=%d", client, last)
         yield f": connected\nid: {last}\n\n"  # a bare id: EventSource resumes here if it reconnects
         quiet_since = checked = time.monotonic()
-        poll_at = 0.0
         why = "client gone"
         try:
             while not await request.is_disconnected():
-                change = tokens.changed()  # asked before the check: a change during it wakes the wait
-                now = time.monotonic()
-                if now - checked >= check_s:
+                change, fed = tokens.changed(), feed.changed()  # taken before the reads: a change wakes the wait
+                if time.monotonic() - checked >= check_s:
                     refusal = await _refusal(
                         needed=settings.reads_need_token, tokens=tokens, creds=creds, max_age_s=check_s
                     )
@@ -146,24 +154,33 @@ async def stream(
                         why = f"token refused ({refusal.status})"
                         yield format_closed(last, refusal)
                         break
-                if now >= poll_at:
-                    rows = await asyncio.to_thread(after, last)
-                    for row in rows:
-                        yield format_message(row)
-                        last = row["id"]
-                    poll_at = time.monotonic() + (0 if len(rows) == BATCH else settings.stream_poll_s)
-                    if rows:
-                        quiet_since = time.monotonic()
-                    elif time.monotonic() - quiet_since >= settings.stream_keepalive_s:
-                        yield ": keepalive\n\n"
-                        quiet_since = time.monotonic()
-                wait_s = min(poll_at, checked + check_s) - time.monotonic()
-                if wait_s > 0:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(change.wait(), wait_s)
-                    if change.is_set():
-                        checked = -check_s  # a token changed here: check at once
+                rows = await feed.since(last)
+                for event_id, message in rows:
+                    yield message
+                    last = event_id  # the last one sent: where a resume starts
+                if rows:
+                    quiet_since = time.monotonic()
+                    if last < feed.last:
+                        continue  # behind the feed: the next batch at once
+                elif time.monotonic() - quiet_since >= settings.stream_keepalive_s:
+                    yield ": keepalive\n\n"
+                    quiet_since = time.monotonic()
+                wait_s = min(checked + check_s, quiet_since + settings.stream_keepalive_s) - time.monotonic()
+                if await _either(fed, change, max(0.0, wait_s)) is change:
+                    checked = -check_s  # a token changed here: check at once
         finally:
             log.info("event=stream_closed client=%s last_id=%d why=%r", client, last, why)
 
     return EventStreamResponse(messages(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _either(a: asyncio.Event, b: asyncio.Event, wait_s: float) -> asyncio.Event | None:
+    """Wait until ``a`` or ``b`` is set (returns which, ``b`` first) or ``wait_s`` passed (None)."""
+    if not (a.is_set() or b.is_set()):
+        waiters = [asyncio.ensure_future(e.wait()) for e in (a, b)]
+        try:
+            await asyncio.wait(waiters, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+    return b if b.is_set() else a if a.is_set() else None

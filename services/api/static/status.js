@@ -1,9 +1,10 @@
 // ClusterPulse status page (served by the orchestrator at GET /; services/api/routes/status_page.py).
-// Every refresh reads /v1/nodes, /v1/jobs, /v1/events and the plan of each running job, once each:
-// every REFRESH_MS, and at once when the event stream (GET /v1/stream) says something happened
-// (a burst of events while a refresh is in flight makes one more refresh, not one each).
+// Every refresh reads the nodes' summaries (/v1/nodes?fields=summary, NODES_PAGE a request, each
+// page after the last one's `next`), /v1/jobs, /v1/events and the plan of each running job: every
+// REFRESH_MS, and at once when the event stream (GET /v1/stream) says something happened (a burst
+// of events while a refresh is in flight makes one more refresh, not one each).
 // A node's page (#node=<name>, a click on its card) reads /v1/nodes/<name> and that node's events
-// instead: its hardware in full and its history of transitions.
+// instead: its hardware in full, read only there, and its history of transitions.
 // A job's step rate and its loss and MFU trends cover the last TREND_S seconds this tab has seen
 // (kept in memory: a reload starts them again); until they span RATE_MIN_S the rate is the pace
 // of the slowest rank's last step.
@@ -12,6 +13,7 @@
 
 const TOKEN_KEY = "pulse-token";
 const REFRESH_MS = Number(document.body.dataset.refreshMs) || 3000;
+const NODES_PAGE = Number(document.body.dataset.nodesPage) || 1000;
 const EVENTS_SHOWN = 25;
 const NODE_EVENTS = 500;
 const TREND_S = 300;
@@ -54,21 +56,40 @@ function fmt(x, digits) {
   return x === undefined || x === null ? "-" : Number(x).toFixed(digits);
 }
 
-function hardware(n) {
+// what a card shows of a node: the summary GET /v1/nodes?fields=summary answers
+// (services/api/bodies.py), or the same made here of a node in full (its own page)
+function summaryOf(n) {
   const gpus = n.gpus.filter((g) => !g.lost);
-  const temps = gpus.map((g) => g.temperature_celsius).filter((x) => x !== null && x !== undefined);
-  const watts = gpus.map((g) => g.power_watts).filter((x) => x !== null && x !== undefined);
-  const lost = n.gpus.length - gpus.length;
+  const nums = (key) => gpus.map((g) => g[key]).filter((x) => x !== null && x !== undefined);
+  const [temps, watts, widths] = [nums("temperature_celsius"), nums("power_watts"), nums("pcie_link_width").filter((x) => x)];
   const narrow = gpus.filter((g) => g.pcie_link_width && g.pcie_link_width_max && g.pcie_link_width < g.pcie_link_width_max);
-  const widths = gpus.map((g) => g.pcie_link_width).filter((x) => x);
+  return {
+    ...n,
+    gpu: {
+      count: n.gpus.length,
+      lost: n.gpus.length - gpus.length,
+      temperature_max_celsius: temps.length ? Math.max(...temps) : null,
+      power_min_watts: watts.length ? Math.min(...watts) : null,
+      power_max_watts: watts.length ? Math.max(...watts) : null,
+      pcie_width_min: widths.length ? Math.min(...widths) : null,
+      pcie_narrow: narrow.map((g) => [g.index, g.pcie_link_width, g.pcie_link_width_max]),
+    },
+    psu_amperes: Object.fromEntries(n.psus.map((p) => [p.name, p.output_current_amperes ?? p.input_current_amperes])),
+    cordoned: !!(n.schedulable === false && !(n.scheduler && !n.scheduler.available)),
+  };
+}
+
+function hardware(n) {
+  const g = n.gpu;
   const parts = [];
-  parts.push(`${n.gpus.length} GPU${n.gpus.length === 1 ? "" : "s"}` + (lost ? ` (${lost} lost)` : ""));
-  if (temps.length) parts.push(`max ${fmt(Math.max(...temps), 0)} °C`);
-  if (watts.length) parts.push(`${fmt(Math.min(...watts), 0)}–${fmt(Math.max(...watts), 0)} W`);
-  const psus = n.psus.map((p) => `${p.name} ${fmt(p.output_current_amperes ?? p.input_current_amperes, 1)} A`);
+  parts.push(`${g.count} GPU${g.count === 1 ? "" : "s"}` + (g.lost ? ` (${g.lost} lost)` : ""));
+  if (g.temperature_max_celsius !== null) parts.push(`max ${fmt(g.temperature_max_celsius, 0)} °C`);
+  if (g.power_min_watts !== null) parts.push(`${fmt(g.power_min_watts, 0)}–${fmt(g.power_max_watts, 0)} W`);
+  const psus = Object.entries(n.psu_amperes).map(([name, amps]) => `${name} ${fmt(amps, 1)} A`);
   if (psus.length) parts.push(psus.join(" / "));
-  if (narrow.length) parts.push(`PCIe ${narrow.map((g) => `GPU ${g.index} x${g.pcie_link_width}/x${g.pcie_link_width_max}`).join(", ")}`);
-  else if (widths.length) parts.push(`PCIe x${Math.min(...widths)}`);
+  const narrow = g.pcie_narrow || [];
+  if (narrow.length) parts.push(`PCIe ${narrow.map(([i, w, max]) => `GPU ${i} x${w}/x${max}`).join(", ")}`);
+  else if (g.pcie_width_min) parts.push(`PCIe x${g.pcie_width_min}`);
   return parts;
 }
 
@@ -84,8 +105,20 @@ function nodeCard(n) {
     ),
     el("div", { class: "node-reason" }, n.reason || ""),
     el("div", { class: "node-hw" }, hardware(n).map((p) => el("span", {}, p))),
-    n.schedulable ? null : el("div", { class: "node-sched" }, n.scheduler && !n.scheduler.available ? "not schedulable (Slurm)" : "cordoned"),
+    n.schedulable ? null : el("div", { class: "node-sched" }, n.cordoned ? "cordoned" : "not schedulable (Slurm)"),
   );
+}
+
+// every node's summary, NODES_PAGE a request, each page after the last one's `next`
+async function summaries() {
+  const nodes = [];
+  let after = null;
+  do {
+    const page = await get(`/v1/nodes?fields=summary&limit=${NODES_PAGE}` + (after === null ? "" : `&after=${encodeURIComponent(after)}`));
+    nodes.push(...page.data);
+    after = page.next;
+  } while (after !== null);
+  return nodes;
 }
 
 function renderNodes(nodes) {
@@ -177,6 +210,13 @@ function spark(points, key) {
   return svg;
 }
 
+// the step's verdict over the last window: its kind and the rank or node that stands out
+function bottleneckText(b) {
+  if (!b) return "-";
+  const where = b.rank !== null && b.rank !== undefined ? ` (rank ${b.rank} on ${b.node})` : b.node ? ` (${b.node})` : "";
+  return `${b.kind}${where}`;
+}
+
 function renderJobs(jobs, plans) {
   sample(jobs);
   const running = jobs.filter((j) => !["SUCCEEDED", "FAILED", "STOPPED"].includes(j.state));
@@ -184,7 +224,7 @@ function renderJobs(jobs, plans) {
     document.getElementById("jobs").replaceChildren(el("p", {}, "no running jobs"));
     return;
   }
-  const titles = ["job", "name", "state", "nodes", "step", `step/s (${RATE_S} s)`, `loss (${TREND_S / 60} min)`, `MFU (${TREND_S / 60} min)`, "plan in force"];
+  const titles = ["job", "name", "state", "nodes", "step", `step/s (${RATE_S} s)`, `loss (${TREND_S / 60} min)`, `MFU (${TREND_S / 60} min)`, "bound by", "plan in force"];
   const head = el("tr", {}, titles.map((h) => el("th", {}, h)));
   const rows = running.map((j) => {
     const p = j.progress || {};
@@ -201,6 +241,7 @@ function renderJobs(jobs, plans) {
       el("td", { class: "job-rate" }, rate === null ? "-" : fmt(rate, 2)),
       el("td", { class: "job-loss" }, fmt(p.loss, 4), " ", spark(points, "loss")),
       el("td", { class: "job-mfu" }, p.mfu_ratio === undefined || p.mfu_ratio === null ? "-" : `${fmt(100 * p.mfu_ratio, 1)} %`, " ", spark(points, "mfu")),
+      el("td", { class: "job-bottleneck", title: j.bottleneck ? j.bottleneck.reason : "" }, bottleneckText(j.bottleneck)),
       el("td", { class: "job-plan" }, planText(plans[j.id], j)),
     );
   });
@@ -259,7 +300,7 @@ async function refreshNode(name) {
   document.getElementById("node-page").replaceChildren(
     el("a", { href: "#" }, "← all nodes"),
     el("h2", {}, `Node ${n.name}`),
-    nodeCard(n),
+    nodeCard(summaryOf(n)),
     el("p", { class: "hint" }, labels || "no labels"),
     gpuRows(n),
     el("h2", {}, `History of transitions (${moves.length})`),
@@ -305,7 +346,7 @@ function showSignin(why) {
 }
 
 async function refreshOverview() {
-  const [nodes, jobs, events] = await Promise.all([get("/v1/nodes"), get("/v1/jobs"), get(`/v1/events?limit=${EVENTS_SHOWN}`)]);
+  const [nodes, jobs, events] = await Promise.all([summaries(), get("/v1/jobs"), get(`/v1/events?limit=${EVENTS_SHOWN}`)]);
   const plans = {};
   await Promise.all(
     jobs.data
@@ -319,7 +360,7 @@ async function refreshOverview() {
           }),
       ),
   );
-  renderNodes(nodes.data);
+  renderNodes(nodes);
   renderJobs(jobs.data, plans);
   renderEvents(events.data);
 }

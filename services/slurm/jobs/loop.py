@@ -28,6 +28,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from clusterpulse.redis_client import rank_env
 from clusterpulse.settings import Settings
 from clusterpulse.states import ACTIVE_JOB_STATES, EventKind, JobState, NodeState
 from services import db
@@ -305,7 +306,8 @@ class SlurmJobs(Tick):
     def environment(self, job: Job) -> dict[str, str]:
         """sbatch's environment (module docstring)."""
         base = {k: v for k in BASE_ENV if (v := os.environ.get(k))}
-        return {**base, **self.client.conf_env, "PULSE_REDIS_URL": self.settings.redis_url,
+        redis_env = rank_env(self.settings.redis_url, cluster=self.settings.redis_cluster)
+        return {**base, **self.client.conf_env, **redis_env,
                 **ds_env(job.spec), **job.spec.get("env", {})}  # fmt: skip
 
     async def _submit(self, job: Job, usable: set[str]) -> str | None:

@@ -243,7 +243,9 @@ class SlurmSync(Tick):
         self.recent = [t for t in self.recent if t > now - self.policy.drain_window_s]
         self.theirs, self.last_sync_at, self.last_error = theirs, now, ""
         for name, view in cluster.nodes.items():
-            view.scheduler = theirs.get(name)
+            if view.scheduler != (now_theirs := theirs.get(name)):
+                view.scheduler = now_theirs
+                view.changed()
         ours = {
             name: Ours(name=name, state=v.health.state.value, reason=v.health.reason, schedulable=v.schedulable)
             for name, v in cluster.nodes.items()

@@ -1,0 +1,1 @@
+"""The fabric check (the preflight): the pure rounds and verdict (decide.py) and the leader's loop (loop.py)."""

@@ -25,7 +25,7 @@ from typing import Any, Literal, Protocol
 from agent.nics import NicSource
 from agent.publisher import HeartbeatPublisher
 from agent.server_time import ServerTime
-from agent.simulated import FaultSpec, SimulatedNode
+from agent.simulated import GPU_FAULTS, FaultSpec, SimulatedNode, check_fault_gpus
 from clusterpulse import wire
 from clusterpulse.redis_client import AsyncRedis, connect, rank_env
 from clusterpulse.retry import Backoff
@@ -132,7 +132,8 @@ class NodeAgent:
 
 
 def apply_faults(agents: Sequence[NodeAgent], faults: Sequence[FaultSpec], elapsed_s: float) -> None:
-    """Set each simulated node's scheduled faults from the schedule (level-triggered, idempotent).
+    """Set each simulated node's scheduled faults from the schedule (level-triggered, idempotent),
+    each fault of one GPU aimed at the GPU(s) its active specs name (``KIND:GPU``).
     Kinds the schedule does not mention for a node are left as they are (set by hand)."""
     for a in agents:
         if a.sim is None:
@@ -142,12 +143,25 @@ def apply_faults(agents: Sequence[NodeAgent], faults: Sequence[FaultSpec], elaps
             continue
         before = set(a.sim.faults)
         scheduled = {f.kind for f in mine}
-        active = {f.kind for f in mine if f.active(elapsed_s)}
-        a.sim.faults = (before - scheduled) | active
+        live = [f for f in mine if f.active(elapsed_s)]
+        _aim(a.sim, scheduled, live)
+        a.sim.faults = (before - scheduled) | {f.kind for f in live}
         for kind in sorted(a.sim.faults - before):
-            log.info("event=fault_injected node=%s kind=%s", a.node, kind)
+            gpus = ",".join(map(str, sorted(a.sim.hit(kind)))) if kind in GPU_FAULTS else "-"
+            log.info("event=fault_injected node=%s kind=%s gpus=%s", a.node, kind, gpus)
         for kind in sorted(before - a.sim.faults):
             log.info("event=fault_cleared node=%s kind=%s", a.node, kind)
+
+
+def _aim(sim: SimulatedNode, scheduled: set[str], live: Sequence[FaultSpec]) -> None:
+    """Aim each scheduled fault of one GPU at the GPUs its live specs name; a kind with no live
+    spec goes back to its default GPU(s), as the same kind added later by hand expects."""
+    for kind in scheduled.intersection(GPU_FAULTS):
+        gpus = [f.gpu for f in live if f.kind == kind]
+        if gpus:
+            sim.aim(kind, gpus)
+        else:
+            sim.fault_gpus.pop(kind, None)
 
 
 async def ipmi_loop(agent: NodeAgent, source: PowerReader, *, interval_s: float, stop: asyncio.Event) -> None:
@@ -333,6 +347,7 @@ async def run_node_agent(
     """``pulse agent``: one node. IPMI in its own task when the source is real, the job launcher
     (``agent/launcher.py``) in another unless ``jobs`` is off (then its heartbeats say it launches
     nothing). The address: ``PULSE_AGENT_ADDR`` (``--addr``) or found here (``agent/address.py``)."""
+    check_fault_gpus(faults, gpus)  # a fault on a GPU the node lacks: said now, not at its time
     stop = stop or asyncio.Event()
     parts, desc = open_gpu_source(source, node=node, gpus=gpus, settings=settings)
     addr, how = settings.agent_addr, "set (PULSE_AGENT_ADDR / --addr)"
@@ -430,6 +445,7 @@ async def run_simulation(
     for f in faults:
         if f.node is not None and f.node not in known:
             raise ValueError(f"--fault names node {f.node!r}, which is not simulated (nodes are {prefix}-000 ...)")
+    check_fault_gpus(faults, gpus_per_node)
     client = _redis(settings)
     log.info("event=simulation_started nodes=%d gpus_per_node=%d interval_s=%g", nodes, gpus_per_node, interval_s)
     try:

@@ -152,7 +152,13 @@ def _daemon_commands(sub: Subparsers) -> None:
         help="the address other nodes reach this one at, the rendezvous of jobs it leads "
         "(PULSE_AGENT_ADDR; default: found by the agent, see agent/address.py)",
     )
-    a.add_argument("--fault", action="append", default=[], help="KIND@SECONDS[+DURATION] (simulated only)")
+    a.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        help="KIND[:GPU]@SECONDS[+DURATION] (simulated only, repeatable; :GPU picks the GPU of thermal, "
+        "pcie_x8, xid, xid79, ecc, gpu_lost)",
+    )
     a.add_argument("--no-jobs", action="store_true", help="do not run the job launcher")
     a.set_defaults(fn=cmd_agent)
 
@@ -160,7 +166,13 @@ def _daemon_commands(sub: Subparsers) -> None:
     s.add_argument("--nodes", type=int, required=True)
     s.add_argument("--gpus-per-node", type=int, default=8)
     s.add_argument("--interval", type=float)
-    s.add_argument("--fault", action="append", default=[], help="NODE=KIND@SECONDS[+DURATION] (repeatable)")
+    s.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        help="NODE=KIND[:GPU]@SECONDS[+DURATION] (repeatable; :GPU picks the GPU of thermal, pcie_x8, xid, "
+        "xid79, ecc, gpu_lost)",
+    )
     s.add_argument("--prefix", default="sim")
     s.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: until Ctrl-C)")
     s.set_defaults(fn=cmd_simulate)

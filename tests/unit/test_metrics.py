@@ -127,6 +127,7 @@ def test_each_simulated_fault_reads_as_its_real_failure() -> None:
         "psu_imbalance": ("fault", "PSU current imbalance"),
         "pcie_x8": ("fault", "PCIe link x8 of x16"),
         "xid": ("fault", "fatal XID 48"),
+        "xid79": ("fault", "fatal XID 79"),
         "ecc": ("fault", "uncorrectable ECC"),
         "gpu_lost": ("fault", "GPU 7 lost"),
     }

@@ -365,7 +365,7 @@ class Launcher:
                 env.update(self.fault_env() if self.fault_env else {})
                 if store:  # the first node's agent hosts the store; each rank checks it is the job's
                     env.update(TORCHELASTIC_USE_AGENT_STORE="True", PULSE_JOB_STORE="1")
-                env.update(rank_env(cmd, i))
+                env.update(rank_env(cmd, i, visible=env.get("CUDA_VISIBLE_DEVICES")))
                 env.update(rank_threads(env, max(1, cmd.gpus_per_node)))
                 # A shell records the exit code in a file, so a restarted agent that re-attaches
                 # (and so is no longer the parent) can still read how the ranks ended.
@@ -512,10 +512,14 @@ class Launcher:
         return tail(self.state_dir / f"{job}.log")
 
 
-def rank_env(cmd: wire.JobCommand, local_rank: int) -> dict[str, str]:
-    """The torch.distributed environment of one rank: what ``deepspeed.launcher.launch`` sets."""
+def rank_env(cmd: wire.JobCommand, local_rank: int, *, visible: str | None = None) -> dict[str, str]:
+    """The torch.distributed environment of one rank: what ``deepspeed.launcher.launch`` sets, and
+    ``PULSE_GPU``, the GPU the rank drives (it registers it: ``trainer/rank_gpu.py``): GPU
+    ``local_rank``, unless the rank inherits ``visible`` (``CUDA_VISIBLE_DEVICES``), which says it."""
     local = max(1, cmd.gpus_per_node)
+    gpu = {} if visible is not None else {"PULSE_GPU": str(local_rank)}
     return {
+        **gpu,
         "RANK": str(cmd.node_rank * local + local_rank),
         "LOCAL_RANK": str(local_rank),
         "WORLD_SIZE": str(cmd.nodes * local),

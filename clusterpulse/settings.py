@@ -192,6 +192,8 @@ class Settings(BaseSettings):
     slurm: bool = False
     slurm_max_drain_fraction: float = Field(0.1, gt=0, le=1)  # drains within the window, of the nodes
     slurm_drain_window_s: float = Field(3600.0, gt=0)
+    # a node worse only through its GPUs' own faults is drained from this many bad GPUs on
+    slurm_drain_min_bad_gpus: int = Field(2, ge=1)
     slurm_sync_period_s: float = Field(10.0, gt=0)  # also the first retry delay when Slurm fails
     slurm_backoff_max_s: float = Field(120.0, gt=0)  # the longest retry delay while Slurm fails
     slurm_command_timeout_s: float = Field(10.0, gt=0)  # each sinfo / scontrol call

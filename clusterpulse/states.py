@@ -40,6 +40,7 @@ class EventKind(StrEnum):
     spike, ...) keep the kind the trainer reported."""
 
     HEALTH = "health"  # a node's state changed (from_state, to_state)
+    GPU_HEALTH = "gpu_health"  # one GPU's state changed: "GPU i: OLD -> NEW: why"
     REGISTERED = "registered"  # a node's first heartbeat
     PARTITION = "partition"  # the partition brake engaged or released
     REDIS_OUTAGE = "redis_outage"

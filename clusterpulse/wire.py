@@ -440,8 +440,7 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     (a ``stop``, a newer ``launch``): ``agent/current.py``. A command without them (from an
     orchestrator that predates them) is current for ``PULSE_JOB_COMMAND_TTL_S`` after its stream
     entry was written. A ``stop`` is acted on whatever its age (it starts nothing). Added without
-    a version bump: decoders on both sides ignore fields they do not know and default those they
-    miss.
+    a version bump: decoders on both sides ignore unknown fields and default missing ones.
     """
 
     v: int
@@ -498,6 +497,7 @@ class RankRegistration(msgspec.Struct, kw_only=True, frozen=True):
     node: NodeName
     local_rank: NonNegInt = 0
     world_size: Annotated[int, msgspec.Meta(ge=1)]
+    gpu: NonNegInt | None = None  # the NVML index of the GPU it drives (as heartbeats number them); None: unknown
 
 
 REGISTRATION_STREAM = "pulse:{trainer}:registrations"

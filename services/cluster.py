@@ -91,6 +91,9 @@ class Cluster:
         # node -> (warning, until): a verdict from outside the heartbeat (a fabric check named it
         # slow, services/fabric/loop.py) that keeps it SUSPECT while its heartbeats come, until then
         self.held: dict[str, tuple[str, float]] = {}
+        # a GPU's state or a node's own state beside its GPUs changed since the evaluator last
+        # replanned: ranks' roles may change without a node's transition (services/health/loop.py)
+        self.gpus_changed = False
 
     # --- heartbeats -----------------------------------------------------------------------------
     def ingest(self, payload: bytes, *, received_at: float) -> ClusterEvent | None:
@@ -202,7 +205,31 @@ class Cluster:
                 self.transitions[(t.old.value, t.new.value)] += 1
                 out.append(t)
                 log.info("event=transition node=%s from=%s to=%s reason=%r", t.node, t.old, t.new, t.reason)
+            if view.health.gpus or view.health.signals.gpu_faults:
+                events.extend(self._evaluate_gpus(view, now=now))
         return out, events
+
+    def _evaluate_gpus(self, view: NodeView, *, now: float) -> list[ClusterEvent]:
+        """The node's GPUs' transitions, each an event, and the node's own state beside them."""
+        events: list[ClusterEvent] = []
+        for t in health.evaluate_gpus(view.health, now=now, policy=self.policy):
+            view.health = health.apply_gpu(view.health, t)
+            reason = f"GPU {t.gpu}: {t.old} -> {t.new}: {t.reason}"
+            events.append(ClusterEvent(EventKind.GPU_HEALTH, reason, now, view.health.name))
+            log.info(
+                "event=gpu_transition node=%s gpu=%d from=%s to=%s reason=%r", t.node, t.gpu, t.old, t.new, t.reason
+            )
+        h = view.health
+        own = (
+            health.own_state(h, now=now, grace_start=self.grace_start, partitioned=self.partitioned, policy=self.policy)
+            if h.gpus
+            else None
+        )
+        if events or own is not h.own:
+            view.health = replace(h, own=own)
+            view.changed()
+            self.gpus_changed = True
+        return events
 
     # --- restore after a restart ----------------------------------------------------------------
     def restore(

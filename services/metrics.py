@@ -218,6 +218,7 @@ class Renderer:
         self._nodes(fams, cluster, views, now, whole=shard == 0)
         reporting = [(name, v.latest) for name, v in views if v.latest is not None]
         self._gpus(fams, reporting)
+        self._gpu_states(fams, views)
         self._power(fams, reporting)
         self._nics.render(fams.family, reporting, last=self._steady, kept=self._kept)
         self._split[(shard, shards)] = self._kept  # a removed node's text goes with it
@@ -349,6 +350,28 @@ class Renderer:
                         f'pulse_gpu_xid_errors_total{{node="{node}",gpu="{g.index}",xid="{escape(x)}"}} {n}'
                         for x, n in sorted(g.xid_counts.items())
                     ]
+
+    def _gpu_states(self, fams: _Families, views: list[tuple[str, NodeView]]) -> None:
+        """``pulse_gpu_state{node,gpu,state}``: 1 for each GPU with its state (services/health/decide.py
+        ``GpuHealth``; HEALTHY while no fault of its own stands). One line per GPU, not one per GPU
+        and state as ``pulse_node_state`` has: a cluster has eight times as many GPUs as nodes."""
+        out = fams.family("pulse_gpu_state", "1 for each GPU, labelled with its health state.")
+        for name, v in views:
+            hb = v.latest
+            if hb is None or not hb.gpus:
+                continue
+            basis = (tuple(g.index for g in hb.gpus), v.health.gpus)
+            key = ("pulse_gpu_state", name)
+            last = self._steady.get(key)
+            if last is not None and last[1] == basis:
+                text = last[2]
+            else:
+                bad = {g.index: g.state.value for g in v.health.gpus}
+                text = "\n".join(
+                    f'pulse_gpu_state{{node="{name}",gpu="{i}",state="{bad.get(i, "HEALTHY")}"}} 1' for i in basis[0]
+                )
+            self._kept[key] = ((), basis, text)
+            out.append(text)
 
     def _steady_gpu_texts(
         self, node: str, shape: _GpuShape, cols: list[tuple[Any, ...]], throttles: tuple[tuple[str, ...], ...]

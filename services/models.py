@@ -92,7 +92,8 @@ class JobRow(Base):
 
 
 class JobRankRow(Base):
-    """A registered training rank: which node it runs on (the planner's rank -> node map)."""
+    """A registered training rank: which node it runs on (the planner's rank -> node map) and the
+    GPU it drives there (its index on the node; None where its launcher did not say)."""
 
     __tablename__ = "job_ranks"
 
@@ -102,6 +103,7 @@ class JobRankRow(Base):
     local_rank: Mapped[int] = mapped_column(Integer, default=0)
     world_size: Mapped[int] = mapped_column(Integer)
     registered_at: Mapped[float] = mapped_column(Float)
+    gpu: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class PlanRow(Base):

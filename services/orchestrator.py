@@ -431,11 +431,14 @@ def load_nodes(sessions: sessionmaker[Session]) -> list[dict[str, Any]]:
         ]
 
 
-def load_plans(sessions: sessionmaker[Session]) -> tuple[dict[str, dict[int, str]], dict[str, wire.Plan]]:
+def load_plans(
+    sessions: sessionmaker[Session],
+) -> tuple[dict[str, dict[int, tuple[str, int | None]]], dict[str, wire.Plan]]:
+    """Each job's registered ranks, rank -> (node, GPU), and its plan in force (``PlanKeeper.restore``)."""
     with sessions() as s:
-        ranks: dict[str, dict[int, str]] = {}
+        ranks: dict[str, dict[int, tuple[str, int | None]]] = {}
         for r in db.load_ranks(s):
-            ranks.setdefault(r.job, {})[r.rank] = r.node
+            ranks.setdefault(r.job, {})[r.rank] = (r.node, r.gpu)
         plans = {
             p.job: wire.Plan(
                 job=p.job,

@@ -38,6 +38,7 @@ from clusterpulse import wire
 from clusterpulse.redis_client import CLUSTER_ENV, CLUSTER_TRANSIENT, LazyClient, env_flag
 from clusterpulse.retry import Backoff, is_transient
 from trainer import mfu as mfu_lib
+from trainer.rank_gpu import rank_gpu
 
 log = logging.getLogger("pulse.trainer.report")
 
@@ -206,8 +207,9 @@ def _registration(
         raise ValueError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
     if local_rank < 0:
         raise ValueError(f"local_rank={local_rank}: expected >= 0")
+    gpu = rank_gpu(os.environ, local_rank)  # trainer/rank_gpu.py: PULSE_GPU, else CUDA_VISIBLE_DEVICES
     return wire.RankRegistration(
-        v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=node, local_rank=local_rank, world_size=world_size
+        v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=node, local_rank=local_rank, world_size=world_size, gpu=gpu
     )
 
 

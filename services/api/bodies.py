@@ -72,7 +72,7 @@ def full(view: NodeView, slurm: SlurmSync | None) -> dict[str, Any]:
         "last_heartbeat_at": h.last_seen,
         "clock_skew_seconds": None if view.clock_skew_s is None else round(view.clock_skew_s, 3),
         "labels": view.labels,
-        "gpus": msgspec.to_builtins(hb.gpus) if hb else [],
+        "gpus": gpus(view) if hb else [],
         "psus": msgspec.to_builtins(hb.psus) if hb else [],
         "fans": msgspec.to_builtins(hb.fans) if hb else [],
         "nics": msgspec.to_builtins(hb.nics) if hb else [],
@@ -92,6 +92,19 @@ def full(view: NodeView, slurm: SlurmSync | None) -> dict[str, Any]:
         ),
         "scheduler": sched,
     }
+
+
+def gpus(view: NodeView) -> list[dict[str, Any]]:
+    """The node's GPUs as its newest heartbeat reads them, each with its ``state`` and ``reason``
+    (services/health/decide.py ``GpuHealth``: HEALTHY and "" while no fault of its own stands)."""
+    hb = view.latest
+    out: list[dict[str, Any]] = msgspec.to_builtins(hb.gpus) if hb else []
+    bad = {g.index: g for g in view.health.gpus}
+    for g in out:
+        record = bad.get(g["index"])
+        g["state"] = record.state.value if record else "HEALTHY"
+        g["reason"] = record.reason if record else ""
+    return out
 
 
 # a throttle reason the summary names: running at the power limit is normal under load

@@ -31,7 +31,10 @@ class NodePublic(BaseModel):
     last_heartbeat_at: float | None
     clock_skew_seconds: float | None
     labels: dict[str, str]
-    gpus: list[dict[str, Any]]
+    gpus: list[dict[str, Any]] = Field(
+        description="the node's GPUs as its agent read them, each with `state` (HEALTHY, DEGRADED or LOST by a "
+        "fault of its own: ECC, a fatal XID, a narrow PCIe link, gone from the bus) and `reason` (docs/design/health.md)"
+    )
     psus: list[dict[str, Any]]
     fans: list[dict[str, Any]]
     nics: list[dict[str, Any]] = Field(
@@ -270,6 +273,7 @@ class PlanPublic(BaseModel):
     reason: str
     refused: str | None = None  # why the newest inputs have no valid plan (the old one stays)
     ranks: dict[str, str]  # rank -> node
+    gpus: dict[str, int | None]  # rank -> the GPU it drives on its node (its index there); None: unknown
 
 
 TOKEN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # 64: the width of an event's actor

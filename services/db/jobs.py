@@ -123,12 +123,12 @@ def set_job_node_status(
 
 
 def upsert_ranks(session: Session, *, rows: Sequence[dict[str, Any]]) -> None:
-    """Store registrations (job, rank, node, local_rank, world_size, registered_at); a rank that
-    registers again (a restarted process) replaces its row."""
+    """Store registrations (job, rank, node, local_rank, world_size, registered_at, and gpu: None
+    where unknown); a rank that registers again (a restarted process) replaces its row."""
     if not rows:
         return
-    stmt = dialect_insert(session)(JobRankRow).values(list(rows))
-    cols = ("node", "local_rank", "world_size", "registered_at")
+    stmt = dialect_insert(session)(JobRankRow).values([{"gpu": None, **r} for r in rows])
+    cols = ("node", "local_rank", "world_size", "registered_at", "gpu")
     session.execute(
         stmt.on_conflict_do_update(index_elements=["job", "rank"], set_={c: stmt.excluded[c] for c in cols})
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from operator import attrgetter
@@ -85,6 +86,9 @@ class Signals:
 
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    # the faults that belong to one GPU, (index, text) each, each text in ``faults`` too
+    gpu_faults: tuple[tuple[int, str], ...] = ()
+    gpus_lost: tuple[int, ...] = ()  # the GPUs gone from the bus, among gpu_faults
 
     @property
     def level(self) -> NodeState:
@@ -93,6 +97,30 @@ class Signals:
         if self.warnings:
             return NodeState.SUSPECT
         return NodeState.HEALTHY
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """One GPU's health where it differs from HEALTHY: DEGRADED by a fault of its own (an
+    uncorrectable ECC error, a fatal XID, a narrow PCIe link) or LOST (gone from the bus).
+    ``clean`` counts the node's consecutive heartbeats since that say nothing wrong of it; at
+    ``recover_after`` it is HEALTHY again and the record goes."""
+
+    index: int
+    state: NodeState
+    since: float
+    reason: str
+    clean: int = 0
+
+
+@dataclass(frozen=True)
+class GpuTransition:
+    node: str
+    gpu: int
+    old: NodeState
+    new: NodeState
+    reason: str
+    at: float
 
 
 @dataclass(frozen=True)
@@ -113,6 +141,10 @@ class NodeHealth:
     streak: tuple[int, int, int] = (0, 0, 0)
     throttle_since: float | None = None
     last_progress: float | None = None
+    gpus: tuple[GpuHealth, ...] = ()  # the GPUs DEGRADED or LOST by faults of their own, by index
+    # the node's state leaving its GPUs' own faults aside (:func:`own_state`), where ``gpus`` holds
+    # any; None: the same as ``state``
+    own: NodeState | None = None
 
 
 @dataclass(frozen=True)
@@ -151,31 +183,37 @@ class Reading:
     throttled: tuple[str, ...] = ()  # "GPU i reason" for every sustained throttle reason seen
     tcp: tuple[str, ...] = ()  # ports whose traffic left the fabric (services/health/nics.py over_tcp)
     rates: tuple[tuple[str, str, float], ...] = ()  # (port, model, rate): the cluster-wide rule's input
+    gpu_faults: tuple[tuple[int, str], ...] = ()  # as Signals.gpu_faults
+    gpus_lost: tuple[int, ...] = ()
 
 
 def read(hb: Heartbeat, *, policy: Policy) -> Reading:
-    """Hard faults and warnings in one heartbeat, and what it throttles for."""
-    faults: list[str] = []
+    """Hard faults and warnings in one heartbeat, and what it throttles for. The faults of one
+    GPU come first, each also in ``gpu_faults`` with its index; the node's own follow."""
+    mine: list[tuple[int, str]] = []  # the GPUs' own faults
+    lost: list[int] = []
     warnings: list[str] = []
     for g in hb.gpus:
         if g.lost:
-            faults.append(f"GPU {g.index} lost ({g.error or 'gone from the bus'})")
+            mine.append((g.index, f"GPU {g.index} lost ({g.error or 'gone from the bus'})"))
+            lost.append(g.index)
             continue
         if g.error:
             warnings.append(f"GPU {g.index} read error: {g.error}")
         if g.ecc_volatile_uncorrected:
-            faults.append(f"GPU {g.index} uncorrectable ECC errors: {g.ecc_volatile_uncorrected}")
+            mine.append((g.index, f"GPU {g.index} uncorrectable ECC errors: {g.ecc_volatile_uncorrected}"))
         if g.xids_recent:
             fatal = sorted(x for x in g.xids_recent if x in FATAL_XIDS)
             if fatal:
-                faults.append(f"GPU {g.index} fatal XID {','.join(map(str, fatal))}")
+                mine.append((g.index, f"GPU {g.index} fatal XID {','.join(map(str, fatal))}"))
             other = sorted(x for x in g.xids_recent if x not in FATAL_XIDS)
             if other:
                 warnings.append(f"GPU {g.index} XID {','.join(map(str, other))}")
         if g.pcie_link_width is not None and g.pcie_link_width_max and g.pcie_link_width < g.pcie_link_width_max:
-            faults.append(f"GPU {g.index} PCIe link x{g.pcie_link_width} of x{g.pcie_link_width_max}")
+            mine.append((g.index, f"GPU {g.index} PCIe link x{g.pcie_link_width} of x{g.pcie_link_width_max}"))
         if g.temperature_celsius is not None and g.temperature_celsius >= policy.temperature_warn:
             warnings.append(f"GPU {g.index} at {g.temperature_celsius:.0f} C")
+    faults = [text for _, text in mine]
     _assess_power(hb, policy, faults, warnings)
     tcp: tuple[str, ...] = ()
     port_rates: tuple[tuple[str, str, float], ...] = ()
@@ -186,17 +224,18 @@ def read(hb: Heartbeat, *, policy: Policy) -> Reading:
         tcp = over_tcp(hb.nics, policy=policy.nics)
         port_rates = rates(hb.nics, labels=hb.labels, policy=policy.nics)
     throttled = tuple(_throttled(hb)) if _throttling(hb) else ()
-    return Reading(tuple(faults), tuple(warnings), throttled, tcp, port_rates)
+    return Reading(tuple(faults), tuple(warnings), throttled, tcp, port_rates, tuple(mine), tuple(lost))
 
 
 def signals(reading: Reading, *, throttle_for: float, policy: Policy) -> Signals:
     """A reading finished: throttling is a fault once it has lasted ``throttle_sustain``."""
+    gpus = reading.gpu_faults, reading.gpus_lost
     if not reading.throttled:
-        return Signals(reading.faults, reading.warnings)
+        return Signals(reading.faults, reading.warnings, *gpus)
     if throttle_for >= policy.throttle_sustain:
         text = f"throttling for {throttle_for:.0f}s: {', '.join(reading.throttled)}"
-        return Signals((*reading.faults, text), reading.warnings)
-    return Signals(reading.faults, (*reading.warnings, f"throttling: {', '.join(reading.throttled)}"))
+        return Signals((*reading.faults, text), reading.warnings, *gpus)
+    return Signals(reading.faults, (*reading.warnings, f"throttling: {', '.join(reading.throttled)}"), *gpus)
 
 
 def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy) -> Signals:
@@ -261,13 +300,22 @@ def observe_reading(node: NodeHealth, reading: Reading, *, received_at: float, p
     level = SEVERITY[found.level]
     contiguous = gap <= policy.suspect_after
     streak = tuple((node.streak[i] + 1 if contiguous else 1) if level <= i else 0 for i in range(3))
+    gpus = _seen_gpus(node.gpus, found, contiguous=contiguous) if node.gpus else node.gpus
     return replace(
         node,
         last_seen=received_at,
         signals=found,
         streak=(streak[0], streak[1], streak[2]),
         throttle_since=throttle_since,
+        gpus=gpus,
     )
+
+
+def _seen_gpus(gpus: tuple[GpuHealth, ...], found: Signals, *, contiguous: bool) -> tuple[GpuHealth, ...]:
+    """The GPU records after one heartbeat: a GPU it finds at fault starts its clean count again;
+    a gap in the heartbeats restarts every count, as it breaks the node's streaks."""
+    faulted = {i for i, _ in found.gpu_faults}
+    return tuple(replace(g, clean=0 if g.index in faulted else (g.clean + 1 if contiguous else 1)) for g in gpus)
 
 
 def silent_for(node: NodeHealth, *, now: float, grace_start: float) -> float:
@@ -343,3 +391,72 @@ def evaluate(
 
 def apply(node: NodeHealth, t: Transition) -> NodeHealth:
     return replace(node, state=t.new, since=t.at, reason=t.reason)
+
+
+def evaluate_gpus(node: NodeHealth, *, now: float, policy: Policy) -> list[GpuTransition]:
+    """The transitions the node's GPUs take now, by index: a fault of a GPU's own makes it
+    DEGRADED (LOST when it is gone from the bus) at once; ``recover_after`` heartbeats in a row
+    that find nothing wrong of it make it HEALTHY again. A node silent or at fault as a whole keeps
+    its GPUs where they are: the node's state covers them (docs/design/health.md, GPUs)."""
+    found: dict[int, list[str]] = {}
+    for i, text in node.signals.gpu_faults:
+        found.setdefault(i, []).append(text)
+    if not found and not node.gpus:
+        return []
+    known = {g.index: g for g in node.gpus}
+    out: list[GpuTransition] = []
+    for i in sorted(found.keys() | known.keys()):
+        g = known.get(i)
+        old = NodeState.HEALTHY if g is None else g.state
+        if i in found:
+            new = NodeState.LOST if i in node.signals.gpus_lost else NodeState.DEGRADED
+            if SEVERITY[new] > SEVERITY[old]:
+                out.append(GpuTransition(node.name, i, old, new, "; ".join(found[i]), now))
+        elif g is not None and g.clean >= policy.recover_after:
+            reason = f"nothing wrong in {g.clean} heartbeats (recover_after={policy.recover_after})"
+            out.append(GpuTransition(node.name, i, old, NodeState.HEALTHY, reason, now))
+    return out
+
+
+def apply_gpu(node: NodeHealth, t: GpuTransition) -> NodeHealth:
+    """The node with one GPU's transition taken: a GPU back to HEALTHY leaves ``gpus``."""
+    rest = tuple(g for g in node.gpus if g.index != t.gpu)
+    if t.new is NodeState.HEALTHY:
+        return replace(node, gpus=rest, own=None if not rest else node.own)
+    record = GpuHealth(t.gpu, t.new, t.at, t.reason)
+    return replace(node, gpus=tuple(sorted((*rest, record), key=attrgetter("index"))))
+
+
+def own_state(node: NodeHealth, *, now: float, grace_start: float, partitioned: bool, policy: Policy) -> NodeState:
+    """The node's state leaving its GPUs' own faults aside: what its other GPUs' ranks go by.
+    Silence, the power supplies, the ports and sustained throttling are the node's; never better
+    than the state the node shows is worse than it (a node recovering from a fault of its own
+    keeps its hysteresis). Only asked while ``gpus`` holds a GPU."""
+    gpu_texts = {text for _, text in node.signals.gpu_faults}
+    own_faults = tuple(f for f in node.signals.faults if f not in gpu_texts)
+    bare = replace(node, signals=Signals(own_faults, node.signals.warnings))
+    found, _ = target(bare, now=now, grace_start=grace_start, partitioned=partitioned, policy=policy)
+    return found if SEVERITY[found] <= SEVERITY[node.state] else node.state
+
+
+def rank_state(node: NodeHealth, gpu: int | None) -> NodeState:
+    """The state a rank on ``node`` driving ``gpu`` goes by: its GPU's where the node is worse than
+    HEALTHY only through its GPUs' own faults, else the node's."""
+    if not node.gpus or node.own is None or gpu is None:
+        return node.state
+    for g in node.gpus:
+        if g.index == gpu:
+            return g.state if SEVERITY[g.state] >= SEVERITY[node.own] else node.own
+    return node.own
+
+
+def rank_states(ranks: Iterable[tuple[int, str, int | None]], nodes: Mapping[str, NodeHealth]) -> dict[int, NodeState]:
+    """rank -> the state it goes by (:func:`rank_state`), for the ranks (rank, node, GPU) of a
+    GPU-driving rank whose node holds a GPU at fault of its own; every other rank goes by its
+    node's state (the plan's ``rank_health``)."""
+    out: dict[int, NodeState] = {}
+    for rank, name, gpu in ranks:
+        node = nodes.get(name)
+        if node is not None and node.gpus and node.own is not None and gpu is not None:
+            out[rank] = rank_state(node, gpu)
+    return out

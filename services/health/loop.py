@@ -60,8 +60,8 @@ class Evaluator(Tick):
         transitions, events = cluster.evaluate(now=now) if redis_up else ([], [])
         if transitions:
             self.crash_point("transition")
-        if transitions or self.shared.ranks_changed:
-            self.shared.ranks_changed = False
+        if transitions or self.shared.ranks_changed or cluster.gpus_changed:
+            self.shared.ranks_changed = cluster.gpus_changed = False
             with contextlib.suppress(*REDIS_DOWN):  # the next change replans again
                 await self.plans.replan(now)
         for job in self.shared.progress.expire(now=now):

@@ -57,10 +57,14 @@ class Observed(msgspec.Struct, array_like=True, frozen=True, gc=False):
     throttled: tuple[str, ...] = ()
     tcp: tuple[str, ...] = ()
     rates: tuple[tuple[str, str, float], ...] = ()
+    gpu_faults: tuple[tuple[int, str], ...] = ()  # last: an ingest process of the version before sends none
+    gpus_lost: tuple[int, ...] = ()
 
     @property
     def reading(self) -> health.Reading:
-        return health.Reading(self.faults, self.warnings, self.throttled, self.tcp, self.rates)
+        return health.Reading(
+            self.faults, self.warnings, self.throttled, self.tcp, self.rates, self.gpu_faults, self.gpus_lost
+        )
 
 
 _encoder = msgspec.msgpack.Encoder()

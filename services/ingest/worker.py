@@ -167,7 +167,7 @@ class IngestWorker(Tick):
                 r = health.read(hb, policy=self.policy)
                 items[s.entry_id] = observations.Observed(
                     at, "", hb.node, hb.sent_at, len(hb.gpus), hb.labels, s.payload, r.faults, r.warnings, r.throttled,
-                    r.tcp, r.rates,
+                    r.tcp, r.rates, r.gpu_faults, r.gpus_lost,
                 )  # fmt: skip
         n = 0
         while items:  # once, unless another process handed over part of the batch meanwhile

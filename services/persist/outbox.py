@@ -138,7 +138,7 @@ class Outbox:
                     s,
                     rows=[
                         {"job": r.job, "rank": r.rank, "node": r.node, "local_rank": r.local_rank,
-                         "world_size": r.world_size, "registered_at": item.at}
+                         "world_size": r.world_size, "registered_at": item.at, "gpu": r.gpu}
                     ],
                 )  # fmt: skip
             elif isinstance(item, StoredPlan):

@@ -6,11 +6,15 @@ and returns the next :class:`~clusterpulse.wire.Plan` or a :class:`PlanRefusal` 
 keeps the old plan). Each rank is in exactly one of:
 
 - ``participants`` (HEALTHY, SUSPECT, or a node missing from ``health``): in the all-reduce;
-- ``proxies`` (DEGRADED): rank -> its one *carrier*, a participant on another node that adds
-  its gradient before the all-reduce and sends the result back, at most
-  ``max_proxied_per_rank`` each; a previous carrier is kept (minimal churn), else the nearest by
-  ``(tier, ring order)``;
+- ``proxies`` (DEGRADED): rank -> its one *carrier*, a participant that adds its gradient
+  before the all-reduce and sends the result back, at most ``max_proxied_per_rank`` each; a
+  previous carrier is kept (minimal churn), else the nearest by ``(tier, ring order)``, where a
+  rank on the same node (over NVLink) is nearest of all;
 - ``excluded`` (LOST, or unreachable: its parameters have diverged).
+
+A rank's state is its node's, unless ``rank_health`` gives it one of its own: a node DEGRADED
+only by one GPU's fault carries or excludes that GPU's rank alone, and its other ranks go by the
+node's own state (services/health/decide.py ``rank_state``; docs/design/planner.md, GPUs).
 
 The generation grows by one only when the roles change (else ``previous`` is returned as it is),
 and the ``reason`` says what changed, rank by rank. Deterministic, no clock, no I/O. What the
@@ -20,7 +24,7 @@ choice of carriers guarantees, and when a plan is refused: docs/design/planner.m
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from clusterpulse.states import NodeState
 from clusterpulse.wire import TOPOLOGY_LABELS, Plan
@@ -34,10 +38,12 @@ _TIER_NAMES = (*(f"same {label}" for label in TOPOLOGY_LABELS), "ring order")
 
 @dataclass(frozen=True)
 class RankInfo:
-    """One training rank of a job and the node it runs on."""
+    """One training rank of a job, the node it runs on and the GPU it drives there (its index on
+    the node, as the node's heartbeats number them; None where its launcher did not say)."""
 
     rank: int
     node: str
+    gpu: int | None = None
 
 
 @dataclass(frozen=True)
@@ -92,12 +98,22 @@ class _Job:
     labels: Mapping[str, Mapping[str, str]]
     cap: int
     unreachable: frozenset[int] = frozenset()
+    own: Mapping[int, NodeState] = field(default_factory=dict)  # ranks with a state of their own
+    gpu_of: Mapping[int, int | None] = field(default_factory=dict)
 
     def state(self, rank: int) -> NodeState:
-        return self.known.get(self.node_of[rank], UNKNOWN_HEALTH)
+        mine = self.own.get(rank)
+        return mine if mine is not None else self.known.get(self.node_of[rank], UNKNOWN_HEALTH)
 
     def name(self, rank: int) -> str:
+        if rank in self.own and self.gpu_of.get(rank) is not None:
+            return f"rank {rank} (node {self.node_of[rank]}, GPU {self.gpu_of[rank]})"
         return f"rank {rank} (node {self.node_of[rank]})"
+
+    def near(self, a: int, b: int) -> int:
+        """How near rank ``b`` is to rank ``a``: -1 on the same node, else :func:`tier`."""
+        na, nb = self.node_of[a], self.node_of[b]
+        return -1 if na == nb else tier(na, nb, self.labels)
 
     def state_text(self, rank: int) -> str:
         s = self.state(rank)
@@ -108,8 +124,8 @@ class _Job:
         return f"{self.name(rank)} {why} -> excluded"
 
     def carrier_text(self, degraded: int, carrier: int) -> str:
-        near = tier(self.node_of[degraded], self.node_of[carrier], self.labels)
-        return f"rank {carrier} ({_TIER_NAMES[near]})"
+        near = self.near(degraded, carrier)
+        return f"rank {carrier} ({'same node' if near < 0 else _TIER_NAMES[near]})"
 
 
 def plan(
@@ -121,6 +137,7 @@ def plan(
     previous: Plan | None,
     policy: PlannerPolicy,
     unreachable: Collection[int] = frozenset(),
+    rank_health: Mapping[int, NodeState] | None = None,
 ) -> Plan | PlanRefusal:
     """The job's next aggregation plan, or a :class:`PlanRefusal` (then keep the old plan).
 
@@ -142,6 +159,8 @@ def plan(
         labels=labels,
         cap=policy.max_proxied_per_rank,
         unreachable=frozenset(unreachable),
+        own={r: NodeState(s) for r, s in (rank_health or {}).items() if r in node_of},
+        gpu_of={r.rank: r.gpu for r in ranks},
     )
     order = sorted(node_of)
     reachable = [r for r in order if r not in view.unreachable]
@@ -208,7 +227,7 @@ def _assign(view: _Job, participants: list[int], degraded: list[int], before: Ma
                 continue
             pair = (view.node_of[d], view.node_of[p])
             if pair not in tiers:
-                tiers[pair] = tier(pair[0], pair[1], view.labels)
+                tiers[pair] = view.near(d, p)
             candidate = (tiers[pair], p < d, p)
             if best is None or candidate < best:
                 best = candidate

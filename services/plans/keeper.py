@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from clusterpulse import wire
 from clusterpulse.states import NodeState
 from services.cluster import Cluster
+from services.health.decide import rank_states
 from services.plans.decide import PlannerPolicy, PlanRefusal, RankInfo, plan
 
 
@@ -45,12 +46,12 @@ class PlanKeeper:
         self.unreachable: dict[str, set[int]] = {}  # job -> ranks excluded until they re-register
 
     def register(self, reg: wire.RankRegistration) -> bool:
-        """Fold a registration; True when the job's rank -> node map changed or an unreachable
-        rank came back (a restarted rank registers again)."""
+        """Fold a registration; True when the job's rank -> (node, GPU) map changed or an
+        unreachable rank came back (a restarted rank registers again)."""
         self.world[reg.job] = reg.world_size
         job = self.ranks.setdefault(reg.job, {})
         before = job.get(reg.rank)
-        job[reg.rank] = RankInfo(rank=reg.rank, node=reg.node)
+        job[reg.rank] = RankInfo(rank=reg.rank, node=reg.node, gpu=reg.gpu)
         unreachable = self.unreachable.get(reg.job, set())
         back = reg.rank in unreachable
         unreachable.discard(reg.rank)
@@ -86,9 +87,12 @@ class PlanKeeper:
             nodes.setdefault(info.node, []).append(r)
         return {n for n, rs in nodes.items() if all(r in gone for r in rs)}
 
-    def restore(self, *, ranks: Mapping[str, Mapping[int, str]], plans: Mapping[str, wire.Plan]) -> None:
+    def restore(
+        self, *, ranks: Mapping[str, Mapping[int, tuple[str, int | None]]], plans: Mapping[str, wire.Plan]
+    ) -> None:
+        """What the database kept: each job's rank -> (node, GPU or None) and its plan in force."""
         for job, m in ranks.items():
-            self.ranks[job] = {r: RankInfo(rank=r, node=n) for r, n in m.items()}
+            self.ranks[job] = {r: RankInfo(rank=r, node=n, gpu=g) for r, (n, g) in m.items()}
         self.plans.update(plans)
         for job, p in plans.items():
             self.unreachable.setdefault(job, set()).update(p.excluded)
@@ -100,8 +104,10 @@ class PlanKeeper:
             if len(ranks) < self.world.get(job, 0):
                 continue  # not every rank has registered yet: no plan for half a job
             nodes = {r.node for r in ranks.values()}
-            health: dict[str, NodeState] = {n: cluster.nodes[n].health.state for n in nodes if n in cluster.nodes}
+            records = {n: cluster.nodes[n].health for n in nodes if n in cluster.nodes}
+            health: dict[str, NodeState] = {n: h.state for n, h in records.items()}
             labels = {n: cluster.nodes[n].labels for n in nodes if n in cluster.nodes}
+            own = rank_states(((r.rank, r.node, r.gpu) for r in ranks.values()), records)
             prev = self.plans.get(job)
             result = plan(
                 job=job,
@@ -111,6 +117,7 @@ class PlanKeeper:
                 previous=prev,
                 policy=self.policy,
                 unreachable=self.unreachable.get(job, set()),
+                rank_health=own,
             )
             if isinstance(result, PlanRefusal):
                 if self.refused.get(job) != result.reason:

@@ -25,6 +25,7 @@ EXPORTED = frozenset(
         "pulse_gpu_ecc_errors_total",
         "pulse_gpu_xid_errors_total",
         "pulse_gpu_throttle_active",
+        "pulse_gpu_state",
         "pulse_psu_output_current_amperes",
         "pulse_psu_input_current_amperes",
         "pulse_psu_input_power_watts",

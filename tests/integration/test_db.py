@@ -97,7 +97,7 @@ def test_migrations_create_the_schema_and_downgrade_cleanly(tmp_path: object) ->
     from alembic import command
 
     url = f"sqlite:///{tmp_path}/m.db"
-    assert db.upgrade(url) == "0009"
+    assert db.upgrade(url) == "0010"
     eng = db.make_engine(url)
     assert {
         "nodes",
@@ -110,7 +110,10 @@ def test_migrations_create_the_schema_and_downgrade_cleanly(tmp_path: object) ->
         "fabric_checks",
         "alembic_version",
     } <= set(inspect(eng).get_table_names())
-    assert db.current_revision(eng) == "0009"
+    assert db.current_revision(eng) == "0010"
+    assert {c["name"]: c["nullable"] for c in inspect(eng).get_columns("job_ranks")}["gpu"] is True
+    command.downgrade(db.alembic_config(url), "0009")  # 0010 goes back alone: the ranks lose their GPU
+    assert "gpu" not in {c["name"] for c in inspect(eng).get_columns("job_ranks")}
     command.downgrade(db.alembic_config(url), "base")
     assert set(inspect(eng).get_table_names()) == {"alembic_version"}
     eng.dispose()
@@ -140,3 +143,29 @@ def test_fabric_checks_hold_their_pairs_wait_jobs_and_go_with_retention(session:
     session.flush()
     assert db.get_fabric_check(session, check_id="c1") is None  # finished before: pruned
     assert db.get_fabric_check(session, check_id="c2") is not None  # still running: kept
+
+
+def test_a_ranks_gpu_is_stored_replaced_when_it_registers_again_and_read_back(session: Session) -> None:
+    def row(rank: int, at: float, **gpu: int | None) -> dict[str, object]:
+        return {
+            "job": "j1",
+            "rank": rank,
+            "node": "n1",
+            "local_rank": rank,
+            "world_size": 2,
+            "registered_at": at,
+            **gpu,
+        }
+
+    db.upsert_ranks(session, rows=[row(0, 1.0, gpu=3), row(1, 1.0)])  # rank 1: a caller that says no GPU
+    session.flush()
+    session.expire_all()
+    assert [(r.rank, r.gpu) for r in db.load_ranks(session)] == [(0, 3), (1, None)]
+    db.upsert_ranks(session, rows=[row(0, 2.0, gpu=None), row(1, 2.0, gpu=5)])  # both restarted
+    session.flush()
+    session.expire_all()
+    assert [(r.rank, r.gpu, r.registered_at) for r in db.load_ranks(session)] == [(0, None, 2.0), (1, 5, 2.0)]
+    db.upsert_ranks(session, rows=[row(0, 3.0, gpu=7)])
+    session.flush()
+    session.expire_all()
+    assert [(r.rank, r.gpu) for r in db.load_ranks(session)] == [(0, 7), (1, 5)]

@@ -16,6 +16,7 @@ from agent.publisher import HeartbeatPublisher
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
 from services import db
+from services.api.routes.jobs import get_plan
 from services.orchestrator import Orchestrator
 from tests.integration.test_ingest import _settings, _until, _with_orchestrator
 
@@ -23,7 +24,9 @@ from tests.integration.test_ingest import _settings, _until, _with_orchestrator
 def _register(url: str, job: str, world: int) -> None:
     r = redis.Redis.from_url(url)
     for rank in range(world):
-        reg = wire.RankRegistration(v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=f"p{rank}", world_size=world)
+        reg = wire.RankRegistration(
+            v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=f"p{rank}", world_size=world, gpu=rank % 2 or None
+        )  # ranks 0, 2: a launcher that did not say
         r.xadd(wire.REGISTRATION_STREAM, {wire.REGISTRATION_FIELD: wire.encode(reg)})
     r.close()
 
@@ -81,6 +84,12 @@ def test_degraded_node_gets_a_new_generation_published_and_stored(redis_url: str
     async def after(orch: Orchestrator) -> None:
         p = orch.plans.plans["job1"]
         assert p.generation == 3 and orch.plans.ranks["job1"][2].node == "p2"
+        assert [(i.node, i.gpu) for _, i in sorted(orch.plans.ranks["job1"].items())] == [
+            ("p0", None), ("p1", 1), ("p2", None), ("p3", 1),
+        ]  # fmt: skip
+        served = await get_plan("job1", orch, None)  # type: ignore[arg-type]  # GET /v1/jobs/job1/plan
+        assert served.ranks == {"0": "p0", "1": "p1", "2": "p2", "3": "p3"}
+        assert served.gpus == {"0": None, "1": 1, "2": None, "3": 1}
         assert _plan_in_redis(redis_url, "job1") == p  # republished at start
 
     asyncio.run(_with_orchestrator(settings, after))

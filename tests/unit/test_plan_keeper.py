@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from clusterpulse import wire
-from services.plans.decide import PlannerPolicy
+from services.plans.decide import PlannerPolicy, RankInfo
 from services.plans.keeper import PlanKeeper
 
 
@@ -43,3 +43,19 @@ def test_a_rank_that_registers_again_counts_again() -> None:
     k.node_exited("j", "n1")
     k.register(wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=1, node="n1", world_size=2))
     assert k.excluded_nodes("j") == set()
+
+
+def test_a_registration_says_the_gpu_of_its_rank_and_a_restore_keeps_it() -> None:
+    k = PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=1))
+    reg = wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=1, node="n0", local_rank=1, world_size=2, gpu=2)
+    assert k.register(reg)
+    assert k.ranks["j"][1] == RankInfo(rank=1, node="n0", gpu=2)
+    assert not k.register(reg)  # the same again: nothing changed
+    assert k.register(wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=1, node="n0", world_size=2, gpu=3))
+    assert k.ranks["j"][1].gpu == 3  # a restarted rank on another GPU: the map changed
+    k.register(wire.RankRegistration(v=wire.PROTOCOL_VERSION, job="j", rank=0, node="n0", world_size=2))
+    assert k.ranks["j"][0] == RankInfo(rank=0, node="n0", gpu=None)  # its launcher did not say
+
+    after = PlanKeeper(policy=PlannerPolicy(max_proxied_per_rank=1))  # an orchestrator restarted
+    after.restore(ranks={"j": {r: (i.node, i.gpu) for r, i in k.ranks["j"].items()}}, plans={})
+    assert after.ranks == {"j": {0: RankInfo(rank=0, node="n0"), 1: RankInfo(rank=1, node="n0", gpu=3)}}

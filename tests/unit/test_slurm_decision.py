@@ -287,3 +287,30 @@ def test_cordon_drains_are_neither_held_by_the_breaker_nor_counted() -> None:
     d = decide(o, t, {}, P, now=NOW, breaker=Breaker(open=True, since=1.0))
     assert kinds(d) == [("drain", "sn3"), ("drain", "sn4")]
     assert kinds(decide(o, t, {}, P, now=NOW, partitioned=True)) == []
+
+
+def test_one_bad_gpu_does_not_drain_its_node_and_the_second_does() -> None:
+    """Issue 35: a node DEGRADED only by its GPUs' own faults is drained from
+    ``drain_min_bad_gpus`` of them on; below, it is not, and the sync says why."""
+    o, t = cluster(4)
+    xid = "GPU 2 fatal XID 79"
+    o["sn1"] = Ours(name="sn1", state="DEGRADED", reason=xid, own="HEALTHY", bad_gpus=1)
+    d = decide(o, t, {}, P, now=NOW)
+    assert d.actions == () and len(d.held) == 1
+    assert "sn1: not drained for 1 bad GPU(s)" in d.held[0] and "PULSE_SLURM_DRAIN_MIN_BAD_GPUS=2" in d.held[0]
+    o["sn1"] = Ours(name="sn1", state="DEGRADED", reason=xid, own="HEALTHY", bad_gpus=2)
+    assert kinds(decide(o, t, {}, P, now=NOW)) == [("drain", "sn1")]
+    # a fault of the node itself beside one bad GPU: drained as ever
+    o["sn1"] = Ours(name="sn1", state="DEGRADED", reason=PSU, own="DEGRADED", bad_gpus=1)
+    assert kinds(decide(o, t, {}, P, now=NOW)) == [("drain", "sn1")]
+
+
+def test_our_drain_is_resumed_when_only_one_bad_gpu_is_left() -> None:
+    """Drained for its PSU; the PSU is back and one GPU is still bad: under the threshold the
+    node goes by its own state, HEALTHY, and our drain is resumed."""
+    o, t = cluster(4)
+    reason = slurm_reason(ours("sn3", "DEGRADED", PSU))
+    t["sn3"] = slurm("sn3", "idle", "drain", reason=reason)
+    memory = {"sn3": Drain(reason=reason, at=NOW - 100)}
+    o["sn3"] = Ours(name="sn3", state="DEGRADED", reason=PSU, own="HEALTHY", bad_gpus=1)
+    assert kinds(decide(o, t, memory, P, now=NOW)) == [("resume", "sn3")]

@@ -197,6 +197,7 @@ async def get_plan(job_id: str, orch: OrchestratorDep, _: Viewer) -> PlanPublic:
             status.HTTP_409_CONFLICT,
             detail=f"job {job_id!r} ({job.state}) has no plan yet: not every rank has registered",
         )
+    ranks = sorted(orch.plans.ranks.get(job_id, {}).items())
     return PlanPublic(
         job=p.job,
         generation=p.generation,
@@ -205,7 +206,8 @@ async def get_plan(job_id: str, orch: OrchestratorDep, _: Viewer) -> PlanPublic:
         excluded=p.excluded,
         reason=p.reason,
         refused=orch.plans.refused.get(job_id),
-        ranks={str(r): i.node for r, i in sorted(orch.plans.ranks.get(job_id, {}).items())},
+        ranks={str(r): i.node for r, i in ranks},
+        gpus={str(r): i.gpu for r, i in ranks},
     )
 
 

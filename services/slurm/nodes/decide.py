@@ -5,7 +5,9 @@ Slurm's and with the drains ClusterPulse made and still owns (``memory``), and r
 actions that converge them, each with a reason; level-triggered, no clock, no command.
 
 - **Drain** a node DEGRADED or LOST to us, or cordoned, unless Slurm shows it drained or down;
-  the reason starts with :data:`TAG`.
+  the reason starts with :data:`TAG`. A node worse only through faults of its own GPUs goes by
+  its own state until ``drain_min_bad_gpus`` of them are bad: one bad GPU costs one rank, and
+  Slurm keeps handing out the others (:func:`for_slurm`).
 - **Resume** only a drain of ours that nobody changed, once the node is HEALTHY and not
   cordoned; a drain someone changed is disowned, never touched again.
 - **Partition brake**: nothing changes while the orchestrator may be cut off from the nodes.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 TAG = "clusterpulse:"
@@ -41,6 +43,8 @@ class Ours:
     state: str  # HEALTHY | SUSPECT | DEGRADED | LOST
     reason: str  # the reason of its last transition
     schedulable: bool = True  # False: cordoned by an operator
+    own: str | None = None  # its state leaving its GPUs' own faults aside (None: the same as state)
+    bad_gpus: int = 0  # GPUs DEGRADED or LOST by faults of their own
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class Breaker:
 class SyncPolicy:
     max_drain_fraction: float = 0.1
     drain_window_s: float = 3600.0
+    drain_min_bad_gpus: int = 2  # PULSE_SLURM_DRAIN_MIN_BAD_GPUS
 
     def allowance(self, total: int) -> int:
         """How many drains the window allows among ``total`` nodes (at least one)."""
@@ -130,6 +135,20 @@ def slurm_reason(ours: Ours) -> str:
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
 
 
+def for_slurm(ours: Ours, policy: SyncPolicy) -> tuple[Ours, str]:
+    """The node as Slurm should see it, and why it is not drained where its GPUs alone make it
+    worse: under ``drain_min_bad_gpus`` bad GPUs of its own, it goes by its own state."""
+    if ours.own is None or ours.state not in BAD_STATES or ours.own in BAD_STATES:
+        return ours, ""
+    if ours.bad_gpus >= policy.drain_min_bad_gpus:
+        return ours, ""
+    why = (
+        f"{ours.name}: not drained for {ours.bad_gpus} bad GPU(s) of its own, under "
+        f"PULSE_SLURM_DRAIN_MIN_BAD_GPUS={policy.drain_min_bad_gpus} ({ours.reason})"
+    )
+    return replace(ours, state=ours.own), why
+
+
 def wants_drain(ours: Ours) -> bool:
     return ours.state in BAD_STATES or not ours.schedulable
 
@@ -156,18 +175,18 @@ def decide(
     backing_off: Collection[str] = (),
 ) -> Decision:
     """The actions that bring Slurm in line with our view (the contract: docs/design/slurm-sync.md).
-
     ``recent``: when ClusterPulse's drains were made (for the window; may hold older ones).
     ``backing_off``: nodes whose last drain or resume failed lately; nothing is tried on them
-    now, and they do not count against the breaker.
-    """
+    now, and they do not count against the breaker."""
     names = sorted(ours.keys() & theirs.keys())
     allowance = policy.allowance(len(names))
     used = drains_counted(recent, policy=policy, breaker=breaker, now=now)
     actions: list[Action] = []
     held: list[str] = []
     for name in names:
-        o, t, mine = ours[name], theirs[name], memory.get(name)
+        (o, spared), t, mine = for_slurm(ours[name], policy), theirs[name], memory.get(name)
+        if spared and mine is None and not t.drained:
+            held.append(spared)
         want = wants_drain(o)
         if mine is not None:
             if not t.drained:

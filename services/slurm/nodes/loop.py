@@ -32,7 +32,7 @@ from clusterpulse.retry import Backoff, TransientError
 from clusterpulse.settings import Settings
 from clusterpulse.states import EventKind
 from services import db
-from services.cluster import Cluster
+from services.cluster import Cluster, NodeView
 from services.models import SlurmDrainRow
 from services.runner import Tick
 from services.slurm.nodes.decide import Action, Breaker, Decision, Drain, Ours, SlurmNode, SyncPolicy, decide
@@ -174,7 +174,9 @@ class SlurmSync(Tick):
         self.write = write
         self.interval_s = settings.slurm_sync_period_s
         self.policy = SyncPolicy(
-            max_drain_fraction=settings.slurm_max_drain_fraction, drain_window_s=settings.slurm_drain_window_s
+            max_drain_fraction=settings.slurm_max_drain_fraction,
+            drain_window_s=settings.slurm_drain_window_s,
+            drain_min_bad_gpus=settings.slurm_drain_min_bad_gpus,
         )
         self.memory: dict[str, Drain] = {}
         self.recent: list[float] = []
@@ -246,10 +248,7 @@ class SlurmSync(Tick):
             if view.scheduler != (now_theirs := theirs.get(name)):
                 view.scheduler = now_theirs
                 view.changed()
-        ours = {
-            name: Ours(name=name, state=v.health.state.value, reason=v.health.reason, schedulable=v.schedulable)
-            for name, v in cluster.nodes.items()
-        }
+        ours = {name: _ours(name, v) for name, v in cluster.nodes.items()}
         decision = decide(
             ours, theirs, self.memory, self.policy,
             now=now, recent=self.recent, breaker=self.breaker, partitioned=cluster.partitioned,
@@ -377,3 +376,12 @@ def metric_lines(sync: SlurmSync | None) -> list[str]:
     if sync is not None:
         out.append(f"pulse_slurm_drain_breaker_open {1 if sync.breaker.open else 0}")
     return out
+
+
+def _ours(name: str, v: NodeView) -> Ours:
+    """A node as the sync compares it with Slurm's view: its state, and its own beside its GPUs'."""
+    h = v.health
+    own = None if h.own is None else h.own.value
+    return Ours(
+        name=name, state=h.state.value, reason=h.reason, schedulable=v.schedulable, own=own, bad_gpus=len(h.gpus)
+    )

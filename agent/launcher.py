@@ -515,9 +515,13 @@ class Launcher:
 def rank_env(cmd: wire.JobCommand, local_rank: int, *, visible: str | None = None) -> dict[str, str]:
     """The torch.distributed environment of one rank: what ``deepspeed.launcher.launch`` sets, and
     ``PULSE_GPU``, the GPU the rank drives (it registers it: ``trainer/rank_gpu.py``): GPU
-    ``local_rank``, unless the rank inherits ``visible`` (``CUDA_VISIBLE_DEVICES``), which says it."""
+    ``local_rank``, unless the rank inherits ``visible`` (``CUDA_VISIBLE_DEVICES``), which says it.
+    A command that names the node's GPUs (``cmd.gpus``: the node has a bad one) makes them the
+    visible devices, so ``cuda:LOCAL_RANK`` is ``gpus[local_rank]``, whatever was inherited."""
     local = max(1, cmd.gpus_per_node)
     gpu = {} if visible is not None else {"PULSE_GPU": str(local_rank)}
+    if cmd.gpus and local_rank < len(cmd.gpus):
+        gpu = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, cmd.gpus)), "PULSE_GPU": str(cmd.gpus[local_rank])}
     return {
         **gpu,
         "RANK": str(cmd.node_rank * local + local_rank),

@@ -419,7 +419,8 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     """A command from the orchestrator to one node's agent, on ``node_commands_key(node)``.
 
     ``launch``: start this node's share of the job: ``argv`` (the entrypoint) as
-    ``gpus_per_node`` local ranks with global ranks ``node_rank * gpus_per_node + local``, the
+    ``gpus_per_node`` local ranks with global ranks ``node_rank * gpus_per_node + local``, local
+    rank i on GPU ``gpus[i]`` (on GPU i where ``gpus`` is empty: the node has no bad GPU), the
     rendezvous at ``master_addr:master_port``, and ``env`` added. ``stop``: SIGTERM to the job's
     process group, SIGKILL after ``grace_s``. Both are idempotent: the agent acts on the job's
     current state, not on the command count.
@@ -434,14 +435,12 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     next step boundary. ``request`` names the request: the agent signals once per request id, so a
     command delivered again (an agent restarted before it moved its cursor) signals nobody twice.
 
-    **Current.** ``issued_at`` and ``not_after`` are Redis server time (seconds, the
-    orchestrator's clock, ``services/clock.py``). A ``launch`` or ``checkpoint`` is acted on only
-    until ``not_after`` and only while no later command of its job on the same stream replaced it
-    (a ``stop``, a newer ``launch``): ``agent/current.py``. A command without them (from an
-    orchestrator that predates them) is current for ``PULSE_JOB_COMMAND_TTL_S`` after its stream
-    entry was written. A ``stop`` is acted on whatever its age (it starts nothing). Added without
-    a version bump: decoders on both sides ignore unknown fields and default missing ones.
-    """
+    **Current.** ``issued_at`` and ``not_after`` are Redis server time (``services/clock.py``). A
+    ``launch`` or ``checkpoint`` is acted on only until ``not_after`` and only while no later
+    command of its job on the same stream replaced it (``agent/current.py``); one without them (an
+    older orchestrator's) is current for ``PULSE_JOB_COMMAND_TTL_S`` after its entry was written.
+    A ``stop`` is acted on whatever its age. Added without a version bump: decoders on both sides
+    ignore unknown fields and default missing ones."""
 
     v: int
     kind: Literal["launch", "stop", "checkpoint"]
@@ -457,6 +456,7 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     grace_s: NonNegFloat = 10.0
     node: str = ""  # on a job's stream (wire.job_commands_key): the node a launch is for; "" on a node's own
     probe: bool = False  # a fabric probe's launch (above)
+    gpus: list[NonNegInt] = []  # the node's GPUs its local ranks drive, in order ([]: GPU i for rank i)
     issued_at: NonNegFloat | None = None  # Redis server time it was sent at; None: an older orchestrator's
     not_after: NonNegFloat | None = None  # Redis server time after which it starts or signals nothing
 

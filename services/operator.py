@@ -22,6 +22,7 @@ from services.fabric.decide import check_nodes
 from services.fabric.loop import new_check
 from services.jobs import checkpoints
 from services.jobs.loop import JobReconciler, Send
+from services.jobs.placement import NodeCapacity
 from services.jobs.rendezvous import no_port, rendezvous
 from services.shared import Shared, Writer
 from services.slurm.jobs.decide import is_slurm
@@ -66,7 +67,7 @@ class OperatorActions:
         idempotency key returns the first job when the body is the same, else raises
         :class:`IdempotencyKeyReused`. Raises :class:`PlacementRefused` with the failed
         constraint; nothing is written then."""
-        from services.jobs.placement import NodeCapacity, Placement, PlacementRequest, place, spares
+        from services.jobs.placement import Placement, PlacementRequest, place, spares
 
         assert self.shared.cluster is not None
         cluster = self.shared.cluster
@@ -91,15 +92,7 @@ class OperatorActions:
                     for n in j.assigned_nodes:
                         used[n] = used.get(n, 0) + int(j.spec.get("gpus_per_node", 0))
                 caps = [
-                    NodeCapacity(
-                        name=name,
-                        state=v.health.state.value,
-                        schedulable=v.schedulable,
-                        gpus=sum(1 for g in v.latest.gpus if not g.lost) if v.latest else 0,
-                        gpus_used=used.get(name, 0),
-                        labels=v.labels,
-                        blocked=_blocked(v, agents=not is_slurm(spec)),
-                    )
+                    _capacity(name, v, used=used.get(name, 0), agents=not is_slurm(spec))
                     for name, v in list(cluster.nodes.items())
                 ]
                 req = PlacementRequest(
@@ -293,6 +286,23 @@ class OperatorActions:
 
         await self.writer.run("slurm", store)
         return True
+
+
+def _capacity(name: str, v: NodeView, *, used: int, agents: bool) -> NodeCapacity:
+    """What placement knows of a node: a node worse only through its GPUs' own faults by its own
+    state, with its bad GPUs left out of its count and named (services/jobs/placement.py)."""
+    h = v.health
+    bad = {g.index for g in h.gpus}
+    return NodeCapacity(
+        name=name,
+        state=(h.own or h.state).value,
+        schedulable=v.schedulable,
+        gpus=sum(1 for g in v.latest.gpus if not g.lost and g.index not in bad) if v.latest else 0,
+        gpus_used=used,
+        labels=v.labels,
+        blocked=_blocked(v, agents=agents),
+        bad_gpus=tuple(f"GPU {g.index} {g.state}" for g in h.gpus),
+    )
 
 
 def _blocked(v: NodeView, *, agents: bool) -> str:

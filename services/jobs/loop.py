@@ -25,6 +25,7 @@ from clusterpulse.states import ACTIVE_JOB_STATES, EventKind, JobState, NodeStat
 from services import db
 from services.clock import RedisClock
 from services.jobs.decide import decide, node_ranks, rejoinable
+from services.jobs.placement import node_gpus
 from services.leader import FENCED_COMMANDS, LeaderLease, commands_args
 from services.models import JobRow
 from services.runner import Tick
@@ -146,6 +147,7 @@ class JobReconciler(Tick):
                 gpus_per_node=spec["gpus_per_node"],
                 master_addr=send.addr,
                 master_port=send.port,
+                gpus=self._gpus(node, spec["gpus_per_node"]) if kind == "launch" else [],
                 argv=list(spec["entrypoint"]),
                 env={**spec.get("env", {}), **ds_env(spec), **({"PULSE_REJOIN": "1"} if send.rejoin else {})},
                 grace_s=self.settings.job_stop_grace_s,
@@ -166,6 +168,15 @@ class JobReconciler(Tick):
             "event=job_command job=%s kind=%s nodes=%s rejoin=%s job_stream=%s",
             job_id, kind, targets, send.rejoin, send.job_stream,
         )  # fmt: skip
+
+    def _gpus(self, node: str, count: int) -> list[int]:
+        """The GPUs a launch on ``node`` hands its ranks: its good ones where it has a bad one
+        (services/jobs/placement.py ``node_gpus``), else [] (GPU i for local rank i)."""
+        view = self.shared.cluster.nodes.get(node) if self.shared.cluster is not None else None
+        if view is None or not view.health.gpus or view.latest is None:
+            return []
+        present = [g.index for g in view.latest.gpus if not g.lost]
+        return node_gpus(present, {g.index for g in view.health.gpus}, count)
 
     def _reconcile_db(self, statuses: list[wire.JobStatus], now: float) -> list[Send]:
         sends: list[Send] = []

@@ -6,8 +6,11 @@ constraint that failed. Rules:
 - only HEALTHY, schedulable nodes (not cordoned here, and, with Slurm sync on, not drained or
   down in Slurm; for a job our agents launch, not one whose agent launches nothing, such as
   ``pulse simulate``'s: ``blocked`` says why) whose labels match the request's selector, with at least
-  ``gpus_per_node`` GPUs free (reported GPUs, none lost, minus the GPUs of jobs already placed
-  there), are eligible; never a SUSPECT, DEGRADED, LOST or cordoned node;
+  ``gpus_per_node`` GPUs free (reported GPUs, none lost or at fault, minus the GPUs of jobs
+  already placed there), are eligible; never a SUSPECT, DEGRADED, LOST or cordoned node. A node
+  worse only through its GPUs' own faults is judged by its own state, its bad GPUs left out
+  (``bad_gpus`` names them when they leave too few), and the job's ranks there drive its good
+  GPUs (:func:`node_gpus`);
 - pack: the smallest topology domain that holds the whole job wins, NVLink domain first, then
   switch, then rack, then the whole cluster; inside a domain, nodes in name order;
 - the same input gives the same placement.
@@ -15,7 +18,7 @@ constraint that failed. Rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 TOPOLOGY_ORDER = ("nvlink_domain", "switch", "rack")
@@ -30,6 +33,7 @@ class NodeCapacity:
     gpus_used: int = 0  # by jobs already placed there
     labels: Mapping[str, str] = field(default_factory=dict)
     blocked: str = ""  # why the cluster's scheduler keeps it out, e.g. "Slurm idle+drain: maint"; "" when it does not
+    bad_gpus: tuple[str, ...] = ()  # its GPUs at fault, e.g. "GPU 2 DEGRADED", left out of ``gpus``
 
     @property
     def free(self) -> int:
@@ -65,8 +69,18 @@ def _why_not(n: NodeCapacity, req: PlacementRequest) -> str | None:
         if n.labels.get(k) != v:
             return f"label {k}={n.labels.get(k)!r}, selector wants {v!r}"
     if req.gpus_per_node > 0 and n.free < req.gpus_per_node:
-        return f"{n.free} GPUs free, {req.gpus_per_node} needed"
+        bad = f" ({', '.join(n.bad_gpus)})" if n.bad_gpus else ""
+        return f"{n.free} GPUs free{bad}, {req.gpus_per_node} needed"
     return None
+
+
+def node_gpus(present: Sequence[int], bad: Collection[int], count: int) -> list[int]:
+    """The GPUs (indices) a job's ``count`` local ranks drive on a node whose GPUs are ``present``:
+    [] while none of them is ``bad`` (local rank i drives GPU i, the launchers' default), else
+    the first ``count`` good ones in index order (``wire.JobCommand.gpus``)."""
+    if not bad:
+        return []
+    return [i for i in sorted(present) if i not in bad][:count]
 
 
 def eligible(nodes: Sequence[NodeCapacity], req: PlacementRequest) -> list[NodeCapacity]:

@@ -9,8 +9,13 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.daemon import NodeAgent
+from agent.launcher import rank_env
+from agent.simulated import SimulatedNode
 from clusterpulse import wire
 from clusterpulse.states import NodeState
+from clusterpulse.wire import Plan
+from services.cluster import Cluster, NodeView
 from services.health.decide import (
     GpuTransition,
     NodeHealth,
@@ -23,8 +28,11 @@ from services.health.decide import (
     rank_state,
     rank_states,
 )
-from services.plans.decide import Plan, PlannerPolicy, PlanRefusal, RankInfo, plan
+from services.jobs.placement import Placement, PlacementRefusal, PlacementRequest, node_gpus, place
+from services.operator import _capacity
+from services.plans.decide import PlannerPolicy, PlanRefusal, RankInfo, plan
 from tests.unit.test_health import P, gpu, hb, psu
+from trainer.rank_gpu import rank_gpu
 
 H, S, D, L = NodeState.HEALTHY, NodeState.SUSPECT, NodeState.DEGRADED, NodeState.LOST
 
@@ -208,3 +216,43 @@ def test_property_per_rank_plans(job: tuple[list[RankInfo], dict[str, NodeHealth
         same = [p for p in part if node_of[p] == node_of[d] and load.get(p, 0) < cap]
         if same:  # a neighbour on its own node still had room at the end: it was nearer than any
             assert node_of[c] == node_of[d], (d, c, result.proxies)
+
+
+# --- placement and launch ---------------------------------------------------------------------------
+
+
+def _node_with_bad_gpu(gpus: int = 4, bad: int = 2) -> tuple[Cluster, NodeView]:
+    """A cluster of one simulated node whose GPU ``bad`` reports XID 79, folded and evaluated as
+    the orchestrator does (services/cluster.py)."""
+    sim = SimulatedNode("g0", gpus=gpus)
+    sim.aim("xid79", [bad])
+    sim.faults.add("xid79")
+    agent = NodeAgent(node="g0", gpu=sim, gpu_source="simulated", interval_s=1.0, sim=sim)
+    c = Cluster(policy=P, grace_start=0.0)
+    c.ingest(wire.encode(agent.heartbeat(sim.sample())), received_at=1.0)
+    c.evaluate(now=1.0)
+    return c, c.nodes["g0"]
+
+
+def test_a_node_with_one_bad_gpu_of_four_takes_a_job_of_three_and_refuses_four_naming_it() -> None:
+    c, view = _node_with_bad_gpu()
+    assert view.health.state is D and view.health.own is H and c.gpus_changed
+    cap = _capacity("g0", view, used=0, agents=True)
+    assert (cap.state, cap.gpus, cap.bad_gpus) == ("HEALTHY", 3, ("GPU 2 DEGRADED",))
+    assert place([cap], PlacementRequest(nodes=1, gpus_per_node=3)) == Placement(("g0",), "cluster")
+    refused = place([cap], PlacementRequest(nodes=1, gpus_per_node=4))
+    assert isinstance(refused, PlacementRefusal) and "3 GPUs free (GPU 2 DEGRADED), 4 needed" in refused.reason
+    # the job's three ranks there drive GPUs 0, 1 and 3
+    gpus = node_gpus([g.index for g in view.latest.gpus], {g.index for g in view.health.gpus}, 3)  # type: ignore[union-attr]
+    assert gpus == [0, 1, 3]
+    cmd = wire.JobCommand(v=wire.PROTOCOL_VERSION, kind="launch", job="j", gpus_per_node=3, gpus=gpus)
+    envs = [rank_env(cmd, i, visible="0,1,2,3") for i in range(3)]
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"0,1,3"}
+    assert [rank_gpu(e, int(e["LOCAL_RANK"])) for e in envs] == [0, 1, 3]  # what each rank registers
+
+
+def test_a_node_at_fault_itself_takes_no_job_and_a_clean_node_launches_as_ever() -> None:
+    assert node_gpus([0, 1, 2, 3], set(), 4) == []  # GPU i for local rank i: the launcher's default
+    _, view = _node_with_bad_gpu()
+    view.health = replace(view.health, own=D)  # a power supply of its own beside the bad GPU
+    assert _capacity("g0", view, used=0, agents=True).state == "DEGRADED"

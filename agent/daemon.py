@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from agent.gpu_reset import command_reset
 from agent.nics import NicSource
 from agent.publisher import HeartbeatPublisher
 from agent.server_time import ServerTime
@@ -397,6 +398,7 @@ async def run_node_agent(
             command_ttl_s=settings.job_command_ttl_s,
             server_time_wait_s=settings.redis_timeout_s,  # the first heartbeat goes out at once
             hang_after_s=settings.hang_after_s, fault_env=parts.sim.rank_env if parts.sim is not None else None,
+            gpu_reset=parts.sim.reset if parts.sim is not None else command_reset(settings.gpu_reset_command),
         )  # fmt: skip
         tasks.append(asyncio.create_task(launcher.run(stop)))
     log.info("event=agent_started node=%s source=%s interval_s=%g labels=%s", node, desc, interval_s, labels)

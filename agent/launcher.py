@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import store_keeper
+from agent.gpu_reset import Reset, handle_reset
 from agent.hung import watch_hung
 from agent.job_commands import DEFAULT_TTL_S
 from agent.node_commands import NodeCommands
@@ -130,9 +131,10 @@ class Launcher:
         server_time_wait_s: float = 0.0,
         hang_after_s: float = 1.0,
         fault_env: Callable[[], dict[str, str]] | None = None,
+        gpu_reset: Reset | None = None,
     ) -> None:
         self.node = node
-        self.fault_env = fault_env  # a simulated node's faults for its ranks (``slow_link``); None on a real node
+        self.gpu_reset, self.fault_env = gpu_reset, fault_env  # a GPU reset; a simulated node's faults for its ranks
         self.hang_after_s = hang_after_s  # a rank blocked this long is hung (agent/hung.py); 0: never
         self.server_time = server_time or ServerTime()  # what a command's not_after is compared with
         self.command_ttl_s = command_ttl_s  # how long a command without a not_after stays current
@@ -259,12 +261,10 @@ class Launcher:
             await self.detach()
 
     async def detach(self) -> None:
-        """Leave the ranks and the job stores running, as an agent that stops or dies does (a
-        restarted one re-attaches): end this launcher's own tasks (the watchers, a stop under way)
-        and wait for them, so that none uses the Redis client after its owner closed it (a
-        watcher's status sent then reconnected the client, and the open socket outlived the
-        event loop). Cancelled again until each ends: redis-py (8.2) now and then swallows a
-        cancellation that lands while a command is in flight (``services/orchestrator.py``)."""
+        """Leave the ranks and the job stores running, as a dying agent does (a restarted one
+        re-attaches): end this launcher's own tasks and wait for them, so that none uses the Redis
+        client after its owner closed it. Cancelled again until each ends: redis-py (8.2) now and
+        then swallows a cancellation that lands while a command is in flight."""
         while pending := [t for t in self._tasks if not t.done()]:
             for t in pending:
                 t.cancel()
@@ -276,6 +276,8 @@ class Launcher:
             await self.launch(cmd)
         elif cmd.kind == "checkpoint":
             await self.checkpoint(cmd.job, request=cmd.request)
+        elif cmd.kind == "reset":
+            await handle_reset(cmd, node=self.node, state_dir=self.state_dir, reset=self.gpu_reset)
         else:
             await self.stop(cmd.job, grace_s=cmd.grace_s)
 

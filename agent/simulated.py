@@ -74,6 +74,9 @@ _NO_GPUS: frozenset[int] = frozenset()  # what an inactive fault hits
 # The throttle reason each throttling fault sets on every GPU (the orchestrator's health model
 # decides which reasons count as sustained throttling: services/health/decide.py SUSTAINED_THROTTLE).
 THROTTLE_OF = {"thermal": "thermal", "power_brake": "power_brake"}
+# The faults of one GPU a GPU reset clears (SimulatedNode.reset): its volatile ECC counter and
+# XIDs, and a GPU fallen off the bus comes back; heat and a narrow PCIe link stay.
+RESET_CLEARS = frozenset({"ecc", "xid", "xid79", "gpu_lost"})
 # Faults that never clear by themselves: the volatile ECC counter stays up until a GPU reset; a
 # port's link_downed and symbol errors stay in the agent's error window (an hour by default).
 PERMANENT_FAULTS = frozenset({"ecc", "nic_down", "nic_errors"})
@@ -172,6 +175,7 @@ class SimulatedNode:
         self.gpus = gpus
         self.faults: set[str] = set()
         self.fault_gpus: dict[str, frozenset[int]] = {}
+        self._reset: set[int] = set()  # GPUs reset since the agent started (:meth:`reset`)
         self._rng = random.Random(seed if seed is not None else node)
         self._ecc_uncorrected = [0] * gpus  # per GPU: only a GPU reset clears it
         self._xid_counts: list[dict[str, int]] = [{} for _ in range(gpus)]  # per GPU, cumulative
@@ -210,11 +214,25 @@ class SimulatedNode:
         self.fault_gpus[kind] = frozenset(picked)
 
     def hit(self, kind: str) -> frozenset[int]:
-        """The GPUs fault ``kind`` hits now (none when it is not active)."""
+        """The GPUs fault ``kind`` hits now (none when it is not active; not a GPU a reset
+        cleared of it)."""
         if kind not in self.faults:
             return _NO_GPUS
         aimed = self.fault_gpus.get(kind)
-        return aimed if aimed is not None else self.default_gpus(kind)
+        hit = aimed if aimed is not None else self.default_gpus(kind)
+        return hit - self._reset if kind in RESET_CLEARS and self._reset else hit
+
+    def reset(self, index: int) -> str:
+        """A GPU reset (agent/gpu_reset.py): GPU ``index``'s volatile ECC counter and XIDs are
+        cleared, and the faults a reset clears (:data:`RESET_CLEARS`) no longer hit it: a GPU
+        that fell off the bus is back. A thermal fault or a narrow PCIe link stays."""
+        if not 0 <= index < self.gpus:
+            raise ValueError(f"{self.node} has no GPU {index} (it has {self.gpus})")
+        cleared = sorted(k for k in RESET_CLEARS if index in self.hit(k))
+        self._ecc_uncorrected[index] = 0
+        self._xid_counts[index] = {}
+        self._reset.add(index)
+        return f"GPU {index} reset (simulated); cleared: {', '.join(cleared) or 'nothing'}"
 
     # The GPU source interface (same as agent.nvml.NvmlSource) ---------------------------------
     def open(self) -> None:

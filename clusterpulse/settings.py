@@ -194,6 +194,10 @@ class Settings(BaseSettings):
     slurm_drain_window_s: float = Field(3600.0, gt=0)
     # a node worse only through its GPUs' own faults is drained from this many bad GPUs on
     slurm_drain_min_bad_gpus: int = Field(2, ge=1)
+    # a GPU DEGRADED or LOST by a fault of its own this long is reported for a reset (once)
+    gpu_reset_after_s: float = Field(3600.0, gt=0)
+    # what an agent runs to reset GPU {index} (POST /v1/nodes/{name}/gpus/{index}/reset)
+    gpu_reset_command: str = "nvidia-smi --gpu-reset -i {index}"
     slurm_sync_period_s: float = Field(10.0, gt=0)  # also the first retry delay when Slurm fails
     slurm_backoff_max_s: float = Field(120.0, gt=0)  # the longest retry delay while Slurm fails
     slurm_command_timeout_s: float = Field(10.0, gt=0)  # each sinfo / scontrol call

@@ -41,6 +41,8 @@ class EventKind(StrEnum):
 
     HEALTH = "health"  # a node's state changed (from_state, to_state)
     GPU_HEALTH = "gpu_health"  # one GPU's state changed: "GPU i: OLD -> NEW: why"
+    GPU_RESET_DUE = "gpu_reset_due"  # a GPU bad for PULSE_GPU_RESET_AFTER_S (services/health/gpu_reset.py)
+    GPU_RESET = "gpu_reset"  # an operator asked for a GPU's reset (actor: who)
     REGISTERED = "registered"  # a node's first heartbeat
     PARTITION = "partition"  # the partition brake engaged or released
     REDIS_OUTAGE = "redis_outage"

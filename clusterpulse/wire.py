@@ -426,14 +426,14 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     current state, not on the command count.
 
     ``probe``: a fabric probe (``services/fabric/loop.py``): ``argv`` are the arguments of the
-    agent's own ``python -m trainer.fabric_probe``, one rank a node, no job store (rank 0 hosts
-    torch's), and no resilience runner. An agent runs no other module this way.
+    agent's own ``python -m trainer.fabric_probe``, one rank a node, no job store, no runner.
 
     ``checkpoint``: an emergency checkpoint (``POST /v1/jobs/{id}/checkpoint``): SIGUSR2 to each
     of the job's rank processes on the node (never to their children, never to the process group:
     SIGUSR2's default action would kill a data loader worker), which asks the rank to save at the
     next step boundary. ``request`` names the request: the agent signals once per request id, so a
     command delivered again (an agent restarted before it moved its cursor) signals nobody twice.
+    ``reset``: reset GPU ``gpus[0]`` (``POST /v1/nodes/{name}/gpus/{index}/reset``), once per request.
 
     **Current.** ``issued_at`` and ``not_after`` are Redis server time (``services/clock.py``). A
     ``launch`` or ``checkpoint`` is acted on only until ``not_after`` and only while no later
@@ -443,7 +443,7 @@ class JobCommand(msgspec.Struct, kw_only=True, frozen=True):
     ignore unknown fields and default missing ones."""
 
     v: int
-    kind: Literal["launch", "stop", "checkpoint"]
+    kind: Literal["launch", "stop", "checkpoint", "reset"]
     job: str
     request: Annotated[str, msgspec.Meta(max_length=64)] = ""
     node_rank: NonNegInt = 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from clusterpulse import wire
 from clusterpulse.states import EventKind, NodeState
 from services.health import decide as health
+from services.health import gpu_reset
 from services.health.decide import NodeHealth, Policy, Transition
 from services.health.nics import below_cluster, cluster_rates
 from services.ingest import observations
@@ -219,6 +220,12 @@ class Cluster:
             log.info(
                 "event=gpu_transition node=%s gpu=%d from=%s to=%s reason=%r", t.node, t.gpu, t.old, t.new, t.reason
             )
+        due = gpu_reset.due(view.health.gpus, now=now, after_s=self.policy.gpu_reset_after)
+        if due:
+            marked = {g.index: g for g in due}
+            view.health = replace(view.health, gpus=tuple(marked.get(g.index, g) for g in view.health.gpus))
+            name = view.health.name
+            events += [ClusterEvent(EventKind.GPU_RESET_DUE, gpu_reset.due_reason(g, now=now), now, name) for g in due]
         h = view.health
         own = (
             health.own_state(h, now=now, grace_start=self.grace_start, partitioned=self.partitioned, policy=self.policy)

@@ -14,12 +14,13 @@ import redis
 from sqlalchemy.orm import Session
 
 from clusterpulse.settings import Settings
-from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, JobState
+from clusterpulse.states import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, EventKind, JobState
 from services import db
 from services.clock import RedisClock
 from services.cluster import NodeView
 from services.fabric.decide import check_nodes
 from services.fabric.loop import new_check
+from services.health import gpu_reset
 from services.jobs import checkpoints
 from services.jobs.loop import JobReconciler, Send
 from services.jobs.placement import NodeCapacity
@@ -30,6 +31,10 @@ from services.slurm.nodes.loop import SlurmSync
 from services.threads import in_thread
 
 log = logging.getLogger("pulse.orchestrator")
+
+
+class GpuResetRefused(Exception):
+    """A GPU reset that may not go ahead now; the message says why."""
 
 
 class PlacementRefused(Exception):
@@ -234,6 +239,50 @@ class OperatorActions:
                 "sent to its ranks and its event says so; ask again once Redis answers"
             ) from failed
         return request, nodes
+
+    async def reset_gpu(self, name: str, index: int, *, actor: str) -> str:
+        """An operator's reset of GPU ``index`` of node ``name`` (services/health/gpu_reset.py): a
+        ``reset`` command to the node's agent, then a ``gpu_reset`` event naming the actor.
+        Returns the request id. Raises KeyError for an unknown node, GpuResetRefused (nothing sent)
+        while a running job's rank may drive the GPU or the node has no such GPU."""
+        assert self.shared.cluster is not None
+        view = self.shared.cluster.nodes.get(name)
+        if view is None:
+            raise KeyError(name)
+        present = [g.index for g in view.latest.gpus] if view.latest is not None else []
+        request = uuid.uuid4().hex[:16]
+        plans = self.shared.plans
+
+        def read() -> list[str]:
+            with self.writer.tx("gpu reset") as s:
+                return [j.id for j in db.list_jobs(s, states=ACTIVE_JOB_STATES) if name in j.assigned_nodes]
+
+        async with self.writer.lock:
+            jobs = await in_thread(read)
+            ranks = {j: [(r.rank, r.node, r.gpu) for r in plans.ranks.get(j, {}).values()] for j in jobs}
+            gone = {
+                j: set(plans.unreachable.get(j, ())) | set(p.excluded if (p := plans.plans.get(j)) else ())
+                for j in jobs
+            }
+            unregistered = [j for j in jobs if not any(node == name for _, node, _ in ranks[j])]
+            on, unknown = gpu_reset.running_on(name, index, ranks, gone)
+            why = gpu_reset.refusal(name, index, present=present, on=on, unknown=sorted({*unknown, *unregistered}))
+            if why is not None:
+                raise GpuResetRefused(why)
+            spec = {"gpus_per_node": 1, "entrypoint": []}
+            await self.jobs.send(
+                Send("reset", f"gpu-reset-{request}", [name], spec, "", 1, request=request, gpus=(index,))
+            )
+            reason = f"GPU {index} reset asked for by {actor} [request {request}]"
+
+            def record() -> None:
+                with self.writer.tx("gpu reset") as s:
+                    db.record_event(
+                        s, kind=EventKind.GPU_RESET, node=name, reason=reason, at=self.clock.now(), actor=actor
+                    )
+
+            await in_thread(record)
+        return request
 
     async def start_fabric_check(self, nodes: list[str] | None, *, actor: str) -> str:
         """A fabric check of ``nodes`` (None: every free HEALTHY or SUSPECT node,

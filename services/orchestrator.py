@@ -372,6 +372,9 @@ class Orchestrator:
     async def start_fabric_check(self, nodes: list[str] | None, *, actor: str) -> str:
         return await self.operator.start_fabric_check(nodes, actor=actor)
 
+    async def reset_gpu(self, name: str, index: int, *, actor: str) -> str:
+        return await self.operator.reset_gpu(name, index, actor=actor)
+
     async def set_schedulable(self, name: str, schedulable: bool, *, reason: str, actor: str) -> bool:
         return await self.operator.set_schedulable(name, schedulable, reason=reason, actor=actor)
 

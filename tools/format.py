@@ -85,14 +85,16 @@ def format_node(n: dict[str, Any]) -> str:
             f"  slurm:     {sch['state']}{ours}" + (f", reason {sch['reason']!r}{by}" if sch["reason"] else "")
         )
     lines += [f"  fault:     {f}" for f in n["faults"]] + [f"  warning:   {w}" for w in n["warnings"]]
-    rows = [("GPU", "NAME", "UTIL", "TEMP", "POWER", "PCIE", "THROTTLE", "ECC-U", "XID")]
+    rows = [("GPU", "STATE", "NAME", "UTIL", "TEMP", "POWER", "PCIE", "THROTTLE", "ECC-U", "XID")]
     for g in n["gpus"]:
+        state = g.get("state", "HEALTHY") + (" (reset due)" if g.get("reset_due") else "")
         if g.get("lost"):
-            rows.append((str(g["index"]), "LOST", "-", "-", "-", "-", "-", "-", g.get("error") or ""))
+            rows.append((str(g["index"]), state, "LOST", "-", "-", "-", "-", "-", "-", g.get("error") or ""))
             continue
         rows.append(
             (
                 str(g["index"]),
+                state,
                 g.get("name", ""),
                 f"{(g.get('utilization_ratio') or 0) * 100:.0f}%",
                 f"{g.get('temperature_celsius')}C",
@@ -104,6 +106,7 @@ def format_node(n: dict[str, Any]) -> str:
             )
         )
     lines.append(table(rows))
+    lines += [f"  GPU {g['index']}:     {g['state']}: {g['reason']}" for g in n["gpus"] if g.get("reason")]
     prow = [("PSU", "OK", "IN W", "IN A", "OUT A", "STATUS")]
     for p in n["psus"]:
         prow.append(

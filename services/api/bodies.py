@@ -104,6 +104,7 @@ def gpus(view: NodeView) -> list[dict[str, Any]]:
         record = bad.get(g["index"])
         g["state"] = record.state.value if record else "HEALTHY"
         g["reason"] = record.reason if record else ""
+        g["reset_due"] = record.reset_due if record else False
     return out
 
 

@@ -48,6 +48,13 @@ class NodePublic(BaseModel):
     scheduler: SchedulerPublic | None = None  # null while Slurm sync is off or Slurm does not know the node
 
 
+class GpuResetPublic(BaseModel):
+    node: str
+    gpu: int
+    request: str  # the request's id, in its gpu_reset event and the agent's log
+    requested_by: str
+
+
 NEXT_NODE = "the `after` of the next page: the last node's name when more follow, else null"
 
 

@@ -61,6 +61,7 @@ class Policy:
     psu_output_imbalance: float = _DEFAULT.psu_output_imbalance_amperes
     psu_input_imbalance: float = _DEFAULT.psu_input_imbalance_amperes
     power_peer_gap: float = _DEFAULT.gpu_power_peer_gap_ratio
+    gpu_reset_after: float = _DEFAULT.gpu_reset_after_s
     nics: NicPolicy = field(default_factory=NicPolicy)
 
     @classmethod
@@ -76,6 +77,7 @@ class Policy:
             psu_output_imbalance=s.psu_output_imbalance_amperes,
             psu_input_imbalance=s.psu_input_imbalance_amperes,
             power_peer_gap=s.gpu_power_peer_gap_ratio,
+            gpu_reset_after=s.gpu_reset_after_s,
             nics=NicPolicy.from_settings(s),
         )
 
@@ -111,6 +113,7 @@ class GpuHealth:
     since: float
     reason: str
     clean: int = 0
+    reset_due: bool = False  # reported for a reset (services/health/gpu_reset.py)
 
 
 @dataclass(frozen=True)

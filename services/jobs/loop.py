@@ -52,6 +52,7 @@ class Send:
     job_stream: bool = False  # one command on the job's stream (a Slurm job's, wire.job_commands_key), not the nodes'
     node_rank: int | None = None  # the node's place in the job where it is not its place in ``nodes`` (Slurm's order)
     probe: bool = False  # a fabric probe (services/fabric/loop.py): wire.JobCommand.probe
+    gpus: tuple[int, ...] = ()  # a GPU reset's GPU (services/health/gpu_reset.py): wire.JobCommand.gpus
 
 
 def hostport(addr: str, port: int) -> str:
@@ -139,7 +140,7 @@ class JobReconciler(Tick):
                 continue
             cmd = wire.JobCommand(
                 v=wire.PROTOCOL_VERSION,
-                kind=cast(Literal["launch", "stop", "checkpoint"], kind),
+                kind=cast(Literal["launch", "stop", "checkpoint", "reset"], kind),
                 job=job_id,
                 request=send.request,
                 node_rank=rank if send.node_rank is None else send.node_rank,
@@ -147,7 +148,7 @@ class JobReconciler(Tick):
                 gpus_per_node=spec["gpus_per_node"],
                 master_addr=send.addr,
                 master_port=send.port,
-                gpus=self._gpus(node, spec["gpus_per_node"]) if kind == "launch" else [],
+                gpus=list(send.gpus) or (self._gpus(node, spec["gpus_per_node"]) if kind == "launch" else []),
                 argv=list(spec["entrypoint"]),
                 env={**spec.get("env", {}), **ds_env(spec), **({"PULSE_REJOIN": "1"} if send.rejoin else {})},
                 grace_s=self.settings.job_stop_grace_s,

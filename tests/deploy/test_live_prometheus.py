@@ -236,6 +236,7 @@ EXPECTED_FIRING = frozenset(
         ("NodeDegraded", "sim-001", ""),  # the PSU imbalance is a hard fault
         ("NodeDegraded", "sim-002", ""),  # silent for longer than degraded_after
         ("GPUXidError", "sim-001", "0"),  # XID 48
+        ("GPUDegraded", "sim-001", "0"),  # the same XID, a fault of GPU 0's own
         # PS2's half of the board at 700 W against 749 W: the upper-quartile baseline.
         *{("GPUPowerBelowPeers", "sim-001", str(gpu)) for gpu in range(4, 8)},
     }

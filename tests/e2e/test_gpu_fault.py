@@ -7,7 +7,8 @@ Node A's agent is restarted with ``--fault xid79:2@0`` (XID 79 on GPU 2; the ran
 children, train on and it re-attaches): only rank 2 is carried, by rank 3 on the same node, and
 the plan is in force on all eight ranks; node A's other ranks stay participants. Then with
 ``--fault gpu_lost:2@0``: rank 2 is excluded, the other seven train on, and the job SUCCEEDS with
-one model on them. That a carried rank changes no parameter is tests/integration/
+one model on them. An operator's reset of a GPU a running rank drives is refused (409); after
+the job, the lost GPU's reset brings it back and its node is HEALTHY again. That a carried rank changes no parameter is tests/integration/
 test_any_script_exact.py's and test_deepspeed_reroute.py's (a carrier on the same node is a
 carrier like any other); that Slurm is not asked to drain such a node, tests/unit/
 test_slurm_decision.py's."""
@@ -86,6 +87,10 @@ def test_one_bad_gpu_carries_its_rank_alone_and_a_lost_one_excludes_it(redis_url
             (0, "HEALTHY"), (1, "HEALTHY"), (2, "DEGRADED"), (3, "HEALTHY"),
         ]  # fmt: skip
         assert s.metric(f'pulse_gpu_state{{node="{A}",gpu="2",state="DEGRADED"}}') == 1.0
+        # a GPU a running rank drives is not reset: the bad one (rank 2, carried) nor a good one
+        for gpu, rank in ((2, 2), (1, 1)):
+            refused = s.post(f"/v1/nodes/{A}/gpus/{gpu}/reset", {})
+            assert refused.status_code == 409 and f"job {job} rank {rank}" in refused.text, refused.text
         carried = int(str(plan["generation"]))
         wait_for(lambda: len(first_step_with(REDIS_URL, job, carried)) == 8, timeout=60, what="the plan on 8 ranks")
         switched = first_step_with(REDIS_URL, job, carried)
@@ -104,11 +109,19 @@ def test_one_bad_gpu_carries_its_rank_alone_and_a_lost_one_excludes_it(redis_url
         done = rank_outcomes(out, [0, 1, 3, 4, 5, 6, 7])
         assert {d["steps"] for d in done.values()} == {STEPS}, done
         assert len({d["digest"] for d in done.values()}) == 1, done  # one model on the seven
-        gpu_events = [e["reason"] for e in s.events(node=A) if e["kind"] == "gpu_health"]
-        assert gpu_events[:2] == [
+        # the job over, the operator resets the lost GPU: it is back, and so is the node
+        r = s.post(f"/v1/nodes/{A}/gpus/2/reset", {})
+        assert r.status_code == 202 and r.json()["gpu"] == 2, r.text
+        wait_for(lambda: s.nodes()[A]["state"] == "HEALTHY", timeout=30, what=f"{A} HEALTHY after the reset")
+        assert all(g["state"] == "HEALTHY" for g in s.get(f"/v1/nodes/{A}")["gpus"])
+        gpu_events = [(e["kind"], e["reason"], e["actor"]) for e in s.events(node=A) if e["kind"].startswith("gpu_")]
+        moves = [why for k, why, _ in gpu_events if k == "gpu_health"]
+        assert moves[:2] == [
             "GPU 2: HEALTHY -> DEGRADED: GPU 2 fatal XID 79",
             "GPU 2: DEGRADED -> LOST: GPU 2 lost (GPU is lost)",
-        ], gpu_events
+        ] and moves[2].startswith("GPU 2: LOST -> HEALTHY: nothing wrong in"), gpu_events
+        [asked] = [(why, actor) for k, why, actor in gpu_events if k == "gpu_reset"]
+        assert asked[0].startswith("GPU 2 reset asked for by ") and asked[1] != "orchestrator", asked
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{s.logs()}") from None
     finally:

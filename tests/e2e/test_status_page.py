@@ -243,6 +243,8 @@ def test_status_page_signs_in_shows_the_grid_a_psu_fault_and_its_carrier(
     )
     assert not browser.find_element(By.ID, "overview").is_displayed()
     assert _stable(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#node-page [data-gpu]"))) == 4
+    states = {e.get_attribute("data-state") for e in browser.find_elements(By.CSS_SELECTOR, "#node-page [data-gpu]")}
+    assert states == {"HEALTHY"}, states  # the PSU fault is the node's: no GPU has one of its own
     history = _stable(
         lambda: [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#node-history [data-transition]")]
     )

@@ -214,8 +214,8 @@ def test_every_operation_conforms_and_never_fails(api: Api, mode: str, caller: s
 
 
 def test_named_things_that_exist(api: Api) -> None:
-    """Cordon/uncordon, job read/plan/stop/checkpoint, a fabric check and token revoke on names
-    that exist, as admin."""
+    """Cordon/uncordon, a GPU reset, job read/plan/stop/checkpoint, a fabric check and token revoke
+    on names that exist, as admin."""
     ran = {}
     for result in api.schema.get_all_operations():
         op = result.ok()
@@ -228,4 +228,4 @@ def test_named_things_that_exist(api: Api) -> None:
         ran[f"{op.method.upper()} {op.path}"] = _fuzz(
             op, mode="positive", headers=AUTH, examples=EXAMPLES // 2, path_parameters=existing
         )
-    assert len(ran) == 9 and all(ran.values()), ran
+    assert len(ran) == 10 and all(ran.values()), ran

@@ -7,15 +7,24 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, HTTPException, Query, Response, status
+from fastapi import APIRouter, Body, HTTPException, Path, Query, Response, status
 
 from clusterpulse.states import NodeState
 from services.api import bodies
 from services.api.bodies import Fields
 from services.api.deps import BodiesDep, Operator, OrchestratorDep, Viewer
 from services.api.routes.common import bad_query
-from services.api.schemas import CordonPublic, CordonRequest, NodePublic, NodesPublic, NodesSummaryPublic
+from services.api.schemas import (
+    CordonPublic,
+    CordonRequest,
+    ErrorPublic,
+    GpuResetPublic,
+    NodePublic,
+    NodesPublic,
+    NodesSummaryPublic,
+)
 from services.cluster import NodeView
+from services.operator import GpuResetRefused
 from services.orchestrator import Orchestrator
 from services.slurm.nodes.loop import SlurmSync
 
@@ -108,3 +117,25 @@ async def uncordon(
     body: Annotated[CordonRequest | None, Body()] = None,
 ) -> CordonPublic:
     return await _cordon(name, orch, caller.name, body, False)
+
+
+@router.post(
+    "/v1/nodes/{name}/gpus/{index}/reset",
+    response_model=GpuResetPublic,
+    status_code=202,
+    responses={404: {"model": ErrorPublic}, 409: {"model": ErrorPublic}},
+)
+async def reset_gpu(
+    name: str, index: Annotated[int, Path(ge=0, le=1023)], orch: OrchestratorDep, caller: Operator
+) -> GpuResetPublic:
+    """Reset one GPU (``nvidia-smi --gpu-reset`` on the node, ``PULSE_GPU_RESET_COMMAND``), through
+    the node's agent. Refused (409) while a rank of a running job may drive it, or for a GPU the
+    node does not report. 202: asked for; a ``gpu_reset`` event names who asked, and the GPU's
+    next heartbeats say whether it helped (docs/design/health.md, GPUs)."""
+    try:
+        request = await orch.reset_gpu(name, index, actor=caller.name)
+    except KeyError:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"node {name!r} is not known") from None
+    except GpuResetRefused as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from None
+    return GpuResetPublic(node=name, gpu=index, request=request, requested_by=caller.name)

@@ -256,12 +256,13 @@ function nodeAsked() {
 
 function gpuRows(n) {
   const num = (x, digits, unit) => (x === null || x === undefined ? "-" : `${fmt(x, digits)} ${unit}`);
-  const titles = ["GPU", "temperature", "power / limit", "PCIe", "NVLink up", "throttle", "recent XIDs", ""];
+  const titles = ["GPU", "state", "temperature", "power / limit", "PCIe", "NVLink up", "throttle", "recent XIDs", ""];
   const rows = n.gpus.map((g) =>
     el(
       "tr",
-      { "data-gpu": g.index },
+      { "data-gpu": g.index, "data-state": g.state || "HEALTHY", title: g.reason || "" },
       el("td", {}, g.index),
+      el("td", { class: `state-${g.state || "HEALTHY"}` }, (g.state || "HEALTHY") + (g.reset_due ? " (reset due)" : "")),
       el("td", {}, num(g.temperature_celsius, 0, "°C")),
       el("td", {}, `${num(g.power_watts, 0, "W")} / ${num(g.power_limit_watts, 0, "W")}`),
       el("td", {}, g.pcie_link_width ? `x${g.pcie_link_width}/x${g.pcie_link_width_max ?? "?"}` : "-"),

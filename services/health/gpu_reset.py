@@ -1,0 +1,67 @@
+"""GPU resets: which GPUs are due for one, and whether an operator's may go ahead. Pure.
+
+A GPU that stays DEGRADED or LOST by a fault of its own for ``PULSE_GPU_RESET_AFTER_S`` is
+reported for a reset, once (:func:`due`): a ``gpu_reset_due`` event, and ``reset_due`` on the GPU
+in ``GET /v1/nodes/{name}``. The reset itself is an operator's action, ``POST
+/v1/nodes/{name}/gpus/{index}/reset``, audited, and refused while a rank of a running job drives
+the GPU (:func:`refusal`): a reset takes the device from under the process that has it open. The
+node's agent runs it (``agent/gpu_reset.py``); the GPU's next heartbeats say whether it helped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
+
+from services.health.decide import GpuHealth
+
+
+def due(gpus: Sequence[GpuHealth], *, now: float, after_s: float) -> list[GpuHealth]:
+    """The GPUs bad for ``after_s`` or more that were not reported yet, marked reported."""
+    return [replace(g, reset_due=True) for g in gpus if not g.reset_due and now - g.since >= after_s]
+
+
+def due_reason(g: GpuHealth, *, now: float) -> str:
+    return (
+        f"GPU {g.index}: {g.state} for {now - g.since:.0f}s ({g.reason}); due for a reset "
+        f"(POST /v1/nodes/{{name}}/gpus/{g.index}/reset once nothing runs on it)"
+    )
+
+
+def running_on(
+    node: str,
+    index: int,
+    ranks: Mapping[str, Sequence[tuple[int, str, int | None]]],
+    gone: Mapping[str, Collection[int]],
+) -> tuple[list[str], list[str]]:
+    """(the ranks driving GPU ``index`` of ``node``, as "job J rank R"; the jobs with a rank on the
+    node that did not say its GPU) among the running jobs' ranks (rank, node, GPU), leaving out
+    the ranks each job's plan excluded (``gone``: they left)."""
+    on: list[str] = []
+    unknown: list[str] = []
+    for job, rs in sorted(ranks.items()):
+        for rank, where, gpu in sorted(rs):
+            if where != node or rank in gone.get(job, ()):
+                continue
+            if gpu is None:
+                unknown.append(job)
+            elif gpu == index:
+                on.append(f"job {job} rank {rank}")
+    return on, sorted(set(unknown))
+
+
+def refusal(
+    node: str, index: int, *, present: Collection[int], on: Sequence[str], unknown: Sequence[str]
+) -> str | None:
+    """Why GPU ``index`` of ``node`` may not be reset now; None when it may."""
+    if index not in present:
+        have = ", ".join(map(str, sorted(present))) or "none reported"
+        return f"node {node} has no GPU {index} (its GPUs: {have})"
+    if on:
+        return f"GPU {index} of {node} runs {', '.join(on)}: a reset would take it from under the rank"
+    if unknown:
+        return (
+            f"{', '.join(f'job {j}' for j in unknown)} runs on {node} and its ranks there did not say their GPUs: "
+            f"GPU {index} may be one of them"
+        )
+    return None

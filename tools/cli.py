@@ -86,6 +86,12 @@ def cmd_bench_nics(args: argparse.Namespace) -> int:
     return run_bench_nics(args)
 
 
+def cmd_bench_gpu_plans(args: argparse.Namespace) -> int:
+    from tools.bench_gpu_plans import main
+
+    return main(args)
+
+
 def cmd_bench_reads(args: argparse.Namespace) -> int:
     from tools.bench_reads import run_bench_reads
 
@@ -192,9 +198,10 @@ def _daemon_commands(sub: Subparsers) -> None:
 
 def _api_commands(sub: Subparsers) -> None:
     """On call, over the REST API: nodes, slurm, events, jobs, plan, tokens, agent credentials."""
-    n = sub.add_parser("nodes", help="list, show, cordon, uncordon nodes")
-    n.add_argument("action", choices=("list", "show", "cordon", "uncordon"))
+    n = sub.add_parser("nodes", help="list, show, cordon, uncordon nodes; reset a GPU")
+    n.add_argument("action", choices=("list", "show", "cordon", "uncordon", "reset-gpu"))
     n.add_argument("name", nargs="?")
+    n.add_argument("gpu", nargs="?", type=int, help="reset-gpu: the GPU's index")
     n.add_argument("--state")
     n.add_argument("--reason", default="")
     n.add_argument("--json", action="store_true")
@@ -404,6 +411,20 @@ def _bench_commands(sub: Subparsers) -> None:
     bs.set_defaults(fn=cmd_bench)
     _goodput_command(bsub)
     _recovery_command(bsub)
+    bg = bsub.add_parser(
+        "gpu-plans",
+        help="a DDP step with one bad GPU: its rank carried alone (per GPU) against its node's (per node)",
+        description="gloo ranks on this CPU, the two plans in turn; prints one JSON object (tools/bench_gpu_plans.py).",
+    )
+    bg.add_argument("--world-size", type=int, default=8)
+    bg.add_argument("--gpus-per-node", type=int, default=4)
+    bg.add_argument("--bad", type=int, default=2, help="the rank on the bad GPU (2)")
+    bg.add_argument("--rounds", type=int, default=2, help="runs of each plan, in turn (2)")
+    bg.add_argument("--repeats", type=int, default=8, help="timed DDP steps a run (8)")
+    bg.add_argument("--hidden", type=int, default=1024)
+    bg.add_argument("--layers", type=int, default=4)
+    bg.add_argument("--json", action="store_true")
+    bg.set_defaults(fn=cmd_bench_gpu_plans)
 
 
 def _reads_command(bsub: Subparsers) -> None:

@@ -89,6 +89,13 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         else:
             print(format_node(node))
         return 0
+    if args.action == "reset-gpu":
+        if args.gpu is None:
+            raise SystemExit("pulse nodes reset-gpu: NAME and the GPU's INDEX are required")
+        asked = _call("POST", f"/v1/nodes/{args.name}/gpus/{args.gpu}/reset", json={})
+        print(json.dumps(asked, indent=2) if args.json else f"GPU {args.gpu} of {args.name}: reset asked for "
+              f"(request {asked['request']}); `pulse nodes show {args.name}` tells whether it helped")  # fmt: skip
+        return 0
     body = {"reason": args.reason} if args.reason else None
     out = _call("POST", f"/v1/nodes/{args.name}/{args.action}", json=body)
     if args.json:

@@ -8,7 +8,7 @@ children, train on and it re-attaches): only rank 2 is carried, by rank 3 on the
 the plan is in force on all eight ranks; node A's other ranks stay participants. Then with
 ``--fault gpu_lost:2@0``: rank 2 is excluded, the other seven train on, and the job SUCCEEDS with
 one model on them. An operator's reset of a GPU a running rank drives is refused (409); after
-the job, the lost GPU's reset brings it back and its node is HEALTHY again. That a carried rank changes no parameter is tests/integration/
+the job, the lost GPU's reset (``pulse nodes reset-gpu``) brings it back and its node is HEALTHY again. That a carried rank changes no parameter is tests/integration/
 test_any_script_exact.py's and test_deepspeed_reroute.py's (a carrier on the same node is a
 carrier like any other); that Slurm is not asked to drain such a node, tests/unit/
 test_slurm_decision.py's."""
@@ -16,12 +16,13 @@ test_slurm_decision.py's."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.stack import Stack, first_step_with, latest_step, rank_outcomes, registrations
-from tests.support import REDIS_URL, REPO, wait_for
+from tests.stack import TOKEN, Stack, first_step_with, latest_step, rank_outcomes, registrations
+from tests.support import PULSE, REDIS_URL, REPO, pulse_env, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -110,8 +111,10 @@ def test_one_bad_gpu_carries_its_rank_alone_and_a_lost_one_excludes_it(redis_url
         assert {d["steps"] for d in done.values()} == {STEPS}, done
         assert len({d["digest"] for d in done.values()}) == 1, done  # one model on the seven
         # the job over, the operator resets the lost GPU: it is back, and so is the node
-        r = s.post(f"/v1/nodes/{A}/gpus/2/reset", {})
-        assert r.status_code == 202 and r.json()["gpu"] == 2, r.text
+        env = pulse_env(PULSE_API_URL=s.api, PULSE_API_TOKEN=TOKEN)
+        cli = [*PULSE, "nodes", "reset-gpu", A, "2"]
+        asked = subprocess.run(cli, check=False, env=env, capture_output=True, text=True, cwd=REPO)
+        assert asked.returncode == 0 and f"GPU 2 of {A}: reset asked for" in asked.stdout, asked.stdout + asked.stderr
         wait_for(lambda: s.nodes()[A]["state"] == "HEALTHY", timeout=30, what=f"{A} HEALTHY after the reset")
         assert all(g["state"] == "HEALTHY" for g in s.get(f"/v1/nodes/{A}")["gpus"])
         gpu_events = [(e["kind"], e["reason"], e["actor"]) for e in s.events(node=A) if e["kind"].startswith("gpu_")]

@@ -230,15 +230,25 @@ def read(hb: Heartbeat, *, policy: Policy) -> Reading:
     return Reading(tuple(faults), tuple(warnings), throttled, tcp, port_rates, tuple(mine), tuple(lost))
 
 
+NODE_THROTTLE = "power_brake"  # asserted by the BMC for the whole board: the node's, not one GPU's
+
+
 def signals(reading: Reading, *, throttle_for: float, policy: Policy) -> Signals:
-    """A reading finished: throttling is a fault once it has lasted ``throttle_sustain``."""
+    """A reading finished: throttling is a fault once it has lasted ``throttle_sustain``: of each
+    GPU that throttles for heat or a hardware slowdown of its own, or of the node where the BMC's
+    power brake is among the reasons."""
     gpus = reading.gpu_faults, reading.gpus_lost
     if not reading.throttled:
         return Signals(reading.faults, reading.warnings, *gpus)
-    if throttle_for >= policy.throttle_sustain:
+    if throttle_for < policy.throttle_sustain:
+        return Signals(reading.faults, (*reading.warnings, f"throttling: {', '.join(reading.throttled)}"), *gpus)
+    if any(t.endswith(f" {NODE_THROTTLE}") for t in reading.throttled):
         text = f"throttling for {throttle_for:.0f}s: {', '.join(reading.throttled)}"
         return Signals((*reading.faults, text), reading.warnings, *gpus)
-    return Signals(reading.faults, (*reading.warnings, f"throttling: {', '.join(reading.throttled)}"), *gpus)
+    # each entry is "GPU i reason" (_throttled)
+    mine = tuple((int(t.split(" ", 2)[1]), f"{t} throttling for {throttle_for:.0f}s") for t in reading.throttled)
+    faults = (*reading.faults, *(text for _, text in mine))
+    return Signals(faults, reading.warnings, (*reading.gpu_faults, *mine), reading.gpus_lost)
 
 
 def assess(hb: Heartbeat, *, throttle_for: float, policy: Policy) -> Signals:
@@ -432,9 +442,9 @@ def apply_gpu(node: NodeHealth, t: GpuTransition) -> NodeHealth:
 
 def own_state(node: NodeHealth, *, now: float, grace_start: float, partitioned: bool, policy: Policy) -> NodeState:
     """The node's state leaving its GPUs' own faults aside: what its other GPUs' ranks go by.
-    Silence, the power supplies, the ports and sustained throttling are the node's; never better
-    than the state the node shows is worse than it (a node recovering from a fault of its own
-    keeps its hysteresis). Only asked while ``gpus`` holds a GPU."""
+    Silence, the power supplies, the ports and the power brake are the node's. Never worse than
+    the state the node shows, and without hysteresis of its own (docs/design/health.md, GPUs).
+    Only asked while ``gpus`` holds a GPU."""
     gpu_texts = {text for _, text in node.signals.gpu_faults}
     own_faults = tuple(f for f in node.signals.faults if f not in gpu_texts)
     bare = replace(node, signals=Signals(own_faults, node.signals.warnings))

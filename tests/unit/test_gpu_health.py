@@ -256,3 +256,19 @@ def test_a_node_at_fault_itself_takes_no_job_and_a_clean_node_launches_as_ever()
     _, view = _node_with_bad_gpu()
     view.health = replace(view.health, own=D)  # a power supply of its own beside the bad GPU
     assert _capacity("g0", view, used=0, agents=True).state == "DEGRADED"
+
+
+def test_one_gpu_throttling_for_heat_is_that_gpus_fault_and_a_power_brake_the_nodes() -> None:
+    hot = board(gpu(1, throttle=("thermal",)))
+    node, t = NodeHealth(name="n1"), 0.0
+    while t <= P.throttle_sustain:
+        node, _ = beat(node, hot, t)
+        t += 1.0
+    assert [(g.index, g.state) for g in node.gpus] == [(1, D)] and "GPU 1 thermal throttling for" in node.gpus[0].reason
+    assert node.state is D and node.own is H  # the node shows it; its other GPUs' ranks train on
+    braked = board(*(gpu(i, throttle=("power_brake",)) for i in range(8)))
+    node, t = NodeHealth(name="n2"), 0.0
+    while t <= P.throttle_sustain:
+        node, _ = beat(node, braked, t)
+        t += 1.0
+    assert node.state is D and node.gpus == () and "throttling for" in node.reason  # the BMC's: the node's

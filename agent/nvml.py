@@ -155,6 +155,7 @@ class _FieldReader:
         width_max = self._cached(gpu, "width_max", errors, "nvmlDeviceGetMaxPcieLinkWidth")
         gen_max = self._cached(gpu, "gen_max", errors, "nvmlDeviceGetMaxPcieLinkGeneration")
         nvlink_up, nvlink_total = self._nvlink(gpu, errors)
+        recovery = self._recovery(gpu, errors)
         self.labels(gpu, errors)  # cached: a dict lookup unless they failed at attach
         temperature = None if temp is None else self._in_range(errors, "temperature", float(temp), -50.0, 200.0)
         return {
@@ -174,6 +175,7 @@ class _FieldReader:
             "pcie_link_width_max": width_max,
             "pcie_link_gen": gen,
             "pcie_link_gen_max": gen_max,
+            "recovery_action": recovery,
             "nvlink_up": nvlink_up,
             "nvlink_total": nvlink_total,
         }
@@ -202,6 +204,24 @@ class _FieldReader:
         if isinstance(err, (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound)):
             return
         raise _FieldError(f"{fn}: {err}") from err
+
+    def _recovery(self, gpu: _Gpu, errors: list[str]) -> int | None:
+        """The driver's recovery action for the GPU (``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``, R550
+        drivers and later: 0 none, 1 GPU reset, 2 node reboot, ...); None where it reports none.
+        A driver or pynvml that does not know the field says so for good: asked once."""
+        nvml = self.nvml
+        fid = getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
+        if fid is None or gpu.cache.get("recovery") is False:
+            return None
+        try:
+            values = self._call(gpu, "nvmlDeviceGetFieldValues", [fid])
+        except _FieldError as err:
+            errors.append(str(err))
+            return None
+        if not values or int(values[0].nvmlReturn) != nvml.NVML_SUCCESS:
+            gpu.cache["recovery"] = False
+            return None
+        return int(values[0].value.uiVal)
 
     def _cached(self, gpu: _Gpu, key: str, errors: list[str], fn: str) -> Any:
         """A field read once: cached on success or 'not supported', read again after an error."""

@@ -11,9 +11,8 @@ carries the whole cluster's traffic, and the ingest processes' observations of a
 (``pulse:{hb:K}:observations``). On a Cluster the leader's fenced writes compare with a fence key
 of their own slot (:func:`fence_key`); what runs on which slot: docs/design/redis-cluster.md.
 
-Time: ``Heartbeat.sent_at`` is the agent's wall clock and is used only to *report* clock skew.
-Health uses the Redis server time of the stream entry (its id), never the agent's clock.
-"""
+Time: ``Heartbeat.sent_at`` is the agent's wall clock, used only to *report* clock skew; health
+uses the Redis server time of the stream entry (its id), never the agent's clock."""
 
 from __future__ import annotations
 
@@ -87,6 +86,7 @@ class GpuSample(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     pcie_link_gen_max: NonNegInt | None = None
     nvlink_up: NonNegInt | None = None
     nvlink_total: NonNegInt | None = None
+    recovery_action: NonNegInt | None = None  # the driver's (NVML's); 0: none; None: not reported
 
 
 class PsuSample(msgspec.Struct, kw_only=True, frozen=True, gc=False):

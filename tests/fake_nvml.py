@@ -80,6 +80,7 @@ class FakeGpu:
     pcie_link_gen: int = 5
     pcie_link_gen_max: int = 5
     nvlink_links: int = 18  # 0: no NVLink (NOT_SUPPORTED); links >= this: INVALID_ARGUMENT
+    recovery_action: int | None = 0  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION; None: a pre-R550 driver
     nvlink_down: set[int] = field(default_factory=set)
     events_supported: bool = True
     lost: bool = False  # every call on this GPU raises GPU_IS_LOST, getting the handle included
@@ -115,6 +116,7 @@ class _PynvmlNames:
     NVML_VOLATILE_ECC = pynvml.NVML_VOLATILE_ECC
     NVML_AGGREGATE_ECC = pynvml.NVML_AGGREGATE_ECC
     NVML_NVLINK_MAX_LINKS = pynvml.NVML_NVLINK_MAX_LINKS
+    NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
 
     NVML_ERROR_UNINITIALIZED = pynvml.NVML_ERROR_UNINITIALIZED
     NVML_ERROR_INVALID_ARGUMENT = pynvml.NVML_ERROR_INVALID_ARGUMENT
@@ -481,6 +483,21 @@ class FakeNvml(_PynvmlNames, _FakeDevices):
             if (errorType, counterType) not in counters:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             return counters[(errorType, counterType)]
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
+        """As pynvml's: an array of ``c_nvmlFieldValue_t``, each with its own ``nvmlReturn``; this
+        fake knows the recovery action alone (NOT_SUPPORTED for any other field, and for it on a
+        GPU whose driver predates it)."""
+        with self._cond:
+            gpu = self._gpu("nvmlDeviceGetFieldValues", handle)[1]
+            out = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+            for i, fid in enumerate(fieldIds):
+                out[i].fieldId = fid
+                known = fid == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION and gpu.recovery_action is not None
+                out[i].nvmlReturn = pynvml.NVML_SUCCESS if known else pynvml.NVML_ERROR_NOT_SUPPORTED
+                out[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                out[i].value.uiVal = gpu.recovery_action or 0
+            return out
 
     def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
         with self._cond:

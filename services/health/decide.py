@@ -194,6 +194,7 @@ def read(hb: Heartbeat, *, policy: Policy) -> Reading:
     """Hard faults and warnings in one heartbeat, and what it throttles for. The faults of one
     GPU come first, each also in ``gpu_faults`` with its index; the node's own follow."""
     mine: list[tuple[int, str]] = []  # the GPUs' own faults
+    board: list[str] = []  # what a GPU's driver says of the whole node
     lost: list[int] = []
     warnings: list[str] = []
     for g in hb.gpus:
@@ -216,7 +217,14 @@ def read(hb: Heartbeat, *, policy: Policy) -> Reading:
             mine.append((g.index, f"GPU {g.index} PCIe link x{g.pcie_link_width} of x{g.pcie_link_width_max}"))
         if g.temperature_celsius is not None and g.temperature_celsius >= policy.temperature_warn:
             warnings.append(f"GPU {g.index} at {g.temperature_celsius:.0f} C")
-    faults = [text for _, text in mine]
+        if g.recovery_action:
+            whose, what = RECOVERY_ACTIONS.get(g.recovery_action, ("node", f"recovery action {g.recovery_action}"))
+            text = f"GPU {g.index}: the driver asks for {what} (NVML recovery action {g.recovery_action})"
+            if whose == "gpu":
+                mine.append((g.index, text))
+            else:
+                board.append(text)
+    faults = [*(text for _, text in mine), *board]
     _assess_power(hb, policy, faults, warnings)
     tcp: tuple[str, ...] = ()
     port_rates: tuple[tuple[str, str, float], ...] = ()
@@ -230,6 +238,18 @@ def read(hb: Heartbeat, *, policy: Policy) -> Reading:
     return Reading(tuple(faults), tuple(warnings), throttled, tcp, port_rates, tuple(mine), tuple(lost))
 
 
+# NVML's recovery actions (nvmlDeviceGetFieldValues, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION): whose
+# fault each is, and what it asks for. A reset of the GPU or its bus is the GPU's; a reboot or the
+# NVLink fabric's IMEX domain is the node's. 0 (none) is no fault.
+RECOVERY_ACTIONS = {
+    1: ("gpu", "a GPU reset"),
+    2: ("node", "a node reboot"),
+    3: ("gpu", "draining its peer-to-peer traffic"),
+    4: ("gpu", "a drain and a GPU reset"),
+    5: ("node", "recovering the IMEX domain"),
+    6: ("gpu", "a bus reset"),
+    7: ("node", "a system reboot"),
+}
 NODE_THROTTLE = "power_brake"  # asserted by the BMC for the whole board: the node's, not one GPU's
 
 

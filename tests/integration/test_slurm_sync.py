@@ -258,3 +258,25 @@ def test_a_port_whose_link_went_down_drains_its_node_with_the_port_in_the_reason
         assert reason.startswith("clusterpulse: DEGRADED: ") and "mlx5_5 port 1: link_downed +1" in reason, reason
         node = stack.get("/v1/nodes/sn-007")
         assert node["state"] == "DEGRADED" and "mlx5_5 port 1: link_downed +1" in node["reason"]
+
+
+def test_one_bad_gpu_does_not_drain_its_node_and_a_second_one_does(slurm: SlurmCluster, start: Start) -> None:
+    """Issue 35: XID 79 on GPU 1 of sn-003 makes it DEGRADED (its GPU 1's rank alone is carried)
+    and Slurm is not asked to drain it, the sync saying why; uncorrectable ECC on its GPU 0 too
+    makes two bad GPUs, PULSE_SLURM_DRAIN_MIN_BAD_GPUS=2: drained, both named."""
+    stack = start(8, "sn-003=xid79:1@6", "sn-003=ecc:0@12")
+    with diagnosed(stack, slurm):
+        stack.wait_healthy(NODES, timeout=30)
+        wait_for(lambda: stack.nodes()["sn-003"]["state"] == "DEGRADED", timeout=20, what="sn-003 DEGRADED")
+        assert "GPU 1 fatal XID 79" in stack.nodes()["sn-003"]["reason"]
+        wait_for(
+            lambda: "not drained for 1 bad GPU(s) of its own" in (stack.tmp / "orch.log").read_text(errors="replace"),
+            timeout=10,
+            what="the sync saying why it did not drain sn-003",
+        )
+        assert "sn-003" not in drained(slurm) and slurm_events(stack, "sn-003") == []
+        wait_for(lambda: "sn-003" in drained(slurm), timeout=20, what="sn-003 drained for its second bad GPU")
+        reason = drained(slurm)["sn-003"]
+        assert reason.startswith("clusterpulse: DEGRADED: ") and "GPU 1 fatal XID 79" in reason, reason
+        gpus = {g["index"]: g["state"] for g in stack.get("/v1/nodes/sn-003")["gpus"]}
+        assert gpus == {0: "DEGRADED", 1: "DEGRADED"}, gpus

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from agent.daemon import NodeAgent
 from agent.launcher import rank_env
+from agent.nvml import NvmlSource
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
 from clusterpulse.states import NodeState
@@ -27,10 +28,12 @@ from services.health.decide import (
     own_state,
     rank_state,
     rank_states,
+    read,
 )
 from services.jobs.placement import Placement, PlacementRefusal, PlacementRequest, node_gpus, place
 from services.operator import _capacity
 from services.plans.decide import PlannerPolicy, PlanRefusal, RankInfo, plan
+from tests.fake_nvml import FakeGpu, FakeNvml
 from tests.unit.test_health import P, gpu, hb, psu
 from trainer.rank_gpu import rank_gpu
 
@@ -272,3 +275,25 @@ def test_one_gpu_throttling_for_heat_is_that_gpus_fault_and_a_power_brake_the_no
         node, _ = beat(node, braked, t)
         t += 1.0
     assert node.state is D and node.gpus == () and "throttling for" in node.reason  # the BMC's: the node's
+
+
+def test_the_drivers_recovery_action_through_nvml_is_the_gpus_or_the_nodes() -> None:
+    """NVML's recovery action (R550 drivers: NVML_FI_DEV_GET_GPU_RECOVERY_ACTION), read by the
+    agent's NVML source from a fake NVML at the hardware boundary: a GPU reset asked for is that
+    GPU's fault; a node reboot is the node's; a driver that predates it is asked once."""
+    fake = FakeNvml([FakeGpu(), FakeGpu(recovery_action=1), FakeGpu(recovery_action=None), FakeGpu()])
+    src = NvmlSource(nvml=fake)
+    src.open()
+    try:
+        samples = src.sample()
+        assert [g.recovery_action for g in samples] == [0, 1, None, 0]
+        reading = read(hb(samples), policy=P)
+        assert reading.gpu_faults == ((1, "GPU 1: the driver asks for a GPU reset (NVML recovery action 1)"),)
+        src.sample()
+        assert fake.calls["nvmlDeviceGetFieldValues"] == 2 * 3 + 1  # GPU 2's driver: asked once
+        fake.set(3, recovery_action=2)
+        reading = read(hb(src.sample()), policy=P)
+        assert "GPU 3: the driver asks for a node reboot (NVML recovery action 2)" in reading.faults
+        assert [i for i, _ in reading.gpu_faults] == [1]  # the reboot is the node's: all its ranks go by it
+    finally:
+        src.close()

@@ -117,6 +117,7 @@ def test_every_field_mapped_with_units(fake: FakeNvml, source: NvmlSource) -> No
         pcie_link_gen_max=5,
         nvlink_up=16,
         nvlink_total=18,
+        recovery_action=0,  # an R550+ driver: nothing to recover
     )
     assert g.uuid.startswith("GPU-")
 

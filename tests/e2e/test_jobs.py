@@ -41,7 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.orchestrator()
     s.agent("job-a")
     s.agent("job-b")
-    s.agent("job-bad", "--fault", "pcie_x8@0")
+    s.agent("job-bad", "--fault", "psu_imbalance@0")  # the node's own fault (one bad GPU would leave it the rest)
     try:
         wait_for(
             lambda: (

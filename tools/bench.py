@@ -137,6 +137,7 @@ async def _detection(args: argparse.Namespace, url: str, workdir: Path) -> dict[
         1 for n, v in cluster.nodes.items() if n not in latencies and v.health.state.value in ("DEGRADED", "LOST")
     )
     await orch.stop()
+    await client.flushdb()  # 16,384 nodes' heartbeat stream is GBs: left, it slows what runs next
     await client.aclose()
     engine.dispose()
     lat = sorted(latencies.values())

@@ -44,6 +44,15 @@ class NodeView:
     # serialised form on it); ``dirty`` is the persist loop's and is cleared there.
     generation: int = 0
 
+    def usable_gpus(self) -> list[int]:
+        """The GPUs a job may take, by index: in the newest heartbeat, not lost, and with no fault of
+        their own (``health.gpus``)."""
+        hb = self.latest
+        if hb is None:
+            return []
+        bad = {g.index for g in self.health.gpus}
+        return sorted(g.index for g in hb.gpus if not g.lost and g.index not in bad)
+
     def changed(self) -> None:
         """What the API shows of this node changed: its serialised form is built again."""
         self.generation += 1

@@ -259,14 +259,9 @@ class OperatorActions:
 
         async with self.writer.lock:
             jobs = await in_thread(read)
-            ranks = {j: [(r.rank, r.node, r.gpu) for r in plans.ranks.get(j, {}).values()] for j in jobs}
-            gone = {
-                j: set(plans.unreachable.get(j, ())) | set(p.excluded if (p := plans.plans.get(j)) else ())
-                for j in jobs
-            }
-            unregistered = [j for j in jobs if not any(node == name for _, node, _ in ranks[j])]
-            on, unknown = gpu_reset.running_on(name, index, ranks, gone)
-            why = gpu_reset.refusal(name, index, present=present, on=on, unknown=sorted({*unknown, *unregistered}))
+            ranks = {j: list(plans.ranks.get(j, {}).values()) for j in jobs}
+            on, unknown = gpu_reset.running_on(name, index, ranks, {j: plans.gone(j) for j in jobs})
+            why = gpu_reset.refusal(name, index, present=present, on=on, unknown=unknown)
             if why is not None:
                 raise GpuResetRefused(why)
             spec = {"gpus_per_node": 1, "entrypoint": []}
@@ -341,12 +336,11 @@ def _capacity(name: str, v: NodeView, *, used: int, agents: bool) -> NodeCapacit
     """What placement knows of a node: a node worse only through its GPUs' own faults by its own
     state, with its bad GPUs left out of its count and named (services/jobs/placement.py)."""
     h = v.health
-    bad = {g.index for g in h.gpus}
     return NodeCapacity(
         name=name,
         state=(h.own or h.state).value,
         schedulable=v.schedulable,
-        gpus=sum(1 for g in v.latest.gpus if not g.lost and g.index not in bad) if v.latest else 0,
+        gpus=len(v.usable_gpus()),
         gpus_used=used,
         labels=v.labels,
         blocked=_blocked(v, agents=agents),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from operator import attrgetter
@@ -481,15 +480,3 @@ def rank_state(node: NodeHealth, gpu: int | None) -> NodeState:
         if g.index == gpu:
             return g.state if SEVERITY[g.state] >= SEVERITY[node.own] else node.own
     return node.own
-
-
-def rank_states(ranks: Iterable[tuple[int, str, int | None]], nodes: Mapping[str, NodeHealth]) -> dict[int, NodeState]:
-    """rank -> the state it goes by (:func:`rank_state`), for the ranks (rank, node, GPU) of a
-    GPU-driving rank whose node holds a GPU at fault of its own; every other rank goes by its
-    node's state (the plan's ``rank_health``)."""
-    out: dict[int, NodeState] = {}
-    for rank, name, gpu in ranks:
-        node = nodes.get(name)
-        if node is not None and node.gpus and node.own is not None and gpu is not None:
-            out[rank] = rank_state(node, gpu)
-    return out

@@ -10,10 +10,11 @@ node's agent runs it (``agent/gpu_reset.py``); the GPU's next heartbeats say whe
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from services.health.decide import GpuHealth
+from services.plans.decide import RankInfo
 
 
 def due(gpus: Sequence[GpuHealth], *, now: float, after_s: float) -> list[GpuHealth]:
@@ -29,24 +30,25 @@ def due_reason(g: GpuHealth, *, now: float) -> str:
 
 
 def running_on(
-    node: str,
-    index: int,
-    ranks: Mapping[str, Sequence[tuple[int, str, int | None]]],
-    gone: Mapping[str, Collection[int]],
+    node: str, index: int, ranks: Mapping[str, Iterable[RankInfo]], gone: Mapping[str, Collection[int]]
 ) -> tuple[list[str], list[str]]:
-    """(the ranks driving GPU ``index`` of ``node``, as "job J rank R"; the jobs with a rank on the
-    node that did not say its GPU) among the running jobs' ranks (rank, node, GPU), leaving out
-    the ranks each job's plan excluded (``gone``: they left)."""
+    """(the ranks driving GPU ``index`` of ``node``, as "job J rank R"; the jobs whose ranks on the
+    node did not all say their GPU, or none registered there yet) among the ranks of the running
+    jobs placed on the node (``ranks``, by job), leaving out the ranks each job's plan excluded
+    (``gone``: they left)."""
     on: list[str] = []
     unknown: list[str] = []
     for job, rs in sorted(ranks.items()):
-        for rank, where, gpu in sorted(rs):
-            if where != node or rank in gone.get(job, ()):
+        here = sorted((r for r in rs if r.node == node), key=lambda r: r.rank)
+        if not here:
+            unknown.append(job)  # placed there, nothing registered yet: any GPU may be its
+        for r in here:
+            if r.rank in gone.get(job, ()):
                 continue
-            if gpu is None:
+            if r.gpu is None:
                 unknown.append(job)
-            elif gpu == index:
-                on.append(f"job {job} rank {rank}")
+            elif r.gpu == index:
+                on.append(f"job {job} rank {r.rank}")
     return on, sorted(set(unknown))
 
 

@@ -174,10 +174,9 @@ class JobReconciler(Tick):
         """The GPUs a launch on ``node`` hands its ranks: its good ones where it has a bad one
         (services/jobs/placement.py ``node_gpus``), else [] (GPU i for local rank i)."""
         view = self.shared.cluster.nodes.get(node) if self.shared.cluster is not None else None
-        if view is None or not view.health.gpus or view.latest is None:
+        if view is None:
             return []
-        present = [g.index for g in view.latest.gpus if not g.lost]
-        return node_gpus(present, {g.index for g in view.health.gpus}, count)
+        return node_gpus(view.usable_gpus(), count, any_bad=bool(view.health.gpus))
 
     def _reconcile_db(self, statuses: list[wire.JobStatus], now: float) -> list[Send]:
         sends: list[Send] = []

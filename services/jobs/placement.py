@@ -18,7 +18,7 @@ constraint that failed. Rules:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 TOPOLOGY_ORDER = ("nvlink_domain", "switch", "rack")
@@ -74,13 +74,11 @@ def _why_not(n: NodeCapacity, req: PlacementRequest) -> str | None:
     return None
 
 
-def node_gpus(present: Sequence[int], bad: Collection[int], count: int) -> list[int]:
-    """The GPUs (indices) a job's ``count`` local ranks drive on a node whose GPUs are ``present``:
-    [] while none of them is ``bad`` (local rank i drives GPU i, the launchers' default), else
-    the first ``count`` good ones in index order (``wire.JobCommand.gpus``)."""
-    if not bad:
-        return []
-    return [i for i in sorted(present) if i not in bad][:count]
+def node_gpus(usable: Sequence[int], count: int, *, any_bad: bool) -> list[int]:
+    """The GPUs (indices) a job's ``count`` local ranks drive on a node whose ``usable`` GPUs are
+    those: [] while none of its GPUs is bad (local rank i drives GPU i, the launchers' default),
+    else the first ``count`` usable ones in index order (``wire.JobCommand.gpus``)."""
+    return sorted(usable)[:count] if any_bad else []
 
 
 def eligible(nodes: Sequence[NodeCapacity], req: PlacementRequest) -> list[NodeCapacity]:

@@ -14,13 +14,13 @@ nodes no longer count. Why: docs/design/plans.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from clusterpulse import wire
 from clusterpulse.states import NodeState
 from services.cluster import Cluster
-from services.health.decide import rank_states
+from services.health.decide import NodeHealth, rank_state
 from services.plans.decide import PlannerPolicy, PlanRefusal, RankInfo, plan
 
 
@@ -77,11 +77,15 @@ class PlanKeeper:
         on_node = sorted(r for r, info in self.ranks.get(job, {}).items() if info.node == node)
         return [r for r in on_node if self.rank_unreachable(job, r)]
 
+    def gone(self, job: str) -> set[int]:
+        """The job's ranks that left it: excluded by its plan, or unreachable."""
+        plan = self.plans.get(job)
+        return self.unreachable.get(job, set()) | set(plan.excluded if plan else ())
+
     def excluded_nodes(self, job: str) -> set[str]:
         """Nodes all of whose ranks are excluded or unreachable."""
         ranks = self.ranks.get(job, {})
-        plan = self.plans.get(job)
-        gone = self.unreachable.get(job, set()) | set(plan.excluded if plan else ())
+        gone = self.gone(job)
         nodes: dict[str, list[int]] = {}
         for r, info in ranks.items():
             nodes.setdefault(info.node, []).append(r)
@@ -107,7 +111,7 @@ class PlanKeeper:
             records = {n: cluster.nodes[n].health for n in nodes if n in cluster.nodes}
             health: dict[str, NodeState] = {n: h.state for n, h in records.items()}
             labels = {n: cluster.nodes[n].labels for n in nodes if n in cluster.nodes}
-            own = rank_states(((r.rank, r.node, r.gpu) for r in ranks.values()), records)
+            own = rank_states(ranks.values(), records)
             prev = self.plans.get(job)
             result = plan(
                 job=job,
@@ -130,3 +134,15 @@ class PlanKeeper:
                 self.unreachable.setdefault(job, set()).update(result.excluded)
                 out.append(PlanChange(job, result))
         return out
+
+
+def rank_states(ranks: Iterable[RankInfo], nodes: Mapping[str, NodeHealth]) -> dict[int, NodeState]:
+    """rank -> the state it goes by (services/health/decide.py ``rank_state``), for each rank that
+    drives a known GPU of a node holding a GPU at fault of its own; every other rank goes by its
+    node's state (the plan's ``rank_health``)."""
+    out: dict[int, NodeState] = {}
+    for r in ranks:
+        node = nodes.get(r.node)
+        if node is not None and node.gpus and node.own is not None and r.gpu is not None:
+            out[r.rank] = rank_state(node, r.gpu)
+    return out

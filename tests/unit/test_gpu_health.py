@@ -27,12 +27,12 @@ from services.health.decide import (
     observe,
     own_state,
     rank_state,
-    rank_states,
     read,
 )
 from services.jobs.placement import Placement, PlacementRefusal, PlacementRequest, node_gpus, place
 from services.operator import _capacity
 from services.plans.decide import PlannerPolicy, PlanRefusal, RankInfo, plan
+from services.plans.keeper import rank_states
 from tests.fake_nvml import FakeGpu, FakeNvml
 from tests.unit.test_health import P, gpu, hb, psu
 from trainer.rank_gpu import rank_gpu
@@ -132,7 +132,7 @@ def plan_for(
 ) -> Plan | PlanRefusal:
     """What the plan keeper asks (services/plans/keeper.py): each rank's own state where its
     node's differs from it."""
-    own = rank_states(((r.rank, r.node, r.gpu) for r in ranks), node_health)
+    own = rank_states(ranks, node_health)
     return plan(
         job="j",
         ranks=ranks,
@@ -246,7 +246,7 @@ def test_a_node_with_one_bad_gpu_of_four_takes_a_job_of_three_and_refuses_four_n
     refused = place([cap], PlacementRequest(nodes=1, gpus_per_node=4))
     assert isinstance(refused, PlacementRefusal) and "3 GPUs free (GPU 2 DEGRADED), 4 needed" in refused.reason
     # the job's three ranks there drive GPUs 0, 1 and 3
-    gpus = node_gpus([g.index for g in view.latest.gpus], {g.index for g in view.health.gpus}, 3)  # type: ignore[union-attr]
+    gpus = node_gpus(view.usable_gpus(), 3, any_bad=bool(view.health.gpus))
     assert gpus == [0, 1, 3]
     cmd = wire.JobCommand(v=wire.PROTOCOL_VERSION, kind="launch", job="j", gpus_per_node=3, gpus=gpus)
     envs = [rank_env(cmd, i, visible="0,1,2,3") for i in range(3)]
@@ -255,7 +255,7 @@ def test_a_node_with_one_bad_gpu_of_four_takes_a_job_of_three_and_refuses_four_n
 
 
 def test_a_node_at_fault_itself_takes_no_job_and_a_clean_node_launches_as_ever() -> None:
-    assert node_gpus([0, 1, 2, 3], set(), 4) == []  # GPU i for local rank i: the launcher's default
+    assert node_gpus([0, 1, 2, 3], 4, any_bad=False) == []  # GPU i for local rank i: the launcher's default
     _, view = _node_with_bad_gpu()
     view.health = replace(view.health, own=D)  # a power supply of its own beside the bad GPU
     assert _capacity("g0", view, used=0, agents=True).state == "DEGRADED"

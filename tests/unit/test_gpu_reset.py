@@ -15,6 +15,7 @@ from clusterpulse import wire
 from clusterpulse.states import NodeState
 from services.health.decide import GpuHealth, Policy, read
 from services.health.gpu_reset import due, refusal, running_on
+from services.plans.decide import RankInfo
 from tests.unit.test_health import hb
 
 
@@ -27,9 +28,13 @@ def test_a_gpu_bad_for_the_setting_is_due_once() -> None:
 
 
 def test_a_reset_is_refused_while_a_rank_drives_the_gpu_or_may() -> None:
-    ranks = {"j1": [(0, "n1", 0), (1, "n1", 1), (2, "n2", 0)], "j2": [(0, "n1", None)]}
+    ranks = {
+        "j1": [RankInfo(0, "n1", 0), RankInfo(1, "n1", 1), RankInfo(2, "n2", 0)],
+        "j2": [RankInfo(0, "n1", None)],
+        "j3": [RankInfo(0, "n2", 0)],  # placed on n1 too, nothing registered there yet
+    }
     on, unknown = running_on("n1", 1, ranks, {})
-    assert on == ["job j1 rank 1"] and unknown == ["j2"]
+    assert on == ["job j1 rank 1"] and unknown == ["j2", "j3"]
     assert running_on("n1", 1, ranks, {"j1": {1}})[0] == []  # excluded: it left
     why = refusal("n1", 1, present=[0, 1, 2, 3], on=on, unknown=[])
     assert why == "GPU 1 of n1 runs job j1 rank 1: a reset would take it from under the rank"

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import store_keeper
+from agent.exits import exit_or_timeout
 from agent.gpu_reset import Reset, handle_reset
 from agent.hung import watch_hung
 from agent.job_commands import DEFAULT_TTL_S
@@ -428,7 +429,7 @@ class Launcher:
                 codes_read = [self._rc(rj.job, i) for i in range(len(rj.pids))]
                 code = None if None in codes_read else next((c for c in codes_read if c), 0)
                 break
-            await asyncio.sleep(self.poll_s)
+            await (exit_or_timeout(rj.procs, self.poll_s) if rj.procs else asyncio.sleep(self.poll_s))  # pidfd: at once
         rj.ended = True
         self.jobs.pop(rj.job, None)
         self._save()

@@ -7,7 +7,8 @@ async; ``now`` is the service's one clock, services/clock.py). It returns None (
 backoff of its own). The runner, for each tick:
 
 - sleeps between turns, measured from a turn's end (``fixed_rate``: from its start), and before
-  the first one with ``delay_first``; a set ``wake`` event ends the sleep early;
+  the first one with ``delay_first``; a set ``wake`` event ends the sleep early (``wake_gather_s``
+  later, so that what else comes meanwhile joins that turn);
 - skips a ``leader_only`` tick while this replica does not lead (the only place leadership is
   read), trying again an interval later;
 - catches whatever a turn raises: logged with the tick's name and retried after a backoff that
@@ -45,7 +46,8 @@ class Tick:
     leader_only: bool = True  # the runner skips it while this replica does not lead
     delay_first: bool = False  # the first turn one interval after the start, not at once
     fixed_rate: bool = False  # the interval counts from a turn's start, not its end
-    wake: asyncio.Event | None = None  # set: the next turn comes early (after WAKE_GATHER_S)
+    wake: asyncio.Event | None = None  # set: the next turn comes early (after wake_gather_s)
+    wake_gather_s: float = WAKE_GATHER_S  # after a wake, what else comes in this long joins the turn
 
     def tick(self, now: float) -> Awaitable[float | None] | float | None:
         """One turn; None or the seconds until the next one."""
@@ -158,7 +160,7 @@ class Runner:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(t.wake.wait(), delay)
-            await asyncio.sleep(min(WAKE_GATHER_S, delay))
+            await asyncio.sleep(min(t.wake_gather_s, delay))
         t.wake.clear()
 
 

@@ -80,11 +80,19 @@ class Shared:
     fabric_statuses: list[wire.JobStatus] = field(default_factory=list)  # fabric probes': the fabric loop's
     fabric_running: bool = True  # a fabric check may be RUNNING: the fabric loop reads the database (else idles)
     ranks_changed: bool = False  # a registration or an exclusion: the evaluate loop replans
+    # set with an exclusion: survivors wait in their recovery for that plan, so the evaluate loop
+    # turns at once rather than at its next interval (services/health/loop.py)
+    replan_now: asyncio.Event = field(default_factory=asyncio.Event)
     redis_down_since: float | None = None  # on the one clock, while Redis does not answer
 
     @classmethod
     def empty(cls, settings: Settings) -> Shared:
         return cls(cluster=None, plans=new_plans(settings), progress=new_progress(settings))
+
+    def ranks_excluded(self) -> None:
+        """Ranks were excluded: replan now (:attr:`replan_now`)."""
+        self.ranks_changed = True
+        self.replan_now.set()
 
     def exit_codes(self, job: str) -> dict[int, int]:
         """rank -> the exit code each rank of the job reported as it left (services/jobs/decide.py)."""

@@ -4,7 +4,7 @@ through the cluster snapshot) apply in memory at once and go to the outbox, whic
 While Redis does not answer, no heartbeat can arrive, so health is held and the partition is said;
 when it answers again every node gets one full ``degraded_after`` and the plans in force are
 republished (:meth:`Evaluator.sync_clock`). A transition or a change in the ranks replans
-(services/plans/loop.py).
+(services/plans/loop.py); an exclusion does at once, not at the next turn (survivors wait for it).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class Evaluator(Tick):
         self.plans = plans
         self.crash_point = crash_point
         self.interval_s = settings.evaluate_interval_s
+        self.wake = shared.replan_now  # an exclusion: survivors wait for its plan (services/shared.py)
+        self.wake_gather_s = 0.0
 
     async def tick(self, now: float) -> None:
         """Sync the clock (``now`` is read again after it), evaluate, replan, write the outbox."""

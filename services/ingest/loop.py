@@ -269,7 +269,7 @@ class Ingest(Tick):
         else:
             gone = [st.rank] if plans.rank_unreachable(st.job, st.rank) else []
         for rank in gone:
-            self.shared.ranks_changed = True
+            self.shared.ranks_excluded()
             code = "" if st.exit_code is None else f" with {st.exit_code}"
             who = f"the ranks on {st.node}" if st.rank is None else f"it {st.state} on {st.node}"
             who += f" ({st.detail})" if st.state == "hung" else ""
@@ -345,7 +345,7 @@ class Ingest(Tick):
             self._windows(at)
         for rank in report.unreachable_ranks or ():
             if plans.rank_unreachable(report.job, rank):
-                self.shared.ranks_changed = True
+                self.shared.ranks_excluded()
                 reason = (
                     f"job {report.job} rank {rank}: rank {report.rank} (its carrier, or a survivor of a failed "
                     f"collective) reported it unreachable at step {report.step}; excluded until it registers again"

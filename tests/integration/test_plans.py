@@ -146,6 +146,27 @@ def test_a_rank_its_carrier_gave_up_on_stays_excluded_until_it_registers_again(r
     assert kinds.count("rank_unreachable") == 1
 
 
+def test_an_exclusion_replans_at_once_not_at_the_next_evaluation(redis_url: str, sqlite_url: str) -> None:
+    """The survivors of a dead rank wait in their recovery for the plan without it: an exclusion
+    wakes the evaluate loop, whose next turn is a minute away here."""
+    settings = _settings(redis_url, sqlite_url, recover_after=1, evaluate_interval_s=60.0)
+
+    async def body(orch: Orchestrator) -> None:
+        _register(redis_url, "job4", 3)
+        await _until(lambda: len(orch.plans.ranks.get("job4", {})) == 3)
+        orch.shared.replan_now.set()  # a registration waits for the next turn (unless the first took it): now
+        await _until(lambda: orch.plans.plans.get("job4") is not None)
+        assert orch.plans.plans["job4"].generation == 1
+        _report(redis_url, "job4", 0, 5, [2])  # a survivor: rank 2 is gone
+        await _until(lambda: orch.plans.plans["job4"].generation == 2, limit_s=20.0)
+        assert orch.plans.plans["job4"].excluded == [2]
+        await _until(lambda: _plan_in_redis(redis_url, "job4") == orch.plans.plans["job4"])
+        await asyncio.sleep(0.3)  # the outbox
+
+    asyncio.run(_with_orchestrator(settings, body))
+    redis.Redis.from_url(redis_url).delete(wire.job_plan_key("job4"))
+
+
 def _running_job(sqlite_url: str) -> Engine:
     """Job ``j`` RUNNING on n0 (started) and n1, in a fresh database; its engine."""
     spec = {"name": "j", "nodes": 2, "gpus_per_node": 1, "selector": {}, "entrypoint": ["-m", "x"]}

@@ -12,12 +12,15 @@ says so rather than letting the next all-gather fail.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainer.collective import ReroutedAllReduce
 from trainer.follow import RecoveryError
+from trainer.groups import TAG_STATE, PlanGroups, on_device, wait_work
 
 
 def params_sum(engine: Any) -> float:
@@ -31,10 +34,16 @@ def _optimizer(engine: Any) -> Any:
     return getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed may wrap the torch optimizer
 
 
-def take_state(engine: Any, reroute: ReroutedAllReduce, *, src: int, tensors: bool = True) -> None:
+def take_state(
+    engine: Any, reroute: ReroutedAllReduce, *, src: int, tensors: bool = True, fresh: Collection[int] | None = None
+) -> None:
     """Every live rank takes ``src``'s parameters, optimizer state, step count and learning rate;
     with ``tensors=False`` the counts and learning rates only (ZeRO 1-2: the partitions were
-    re-homed by :func:`trainer.zero_repartition.repartition`, and the parameters with them)."""
+    re-homed by :func:`trainer.zero_repartition.repartition`, and the parameters with them).
+    ``fresh``: the only ranks whose tensors differ from ``src``'s (ranks brought back, whose live
+    peers stepped in step since they last took a state); they alone receive them, point to point
+    where the plan allows (:func:`give`). None: every live rank, unless
+    every live rank counts the same updates (:func:`_updates`), when none needs them."""
     opt = _optimizer(engine)
     shared: list[torch.Tensor] = [p.data for p in engine.module.parameters()] if tensors else []
     for group in opt.param_groups if tensors else []:
@@ -59,11 +68,16 @@ def take_state(engine: Any, reroute: ReroutedAllReduce, *, src: int, tensors: bo
             f"rank {reroute.rank}: {len(shared)} state tensors here, {int(header[2].item())} on rank {src} "
             "(an optimizer that has not stepped yet has no state)"
         )
-    if shared:
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in shared])
+    if shared and fresh is None and same_everywhere(reroute, _updates(engine)):
+        fresh = ()  # every live rank made the same updates: the same tensors (after a recovery, mostly)
+    if not shared:
+        pass
+    elif fresh is not None and gives_directly(reroute, src, fresh):
+        _give(shared, reroute, src=src, to=fresh)
+    else:
+        flat = _flat(shared)
         reroute.share_(flat, src=src)
-        for t, piece in zip(shared, torch.split(flat, [t.numel() for t in shared]), strict=True):
-            t.copy_(piece.view_as(t))
+        _unflatten(flat, shared)
     engine.global_steps = int(header[0].item())
     if sched is not None and hasattr(sched, "last_epoch"):
         sched.last_epoch = int(header[1].item())
@@ -74,6 +88,85 @@ def take_state(engine: Any, reroute: ReroutedAllReduce, *, src: int, tensors: bo
         if "step" in g:
             g["step"] = int(v)
         g["lr"] = lr
+
+
+def _updates(engine: Any) -> list[float]:
+    """What tells two ranks' tensors apart after a failure: the optimizer steps counted and, of
+    those, the ones skipped (:func:`skip_step`). Ranks that ran the same steps on the same reduced
+    gradients hold the same tensors; a rank that applied the update of a step that failed on
+    another (the failure came after its own reduction had completed) counts one skip fewer."""
+    return [float(engine.global_steps), float(getattr(engine, "skipped_steps", 0))]
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
+        t.copy_(piece.view_as(t))
+
+
+def _give(shared: list[torch.Tensor], reroute: ReroutedAllReduce, *, src: int, to: Collection[int]) -> None:
+    """``src``'s tensors to the ranks ``to`` alone; every other live rank holds them already."""
+    if reroute.rank == src:
+        give(reroute, _flat(shared), src=src, to=to)
+    elif reroute.rank in to:
+        flat = torch.empty(sum(t.numel() for t in shared), dtype=torch.float32)  # overwritten whole
+        give(reroute, flat, src=src, to=to)
+        _unflatten(flat, shared)
+
+
+def _own_group(reroute: PlanGroups) -> bool:
+    """Whether the participants have a group of the plan's: without ``collective_timeout_s`` a
+    trivial plan's is the world's, which a rank brought back (a world of one) is not in."""
+    route = reroute.route
+    return route is not None and not (route.trivial and reroute.collective_timeout_s is None)
+
+
+def gives_directly(reroute: PlanGroups, src: int, to: Collection[int]) -> bool:
+    """Whether :func:`give` can send ``src``'s tensor to ``to`` point to point: all of them are
+    participants with a group of the plan's (a degraded rank is reached through its carrier;
+    then ``share_`` serves). Every live rank computes the same answer from the plan."""
+    route = reroute.route
+    return _own_group(reroute) and all(route.role(r) == "participant" for r in (src, *to))  # type: ignore[union-attr]
+
+
+def give(reroute: PlanGroups, t: torch.Tensor, *, src: int, to: Collection[int]) -> torch.Tensor:
+    """Overwrite ``t`` on the ranks ``to`` with ``src``'s ``t``, point to point on the
+    participants' group; the other live ranks hold it already and take no part (where only the
+    ranks brought back lack a state, it goes to them alone: no copy on the others, and the source
+    sends it once per rank that needs it). Only where :func:`gives_directly`."""
+    assert gives_directly(reroute, src, to)
+    group = reroute.participants_group  # src and every rank of to are members
+    timeout_s = reroute.collective_timeout_s if reroute.collective_timeout_s is not None else 1800.0
+    w = on_device(t, group)
+    if reroute.rank == src:
+        for work in [dist.isend(w, dst=r, group=group, tag=TAG_STATE) for r in sorted(to)]:
+            if work is not None:
+                wait_work(work, timeout_s)
+    elif reroute.rank in to:
+        work = dist.irecv(w, src=src, group=group, tag=TAG_STATE)
+        if work is not None:
+            wait_work(work, timeout_s)
+        if w is not t:
+            t.copy_(w)
+    return t
+
+
+def same_everywhere(reroute: PlanGroups, values: Sequence[float]) -> bool:
+    """Whether every live rank holds ``values``: one all-reduce of their highest and lowest on the
+    participants' group. False, without communicating, where that group is not every live rank
+    (degraded ranks answer through their carriers). Every live rank calls it."""
+    route = reroute.route
+    if route is None or route.proxies or not _own_group(reroute):
+        return False
+    group = reroute.participants_group  # every live rank is a participant
+    n = len(values)
+    w = on_device(torch.tensor([*values, *(-v for v in values)], dtype=torch.float64), group)
+    dist.all_reduce(w, op=dist.ReduceOp.MAX, group=group)
+    w = w.cpu()
+    return bool(torch.equal(w[:n], -w[n:]))
 
 
 def materialize_optimizer_state(engine: Any) -> None:

@@ -211,8 +211,8 @@ class PlanFollower:
         _mark(self.reroute, _admit_key(self.job, self.reroute.salt))
 
     def admitted(self, *, timeout_s: float) -> None:
-        """A rank brought back, after :meth:`join`: wait until the live ranks :meth:`admit` it."""
-        self._await(_admit_key(self.job, self.reroute.salt), time.monotonic(), timeout_s, 0.05, "admit it")
+        """A rank brought back, after :meth:`join`: wait (a short poll) for the live ranks to :meth:`admit` it."""
+        self._await(_admit_key(self.job, self.reroute.salt), time.monotonic(), timeout_s, 0.005, "admit it")
 
     def _await(self, key: str, started: float, timeout_s: float, poll_s: float, what: str) -> None:
         while not self._invited(key):

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 TAG_BUCKET = 1  # degraded -> carrier: one gradient bucket
 TAG_RESULT = 2  # carrier -> degraded: the reduced bucket plus the contributor count
 TAG_AGREE = 3  # carrier -> degraded: what the root broadcast at a step boundary
+TAG_STATE = 4  # the state's source -> a rank brought back: the state it takes (engine_state.give)
 
 _MIN_WAIT_S = 0.001  # gloo reads a wait timeout of 0 as "no timeout"
 

@@ -28,7 +28,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -369,9 +369,11 @@ class Resilience:
             )  # fmt: skip
         self.phases.start()
 
-    def _take_state(self) -> None:
+    def _take_state(self, *, fresh: Collection[int] | None = None) -> None:
         """After the live ranks changed: the source's whole state, or under ZeRO 1-2 the partitions
-        re-homed (:mod:`trainer.zero_repartition`) and the source's step count and learning rates."""
+        re-homed (:mod:`trainer.zero_repartition`) and the source's step count and learning rates.
+        ``fresh``: the ranks brought back, where the others stepped together since they last took
+        a state (an admission, not a recovery): only they take the source's tensors."""
         engine, reroute, follower = self.engine, self.reroute, self.follower
         assert reroute is not None and follower is not None
         if not self.partitions.on:
@@ -381,7 +383,7 @@ class Resilience:
             self.partitions.rehome(reroute, source=follower.source, job=self.settings.job_id)
             deepspeed_reroute.reattach(engine, reroute)
             self._guard_reduction()
-        take_state(engine, reroute, src=follower.source, tensors=not self.partitions.on)
+        take_state(engine, reroute, src=follower.source, tensors=not self.partitions.on, fresh=fresh)
 
     def _rejoin(self) -> None:
         follower = self.follower
@@ -392,7 +394,7 @@ class Resilience:
         except JobFinished as exc:
             log.warning("event=rejoin_abandoned job=%s rank=%d reason=%r", self.settings.job_id, self.rank, str(exc))
             self._leave("job_finished")
-        self._take_state()
+        self._take_state(fresh=self.reroute.joined)
         self._entering = {self.rank}
         log.warning("event=rejoined job=%s rank=%d step=%d", self.settings.job_id, self.rank, self.engine.global_steps)
         self._settle()
@@ -402,7 +404,7 @@ class Resilience:
         before is theirs alone: its log line, its checkpoint): every live rank takes the state."""
         try:
             self.follower.admit()  # type: ignore[union-attr]
-            self._take_state()
+            self._take_state(fresh=self.reroute.joined)  # type: ignore[union-attr]
             self._settle()
         except RuntimeError as exc:  # a rank died meanwhile: as at a step (only with survival on)
             self._recover(exc)

@@ -3,10 +3,12 @@
 :func:`repartition` builds a ``DeepSpeedZeroOptimizer`` anew over the live ranks, at the step
 boundary where they changed (a recovery, an exclusion, a rejoin); every live rank calls it
 together on the live ranks' group (:meth:`trainer.groups.PlanGroups.live_group`). Every old
-partition is broadcast from where it still is: a live owner sends its own; a gone owner's master
+partition is sent from where it still is: a live owner sends its own; a gone owner's master
 weights come from the model every rank holds, its optimizer state from the copy its
 :class:`Mirror` holder keeps (at most ``PULSE_ZERO_MIRROR_STEPS`` steps old; zero where none, and
-the result says which). Nothing changes on any rank until every member confirmed its new
+the result says which). The master weights are broadcast whole (every rank's model is set from
+them); of the optimizer's states each rank receives only the pieces of its new partition, point
+to point. Nothing changes on any rank until every member confirmed its new
 partitions. Layouts are computed (:func:`group_layout`) and checked against DeepSpeed's;
 ``round_robin_gradients`` is refused. The steps and their cost: docs/design/zero-repartition.md.
 """
@@ -32,6 +34,7 @@ MASTER = "master"
 """The fp32 master weights' name among the states a partition carries."""
 
 _START_ALIGNMENT = 2  # DeepSpeedZeroOptimizer.nccl_start_alignment_factor
+_TAG_PIECE = 16  # a piece of a state's new partition (:func:`_pieces`); in order per pair
 
 
 class RepartitionError(RuntimeError):
@@ -296,11 +299,11 @@ def repartition(
     models: list[torch.Tensor] = []  # per group: the whole assembled master, for the parameters
     for i, (was, now) in enumerate(zip(old_layouts, new_layouts, strict=True)):
         parts.append({})
-        for name in [MASTER, *info["keys"][i]]:
-            full = _assemble(src, i, name, was)
-            parts[i][name] = _slice(full, was, now, members.index(rank))
-            if name == MASTER:
-                models.append(full)
+        full = _assemble(src, i, MASTER, was)  # whole: every rank's model is set from it
+        parts[i][MASTER] = _slice(full, was, now, members.index(rank))
+        models.append(full)
+        for name in info["keys"][i]:  # the optimizer's states: each rank its new partition alone
+            parts[i][name] = _pieces(src, i, name, old=was, new=now, members=members)
     _commit(group)
     # From here on nothing crosses the network: every member has what it needs.
     new_opt = _rebuild(engine, group, members)
@@ -492,6 +495,52 @@ def _assemble(src: _Sources, i: int, name: str, layout: GroupLayout) -> torch.Te
                 part.copy_(src.mirror.copy.narrow(0, src.mirror_at[(i, name)], size))
             dist.broadcast(part, src=holder, group=src.group)
     return full
+
+
+def _pieces(
+    src: _Sources, i: int, name: str, *, old: GroupLayout, new: GroupLayout, members: tuple[int, ...]
+) -> torch.Tensor:
+    """This rank's partition of ``new`` of state ``name`` of group ``i``: each piece of it sent
+    point to point by whoever holds it (its old owner, or a gone owner's mirror holder; zeros where
+    neither), in place of the whole state assembled on every member. Both layouts put each
+    parameter at the same offset (only the padded total differs), so a piece is a range of both."""
+    me = members.index(src.rank)
+    out = torch.zeros(new.partition, dtype=torch.float32, device=group_device(src.group))
+    works = []
+    for q, owner in enumerate(src.old):
+        held = src.holders.get(owner)
+        giver = owner if owner in src.owners else None if held is None else held[0]
+        if giver is None:
+            continue  # its state was lost: zeros, as _assemble gives
+        for m, member in enumerate(members):
+            lo = max(q * old.partition, m * new.partition)
+            hi = min((q + 1) * old.partition, (m + 1) * new.partition, old.total)
+            if lo >= hi or src.rank not in (giver, member):
+                continue
+            into = out.narrow(0, lo - me * new.partition, hi - lo) if member == src.rank else None
+            if src.rank == giver:
+                mine = _held(src, i, name, owner, old.partition).narrow(0, lo - q * old.partition, hi - lo)
+                if into is not None:
+                    into.copy_(mine)
+                else:
+                    works.append(dist.isend(mine.contiguous(), dst=member, group=src.group, tag=_TAG_PIECE))
+            else:
+                assert into is not None  # this rank is the member: the piece is for it
+                works.append(dist.irecv(into, src=giver, group=src.group, tag=_TAG_PIECE))
+    for work in works:
+        if work is not None:
+            work.wait()
+    return out
+
+
+def _held(src: _Sources, i: int, name: str, owner: int, size: int) -> torch.Tensor:
+    """What this rank gives of old owner ``owner``'s partition of state ``name``: its own, or the
+    copy it holds as ``owner``'s mirror."""
+    if owner == src.rank:
+        assert src.own is not None
+        return src.own[i][name].reshape(-1)
+    assert src.mirror.copy is not None
+    return src.mirror.copy.narrow(0, src.mirror_at[(i, name)], size)
 
 
 def _slice(full: torch.Tensor, old: GroupLayout, new: GroupLayout, part: int) -> torch.Tensor:

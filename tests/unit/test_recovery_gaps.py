@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.recovery.gaps import cost, read_times, survivors
+from tools.recovery.gaps import cost, read_times, rejoin_cost, survivors
 
 
 def test_the_cost_is_the_longest_gap_around_the_failure_less_the_median_step() -> None:
@@ -46,3 +46,40 @@ def test_the_survivors_figure_is_the_largest_and_a_survivor_that_never_stepped_a
     (tmp_path / "rank1.times").write_text("\n".join(map(str, before)) + "\n")
     with pytest.raises(ValueError, match=r"hung: only ranks \[0\] stepped"):
         survivors(tmp_path, 3, fault=5.0, observe_s=10.0, what="hung")
+
+
+def test_the_admission_of_the_relaunched_rank_is_its_own_cost_not_the_failures(tmp_path: Path) -> None:
+    before = [0.1 * i for i in range(50)]
+    after = [5.3 + 0.1 * i for i in range(30)]  # a 0.4 s gap across the failure at 5.0, then steps
+    late = [after[-1] + 0.6 + 0.1 * i for i in range(10)]  # the admission at 8.3: a 0.6 s gap
+    times = [*before, *after, *late]
+    got = cost(times, fault=5.0, observe_s=10.0, rejoin=8.3)
+    assert got is not None and got[0] == pytest.approx(0.3)  # the failure's gap alone
+    assert cost(times, fault=5.0, observe_s=10.0) == (pytest.approx(0.5), pytest.approx(0.1))  # both: the larger
+    assert rejoin_cost(times, rejoin=8.3, observe_s=10.0, step=0.1) == pytest.approx(0.5)
+    assert rejoin_cost(before, rejoin=8.3, observe_s=10.0, step=0.1) is None
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}.times").write_text("\n".join(map(str, times)) + "\n")
+    got_all = survivors(tmp_path, 3, fault=5.0, observe_s=10.0, what="dead", rejoin=8.3)
+    assert got_all["cost_s"] == pytest.approx(0.3) and got_all["rejoin_cost_s"] == pytest.approx(0.5)
+    assert "rejoin_cost_s" not in survivors(tmp_path, 3, fault=5.0, observe_s=10.0, what="dead")
+
+
+def test_the_invitation_is_read_from_the_survivors_log_lines(tmp_path: Path) -> None:
+    from datetime import datetime
+
+    from tools.recovery.bench import rejoin_invited
+
+    node = tmp_path / "agents" / "gp-0"
+    node.mkdir(parents=True)
+    (node / "j1.log").write_text(
+        "2026-12-07 10:12:40,667 event=collective_failed job=j1 rank=0\n"
+        "2026-12-07 10:12:39,100 event=rejoin_invited job=j1 generation=2 ranks=[2]\n"
+        "2026-12-07 10:12:43,590 event=rejoin_invited job=j1 generation=3 ranks=[2]\n"
+        "garbage event=rejoin_invited\n"
+    )
+    fault = datetime(2026, 12, 7, 10, 12, 40, 500000).timestamp()
+    assert rejoin_invited(tmp_path, "j1", after=fault) == pytest.approx(
+        datetime(2026, 12, 7, 10, 12, 43, 590000).timestamp()
+    )
+    assert rejoin_invited(tmp_path, "other", after=fault) is None

@@ -55,6 +55,7 @@ class Stack:
             PULSE_REDIS_URL=self.redis_url,
             PULSE_DATABASE_URL=f"sqlite:///{workdir / 'pulse.db'}",
             PULSE_AGENT_STATE_DIR=str(workdir / "agents"),
+            PULSE_CHECKPOINT_DIR=str(workdir / "checkpoints"),  # not the caller's working directory
             PULSE_API_URL=self.api,
         )
         self.orch: subprocess.Popen[bytes] | None = None

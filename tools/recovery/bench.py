@@ -12,7 +12,10 @@ private Redis, the orchestrator, one simulated agent per node: ``tools/goodput/s
 
 The cost, for each survivor: the longest gap between its optimizer-step ends from the failure to
 ``--observe-s`` after it, minus its median step before the failure (what the failure cost it);
-the figure is the largest over the survivors. The JSON has ``dead_rank_cost_s``,
+the figure is the largest over the survivors. The relaunched rank is taken back within that
+window, which costs the survivors a gap of its own: the gaps from the survivors' invitation on
+(``event=rejoin_invited``) are its cost, ``rejoin_cost_s``, not the failure's (torchft's side
+relaunches nobody). The JSON has ``dead_rank_cost_s``,
 ``hung_rank_cost_s`` and ``lost_node_cost_s`` (by stage), the median step, and with ``--torchft``
 (where torchft is installed) the same workload under torchft's Manager beside it
 (``tools/recovery/torchft_bench.py``): ``torchft_*``. Why and how it is read:
@@ -29,6 +32,7 @@ import signal
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +113,26 @@ def run_one(workdir: Path, *, kind: str, stage: int, args: argparse.Namespace) -
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGCONT)
         stack.close()
+    rejoin = rejoin_invited(workdir, job, after=fault)
     try:
-        lost = survivors(out, args.ranks, fault=fault, observe_s=args.observe_s, what=f"{kind} at ZeRO {stage}")
+        lost = survivors(
+            out, args.ranks, fault=fault, observe_s=args.observe_s, what=f"{kind} at ZeRO {stage}", rejoin=rejoin
+        )
     except ValueError as exc:
         raise CampaignError(str(exc)) from None
     return {**lost, "excluded": plan.get("excluded", [])}
+
+
+def rejoin_invited(workdir: Path, job: str, *, after: float) -> float | None:
+    """When the survivors first invited the relaunched rank back after ``after``, read from their
+    log lines (``event=rejoin_invited``; the time is the logging's local ``asctime``)."""
+    seen = []
+    for path in workdir.glob(f"agents/*/{job}.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if "event=rejoin_invited" in line:
+                with contextlib.suppress(ValueError):
+                    seen.append(datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    return min((t for t in seen if t > after), default=None)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -127,6 +146,8 @@ def run_bench(args: argparse.Namespace) -> int:
             for kind in args.kinds:
                 one = run_one(Path(d) / f"{kind}-z{stage}", kind=kind, stage=stage, args=args)
                 result.setdefault(FIGURE[kind], {})[f"zero{stage}"] = one["cost_s"]
+                if "rejoin_cost_s" in one:
+                    result.setdefault("rejoin_cost_s", {})[f"{kind}-zero{stage}"] = one["rejoin_cost_s"]
                 result.setdefault("detail", {})[f"{kind}-zero{stage}"] = one
                 print(f"{kind} ZeRO {stage}: {json.dumps(one)}", file=sys.stderr, flush=True)
         if args.torchft:

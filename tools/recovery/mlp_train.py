@@ -3,8 +3,10 @@
 An MLP 16-2048-2048-1 (``--width``) regressing synthetic data made in memory, gloo on the CPU,
 trained for about ``--seconds`` of wall time (or ``--max-steps`` optimizer steps): when the time is up
 rank 0 writes a step 50 steps ahead into ``OUT/stop_at``, and every rank stops there, so that no
-rank leaves while the others still wait for it in a collective. Each rank appends the
-wall time at the end of every optimizer step to ``OUT/rank<RANK>.times``, one number a line,
+rank leaves while the others still wait for it in a collective. Each rank appends the wall time
+at the end of every optimizer step that updated the model to ``OUT/rank<RANK>.times`` (a step
+the library skipped because it failed, DeepSpeed's ``skipped_steps`` grew, is lost work, as a
+step torchft does not commit is on the other side of the benchmark), one number a line,
 flushed at once, so that a rank stopped or killed mid-run still leaves what it did, and the
 benchmark reads the survivors' gaps (``tools/recovery/bench.py``). ``--slow-rank R`` makes rank R a
 straggler: from ``--slow-after-s`` for ``--slow-for-s`` each of its steps, from one step's end to
@@ -65,9 +67,10 @@ def main() -> None:
             loss = loss_fn(engine(x), y)
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
+            skipped = engine.skipped_steps
             engine.step()
-            if not boundary:
-                continue
+            if not boundary or engine.skipped_steps > skipped:
+                continue  # a step that made no update (one that failed, skipped by the library) is not a step
             now = time.time()
             if rank == args.slow_rank and slow_from <= now < slow_to and steps:
                 # its step, end to end, takes slow_factor times its median step before (a sleep after

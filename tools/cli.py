@@ -463,6 +463,7 @@ def _recovery_command(bsub: Subparsers) -> None:
     br.add_argument("--observe-s", type=float, default=15.0, help="how long after the failure gaps count, s (15)")
     br.add_argument("--collective-timeout", type=float, default=None, help="PULSE_COLLECTIVE_TIMEOUT_S (default 60)")
     br.add_argument("--no-hang-watch", dest="hang_watch", action="store_false", help="PULSE_HANG_WATCH=false")
+    br.add_argument("--repeat", type=int, default=1, help="runs of each case; the figure is their median (1)")
     br.add_argument("--torchft", action="store_true", help="the same workload under torchft, side by side")
     br.add_argument(
         "--torchft-timeout", type=float, default=5.0, help="torchft's second run: every timeout at this, s (5)"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.recovery.gaps import cost, read_times, rejoin_cost, survivors
+from tools.recovery.gaps import cost, over_runs, read_times, rejoin_cost, survivors
 
 
 def test_the_cost_is_the_longest_gap_around_the_failure_less_the_median_step() -> None:
@@ -83,3 +83,12 @@ def test_the_invitation_is_read_from_the_survivors_log_lines(tmp_path: Path) -> 
         datetime(2026, 12, 7, 10, 12, 43, 590000).timestamp()
     )
     assert rejoin_invited(tmp_path, "other", after=fault) is None
+
+
+def test_repeated_runs_give_their_median_and_one_run_is_itself() -> None:
+    runs = [{"cost_s": 0.3, "rejoin_cost_s": 0.2}, {"cost_s": 60.0}, {"cost_s": 0.1, "rejoin_cost_s": 0.4}]
+    got = over_runs(runs)
+    assert got["cost_s"] == 0.3 and got["costs"] == [0.3, 60.0, 0.1]  # one run stuck on a timeout moves nothing
+    assert got["rejoin_cost_s"] == pytest.approx(0.3) and got["runs"] == runs
+    assert over_runs(runs[:1]) is runs[0]
+    assert "rejoin_cost_s" not in over_runs([{"cost_s": 1.0}, {"cost_s": 2.0}])

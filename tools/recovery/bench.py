@@ -15,7 +15,8 @@ The cost, for each survivor: the longest gap between its optimizer-step ends fro
 the figure is the largest over the survivors. The relaunched rank is taken back within that
 window, which costs the survivors a gap of its own: the gaps from the survivors' invitation on
 (``event=rejoin_invited``) are its cost, ``rejoin_cost_s``, not the failure's (torchft's side
-relaunches nobody). The JSON has ``dead_rank_cost_s``,
+relaunches nobody). With ``--repeat N`` each case runs N times, on both sides, and its figures are
+the medians (``tools/recovery/gaps.py``, :func:`over_runs`). The JSON has ``dead_rank_cost_s``,
 ``hung_rank_cost_s`` and ``lost_node_cost_s`` (by stage), the median step, and with ``--torchft``
 (where torchft is installed) the same workload under torchft's Manager beside it
 (``tools/recovery/torchft_bench.py``): ``torchft_*``. Why and how it is read:
@@ -38,7 +39,7 @@ from typing import Any
 
 from tools.goodput.model import STACK_ENV, CampaignError, wait_until
 from tools.goodput.stack import Stack, rank_pids
-from tools.recovery.gaps import read_times, survivors
+from tools.recovery.gaps import over_runs, read_times, survivors
 
 SCRIPT = Path(__file__).with_name("mlp_train.py")
 KINDS = ("dead", "hung", "lost")
@@ -136,6 +137,8 @@ def rejoin_invited(workdir: Path, job: str, *, after: float) -> float | None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat: at least one run of each case, got {args.repeat}")
     result: dict[str, Any] = {
         "ranks": args.ranks,
         "collective_timeout_s": args.collective_timeout if args.collective_timeout is not None else 60.0,
@@ -144,7 +147,11 @@ def run_bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="pulse-recovery-") as d:
         for stage in args.stages:
             for kind in args.kinds:
-                one = run_one(Path(d) / f"{kind}-z{stage}", kind=kind, stage=stage, args=args)
+                runs = [
+                    run_one(Path(d) / f"{kind}-z{stage}-{k}", kind=kind, stage=stage, args=args)
+                    for k in range(args.repeat)
+                ]
+                one = over_runs(runs)
                 result.setdefault(FIGURE[kind], {})[f"zero{stage}"] = one["cost_s"]
                 if "rejoin_cost_s" in one:
                     result.setdefault("rejoin_cost_s", {})[f"{kind}-zero{stage}"] = one["rejoin_cost_s"]

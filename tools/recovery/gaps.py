@@ -71,3 +71,17 @@ def survivors(
         )
     out = {"cost_s": max(by_rank.values()), "by_rank": by_rank, "step_s": round(max(steps), 4)}
     return out | ({"rejoin_cost_s": round(max(rejoins), 3)} if rejoins else {})
+
+
+def over_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeated runs of one case (``--repeat``): ``cost_s`` and ``rejoin_cost_s`` their medians,
+    ``costs`` each run's; one run is returned as it is. On a shared machine one run can land on a
+    busy second; the median of a few does not."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict[str, Any] = {"cost_s": round(statistics.median(r["cost_s"] for r in runs), 3)}
+    out["costs"] = [r["cost_s"] for r in runs]
+    rejoins = [r["rejoin_cost_s"] for r in runs if "rejoin_cost_s" in r]
+    if rejoins:
+        out |= {"rejoin_cost_s": round(statistics.median(rejoins), 3), "rejoin_costs": rejoins}
+    return out | {"runs": runs}

@@ -23,7 +23,7 @@ from typing import Any
 
 from tools.goodput.model import CampaignError, wait_until
 from tools.harness import child_env
-from tools.recovery.gaps import read_times, survivors
+from tools.recovery.gaps import over_runs, read_times, survivors
 
 SCRIPT = Path(__file__).with_name("torchft_train.py")
 
@@ -79,8 +79,12 @@ def run_torchft(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for timeout_s in (None, args.torchft_timeout):
         label = "defaults" if timeout_s is None else f"timeouts_{timeout_s:g}s"
-        for kind in ("dead", "hung"):
-            one = run_one(workdir / f"{kind}-{label}", kind=kind, timeout_s=timeout_s, args=args)
+        for kind in [k for k in ("dead", "hung") if k in args.kinds or (k == "hung" and "lost" in args.kinds)]:
+            runs = [
+                run_one(workdir / f"{kind}-{label}-{k}", kind=kind, timeout_s=timeout_s, args=args)
+                for k in range(args.repeat)
+            ]
+            one = over_runs(runs)
             print(f"torchft {kind} {label}: {one}", file=sys.stderr, flush=True)
             names = ["torchft_dead_rank_cost_s"] if kind == "dead" else ["torchft_hung_rank_cost_s"]
             names += [] if kind == "dead" else ["torchft_lost_node_cost_s"]  # no agent: a frozen machine is a hang

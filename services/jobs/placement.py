@@ -74,6 +74,10 @@ def _why_not(n: NodeCapacity, req: PlacementRequest) -> str | None:
     return None
 
 
+def _nodes(count: int) -> str:
+    return f"{count} node" if count == 1 else f"{count} nodes"
+
+
 def node_gpus(usable: Sequence[int], count: int, *, any_bad: bool) -> list[int]:
     """The GPUs (indices) a job's ``count`` local ranks drive on a node whose ``usable`` GPUs are
     those: [] while none of its GPUs is bad (local rank i drives GPU i, the launchers' default),
@@ -103,7 +107,8 @@ def place(nodes: Sequence[NodeCapacity], req: PlacementRequest) -> Placement | P
             if why is not None:
                 key = why.split(",")[0] if why.startswith("label") else why
                 reasons[key] = reasons.get(key, 0) + 1
-        detail = "; ".join(f"{count} {why}" for why, count in sorted(reasons.items())) or "no nodes known"
+        # "why: N node(s)": a reason may start with a number ("3 GPUs free ...")
+        detail = "; ".join(f"{why}: {_nodes(count)}" for why, count in sorted(reasons.items())) or "no nodes known"
         return PlacementRefusal(
             f"{req.nodes} nodes with {req.gpus_per_node} free GPUs each requested, "
             f"{len(fit)} HEALTHY and schedulable match (others: {detail})"

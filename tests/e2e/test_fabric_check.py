@@ -125,7 +125,7 @@ def test_nodes_that_launch_nothing_are_not_probed_and_a_silent_agent_names_nobod
         s.wait_healthy(["fab-a", "nol-000", "nol-001", "wedged"])
         # a job our agents would launch is not placed there either (it would never start)
         r = s.post("/v1/jobs", {"name": "j", "nodes": 3, "gpus_per_node": 1, "entrypoint": ["x.py"]})
-        assert r.status_code == 409 and "2 no launcher" in r.json()["detail"], r.text
+        assert r.status_code == 409 and "launches nothing): 2 nodes" in r.json()["detail"], r.text
         refused = _check(s, "--nodes", "fab-a,nol-000")
         assert refused.returncode != 0 and "nol-000 launch nothing" in refused.stderr, refused.stderr
         out = _check(s, "--json")  # every node that launches: fab-a and wedged

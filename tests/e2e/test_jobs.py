@@ -105,7 +105,7 @@ def test_refusals_and_bad_specs_write_nothing(stack: Stack) -> None:
     r = stack.post("/v1/jobs", spec("too-big", nodes=3))
     assert r.status_code == 409
     assert "3 nodes with 1 free GPUs each requested, 2 HEALTHY and schedulable match" in r.json()["detail"]
-    assert "1 state DEGRADED" in r.json()["detail"]
+    assert "state DEGRADED: 1 node" in r.json()["detail"]
     cases = [
         ({k: v for k, v in spec("x").items() if k != "entrypoint"}, "entrypoint"),
         ({**spec("x"), "entrypoint": []}, "entrypoint"),

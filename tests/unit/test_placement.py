@@ -31,7 +31,7 @@ def test_never_a_degraded_suspect_lost_or_cordoned_node() -> None:
     assert isinstance(refused, PlacementRefusal)
     assert refused.reason == (
         "2 nodes with 8 free GPUs each requested, 1 HEALTHY and schedulable match "
-        "(others: 1 cordoned; 1 state DEGRADED; 1 state LOST; 1 state SUSPECT)"
+        "(others: cordoned: 1 node; state DEGRADED: 1 node; state LOST: 1 node; state SUSPECT: 1 node)"
     )
 
 
@@ -42,7 +42,7 @@ def test_free_gpus_and_selector() -> None:
         ("c",), "rack=r2"
     )
     r = place(nodes, PlacementRequest(nodes=3, gpus_per_node=8))
-    assert isinstance(r, PlacementRefusal) and "4 GPUs free, 8 needed" in r.reason and "7 GPUs free" in r.reason
+    assert isinstance(r, PlacementRefusal) and "4 GPUs free, 8 needed: 1 node" in r.reason and "7 GPUs free" in r.reason
 
 
 def test_packs_into_the_tightest_domain() -> None:

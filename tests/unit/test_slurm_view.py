@@ -41,7 +41,7 @@ def test_placement_skips_a_node_slurm_keeps_out_and_names_it() -> None:
     ]
     assert place(nodes, PlacementRequest(nodes=1, gpus_per_node=1)).nodes == ("a",)  # type: ignore[union-attr]
     refused = place(nodes, PlacementRequest(nodes=2, gpus_per_node=1))
-    assert isinstance(refused, PlacementRefusal) and "1 Slurm idle+drain: maint" in refused.reason
+    assert isinstance(refused, PlacementRefusal) and "Slurm idle+drain: maint: 1 node" in refused.reason
 
 
 def node(name: str, schedulable: bool, scheduler: dict[str, Any] | None) -> dict[str, Any]:

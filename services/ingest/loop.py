@@ -148,9 +148,7 @@ class Ingest(Tick):
             except Exception as exc:
                 if failed is None or not (self._cluster and is_transient(exc)):
                     raise
-                failed.add(stream)
-                if stream not in self._down:
-                    log.warning("event=stream_unreadable stream=%s error=%r", stream, str(exc))
+                failed.add(stream)  # tick says it, once per outage
 
     async def _read_pending(self, stream: str) -> None:
         last = self._folded_upto.get(stream, "0")

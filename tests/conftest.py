@@ -98,7 +98,7 @@ HEAVY = {
     "tests/e2e/test_any_script.py": 190,
     "tests/e2e/test_demo.py": 88,
     "tests/e2e/test_fabric_check.py": 94,
-    "tests/e2e/test_frameworks.py": 198,
+    "tests/e2e/test_frameworks.py": 396,
     "tests/e2e/test_goodput.py": 141,
     "tests/e2e/test_hung_rank.py": 136,
     "tests/e2e/test_job_ends.py": 57,

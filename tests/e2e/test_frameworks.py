@@ -92,11 +92,10 @@ def _resumed(tmp_path: Path, script: Path, args: list[str], checkpoint: Path) ->
     return rank_outcomes(out, [0, 1, 2, 3])
 
 
-# ZeRO 2 only: its partitioned optimizer state is the harder survival, and the framework hooks
-# are the same at every stage; a killed rank at ZeRO 0 is test_any_script's and test_hung_rank's
-# (the suite's wall time: docs/testing.md).
+# ZeRO 0 (the whole state taken by a rank brought back, every survivor's kept) and ZeRO 2 (the
+# optimizer's partitions re-homed on every change of the live ranks).
 @pytest.mark.parametrize("framework", ["trainer", "accelerate"])
-@pytest.mark.parametrize("stage", [2])
+@pytest.mark.parametrize("stage", [0, 2])
 def test_a_framework_script_is_carried_and_survives_a_killed_rank(
     redis_url: str, tmp_path: Path, framework: str, stage: int
 ) -> None:

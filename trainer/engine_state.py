@@ -68,16 +68,15 @@ def take_state(
             f"rank {reroute.rank}: {len(shared)} state tensors here, {int(header[2].item())} on rank {src} "
             "(an optimizer that has not stepped yet has no state)"
         )
-    if shared and fresh is None and same_everywhere(reroute, _updates(engine)):
-        fresh = ()  # every live rank made the same updates: the same tensors (after a recovery, mostly)
-    if not shared:
-        pass
-    elif fresh is not None and gives_directly(reroute, src, fresh):
-        _give(shared, reroute, src=src, to=fresh)
-    else:
-        flat = _flat(shared)
-        reroute.share_(flat, src=src)
-        _unflatten(flat, shared)
+    if shared:
+        if fresh is None and same_everywhere(reroute, _updates(engine)):
+            fresh = ()  # every live rank made the same updates: the same tensors (after a recovery, mostly)
+        if fresh is not None and gives_directly(reroute, src, fresh):
+            _give(shared, reroute, src=src, to=fresh)
+        else:
+            flat = _flat(shared)
+            reroute.share_(flat, src=src)
+            _unflatten(flat, shared)
     engine.global_steps = int(header[0].item())
     if sched is not None and hasattr(sched, "last_epoch"):
         sched.last_epoch = int(header[1].item())
@@ -117,19 +116,12 @@ def _give(shared: list[torch.Tensor], reroute: ReroutedAllReduce, *, src: int, t
         _unflatten(flat, shared)
 
 
-def _own_group(reroute: PlanGroups) -> bool:
-    """Whether the participants have a group of the plan's: without ``collective_timeout_s`` a
-    trivial plan's is the world's, which a rank brought back (a world of one) is not in."""
-    route = reroute.route
-    return route is not None and not (route.trivial and reroute.collective_timeout_s is None)
-
-
 def gives_directly(reroute: PlanGroups, src: int, to: Collection[int]) -> bool:
     """Whether :func:`give` can send ``src``'s tensor to ``to`` point to point: all of them are
     participants with a group of the plan's (a degraded rank is reached through its carrier;
     then ``share_`` serves). Every live rank computes the same answer from the plan."""
     route = reroute.route
-    return _own_group(reroute) and all(route.role(r) == "participant" for r in (src, *to))  # type: ignore[union-attr]
+    return reroute.has_plan_group and all(route.role(r) == "participant" for r in (src, *to))  # type: ignore[union-attr]
 
 
 def give(reroute: PlanGroups, t: torch.Tensor, *, src: int, to: Collection[int]) -> torch.Tensor:
@@ -159,7 +151,7 @@ def same_everywhere(reroute: PlanGroups, values: Sequence[float]) -> bool:
     participants' group. False, without communicating, where that group is not every live rank
     (degraded ranks answer through their carriers). Every live rank calls it."""
     route = reroute.route
-    if route is None or route.proxies or not _own_group(reroute):
+    if route is None or route.proxies or not reroute.has_plan_group:
         return False
     group = reroute.participants_group  # every live rank is a participant
     n = len(values)

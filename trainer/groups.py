@@ -227,10 +227,18 @@ class PlanGroups:
         return "participant" if self.route is None else self.route.role(self.rank)
 
     @property
+    def has_plan_group(self) -> bool:
+        """Whether the participants of the plan in force have a group of the plan's: without
+        ``collective_timeout_s`` a trivial plan's is the world's (which a rank brought back, a
+        world of one, is not in). The same on every live rank."""
+        return self.route is not None and not (self.route.trivial and self.collective_timeout_s is None)
+
+    @property
     def participants_group(self) -> dist.ProcessGroup | None:
         """The participants' group of the plan in force; None on a non-member or with a trivial plan."""
-        if self.route is None or (self.route.trivial and self.collective_timeout_s is None):
+        if not self.has_plan_group:
             return None
+        assert self.route is not None
         return self._groups.get(self.route.participants)
 
     def _live_group(self) -> dist.ProcessGroup | None:

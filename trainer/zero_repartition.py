@@ -299,7 +299,7 @@ def repartition(
     models: list[torch.Tensor] = []  # per group: the whole assembled master, for the parameters
     for i, (was, now) in enumerate(zip(old_layouts, new_layouts, strict=True)):
         parts.append({})
-        full = _assemble(src, i, MASTER, was)  # whole: every rank's model is set from it
+        full = _assemble_master(src, i, was)  # whole: every rank's model is set from it
         parts[i][MASTER] = _slice(full, was, now, members.index(rank))
         models.append(full)
         for name in info["keys"][i]:  # the optimizer's states: each rank its new partition alone
@@ -406,8 +406,8 @@ def _mirror_offsets(old: list[GroupLayout], keys: list[dict[str, Any]]) -> dict[
 
 @dataclass(frozen=True)
 class _Sources:
-    """Where each old partition's states are, for :func:`_assemble` (``own`` and ``bit16``: this
-    rank's partitions and model, when it held a partition)."""
+    """Where each old partition's states are, for :func:`_assemble_master` and :func:`_pieces`
+    (``own`` and ``bit16``: this rank's partitions and model, when it held a partition)."""
 
     old: tuple[int, ...]
     owners: tuple[int, ...]
@@ -472,28 +472,23 @@ def _holders(
     return out
 
 
-def _assemble(src: _Sources, i: int, name: str, layout: GroupLayout) -> torch.Tensor:
-    """State ``name`` of group ``i`` over the whole old flat layout, on every member."""
+def _assemble_master(src: _Sources, i: int, layout: GroupLayout) -> torch.Tensor:
+    """The master weights of group ``i`` over the whole old flat layout, on every member: each
+    owner's own partition, a gone owner's from the model every rank holds, as of the last
+    completed step (the optimizer's other states go by :func:`_pieces`)."""
     size = layout.partition
     full = torch.zeros(layout.total, dtype=torch.float32, device=group_device(src.group))
     for q, owner in enumerate(src.old):
         part = full.narrow(0, q * size, size)
         if owner in src.owners:
             if src.rank == owner:
-                assert src.own is not None
-                part.copy_(src.own[i][name].reshape(-1))
+                part.copy_(_held(src, i, MASTER, owner, size))
             dist.broadcast(part, src=owner, group=src.group)
-        elif name == MASTER:  # the model every rank holds, as of the last completed step
+        else:
             if src.rank == src.source:
                 assert src.bit16 is not None
                 part.copy_(src.bit16[i].narrow(0, q * size, size))
             dist.broadcast(part, src=src.source, group=src.group)
-        elif (held := src.holders.get(owner)) is not None:
-            holder = held[0]
-            if src.rank == holder:
-                assert src.mirror.copy is not None
-                part.copy_(src.mirror.copy.narrow(0, src.mirror_at[(i, name)], size))
-            dist.broadcast(part, src=holder, group=src.group)
     return full
 
 
@@ -511,7 +506,7 @@ def _pieces(
         held = src.holders.get(owner)
         giver = owner if owner in src.owners else None if held is None else held[0]
         if giver is None:
-            continue  # its state was lost: zeros, as _assemble gives
+            continue  # its state was lost: zeros (Repartitioned.state_lost names it)
         for m, member in enumerate(members):
             lo = max(q * old.partition, m * new.partition)
             hi = min((q + 1) * old.partition, (m + 1) * new.partition, old.total)

@@ -148,7 +148,7 @@ def test_re_homing_zero_partitions(handed: list[tuple[str, torch.device]]) -> No
         old=(0, 1), owners=(0, 1), rank=1, source=0, group=GROUP, mirror=zero_repartition.Mirror(every=1),
         holders={}, mirror_at={}, own=[{"master": torch.ones(layout.partition)}], bit16=None,
     )  # fmt: skip
-    calls.append(lambda: zero_repartition._assemble(sources, 0, "master", layout))
+    calls.append(lambda: zero_repartition._assemble_master(sources, 0, layout))
     for call in calls:
         with pytest.raises(Handed):
             call()

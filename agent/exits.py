@@ -29,7 +29,8 @@ def _open(proc: subprocess.Popen[bytes]) -> int | None:
 
 
 async def exit_or_timeout(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
-    """Return after ``timeout_s``, or as soon as one of ``procs`` exits (or has exited unreaped)."""
+    """Return after ``timeout_s``, or as soon as one of ``procs`` exits (or has exited unreaped);
+    with no ``procs`` (ranks re-attached after a restart, watched by pid), a sleep."""
     loop = asyncio.get_running_loop()
     woke: asyncio.Future[None] = loop.create_future()
 

@@ -429,7 +429,7 @@ class Launcher:
                 codes_read = [self._rc(rj.job, i) for i in range(len(rj.pids))]
                 code = None if None in codes_read else next((c for c in codes_read if c), 0)
                 break
-            await (exit_or_timeout(rj.procs, self.poll_s) if rj.procs else asyncio.sleep(self.poll_s))  # pidfd: at once
+            await exit_or_timeout(rj.procs, self.poll_s)  # at once on a rank's exit; re-attached (no procs): the poll
         rj.ended = True
         self.jobs.pop(rj.job, None)
         self._save()

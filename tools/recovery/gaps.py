@@ -30,8 +30,11 @@ def cost(
     the gaps that end before it count (the admission's gap is :func:`rejoin_cost`'s). None when
     the rank did not step on both sides of the fault."""
     before = [b - a for a, b in itertools.pairwise(times) if b < fault]
-    end = fault + observe_s if rejoin is None else min(fault + observe_s, rejoin)
-    around = [b - a for a, b in itertools.pairwise(times) if b >= fault and a <= end and (rejoin is None or b < rejoin)]
+    around = [
+        b - a
+        for a, b in itertools.pairwise(times)
+        if b >= fault and a <= fault + observe_s and (rejoin is None or b < rejoin)
+    ]
     if len(before) < 3 or not around:
         return None
     step = statistics.median(before[len(before) // 2 :])  # after the first steps' warm-up

@@ -65,9 +65,12 @@ class NodeView:
         if self.payload is not None:
             payload, self.payload = self.payload, None
             try:
-                self.decoded = wire.decode_heartbeat(payload)
+                hb = wire.decode_heartbeat(payload)
             except wire.WireError as exc:  # an ingest process of another version: the last one stands
                 log.error("event=heartbeat_undecodable node=%s detail=%s", self.health.name, exc)
+            else:
+                if hb.node == self.health.name:  # a latest key another node's agent wrote: not ours
+                    self.decoded = hb
         return self.decoded
 
     @latest.setter
@@ -259,14 +262,17 @@ class Cluster:
         schedulable: bool,
         labels: dict[str, str],
         telemetry: dict[str, object],
-        latest: wire.Heartbeat | None = None,
+        latest: bytes | None = None,
     ) -> None:
-        """A node as the database holds it; ``latest`` is its newest heartbeat where Redis still
-        has one, else its stored identity stands in (measurements absent)."""
+        """A node as the database holds it; ``latest`` is its newest heartbeat as its agent wrote
+        it, where Redis still has one, decoded when something first reads it (:attr:`NodeView.latest`:
+        a take-over at 16,384 nodes decoded them all on the event loop, for 20 s); until then, and
+        where it is absent or undecodable, the stored identity stands in (measurements absent)."""
         stored = summary.stored(telemetry)
         self.nodes[name] = NodeView(
             health=NodeHealth(name=name, state=NodeState(state), since=since, reason=reason, last_seen=last_seen),
-            decoded=latest if latest is not None and latest.node == name else stored,
+            decoded=stored,
+            payload=latest or None,
             schedulable=schedulable,
             labels=dict(labels),
             stored=None if stored is None else summary.key(stored),

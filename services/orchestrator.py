@@ -334,19 +334,16 @@ class Orchestrator:
         if not self.leading:
             self.shared.cluster, self.shared.plans, self.shared.job_states = cluster, keeper, job_states
 
-    async def _latest_heartbeats(self, names: list[str]) -> dict[str, wire.Heartbeat]:
-        """The newest heartbeat of each node that Redis still holds (its latest key): measurements
-        live there and in memory, never in the database (services/persist/decide.py). A Redis that does
-        not answer leaves the stored identities standing in until the next heartbeats."""
-        out: dict[str, wire.Heartbeat] = {}
+    async def _latest_heartbeats(self, names: list[str]) -> dict[str, bytes | None]:
+        """The newest heartbeat of each node that Redis still holds (its latest key), undecoded:
+        measurements live there and in memory, never in the database (services/persist/decide.py).
+        A Redis that does not answer leaves the stored identities standing in until the next
+        heartbeats."""
         try:
-            for name, raw in (await read_latest(self.redis, names)).items():
-                if raw:
-                    with contextlib.suppress(wire.WireError):
-                        out[name] = wire.decode_heartbeat(raw)
+            return await read_latest(self.redis, names)
         except Exception as exc:
             log.warning("event=latest_heartbeats_unread nodes=%d error=%r", len(names), str(exc))
-        return out
+            return {}
 
     # --- Slurm ----------------------------------------------------------------------------------
     def _load_slurm(self, now: float) -> None:

@@ -3,6 +3,8 @@ decoded when first read (services/cluster.py, NodeView.latest)."""
 
 from __future__ import annotations
 
+import msgspec
+
 from agent.daemon import NodeAgent
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
@@ -38,3 +40,23 @@ def test_the_heartbeat_is_decoded_when_read_and_an_undecodable_one_leaves_the_la
     older, _ = _observed(agent, 5.0)
     c.fold_observed(older)
     assert view.health.last_seen == 11.0  # an older entry redelivered changes nothing
+
+
+def test_a_restored_node_keeps_its_latest_key_undecoded_until_read() -> None:
+    """A take-over reads every node's latest key from Redis: kept as written, decoded when first
+    read; until then, and where the key is absent or another node's, the stored identity stands."""
+    sim = SimulatedNode("n0", gpus=4)
+    agent = NodeAgent(node="n0", gpu=sim, gpu_source="simulated", interval_s=1.0, sim=sim)
+    hb = agent.heartbeat(agent.sim.sample())  # type: ignore[union-attr]
+    identity = msgspec.to_builtins(msgspec.structs.replace(hb, gpus=[], psus=[], fans=[]))
+    other = NodeAgent(node="n9", gpu=SimulatedNode("n9", gpus=2), gpu_source="simulated", interval_s=1.0)
+    c = Cluster(policy=health.Policy(), grace_start=0.0)
+    row = {"state": "HEALTHY", "since": 0.0, "reason": "", "last_seen": 5.0, "schedulable": True, "labels": {}}
+    c.restore(name="n0", **row, telemetry=identity, latest=wire.encode(hb))
+    c.restore(name="n1", **row, telemetry=identity, latest=None)
+    c.restore(name="n2", **row, telemetry=identity, latest=wire.encode(other.heartbeat(other.gpu.sample())))
+    assert c.nodes["n0"].payload == wire.encode(hb) and c.nodes["n0"].decoded is not None  # the identity, until read
+    assert c.nodes["n0"].latest == hb and c.nodes["n0"].payload is None
+    for name in ("n1", "n2"):  # no key; another node's key: the identity stands
+        latest = c.nodes[name].latest
+        assert latest is not None and latest.node == "n0" and latest.gpus == [], name

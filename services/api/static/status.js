@@ -121,8 +121,30 @@ async function summaries() {
   return nodes;
 }
 
+// The grid is kept between refreshes: a node's card is made again only when what it shows
+// changed, and a domain, a rack or the grid has its children set again only when one of them is
+// another element. At 16,384 nodes a refresh changes a fraction of the cards (their figures are
+// shown to the degree or watt); making every card again took longer than reading them.
+const grid = { cards: new Map(), racks: new Map(), order: [] };
+
+function cardOf(n) {
+  const shown = [n.state, n.reason, n.schedulable, n.cordoned, ...hardware(n)].join("\u0000");
+  const kept = grid.cards.get(n.name);
+  if (kept && kept.shown === shown) return kept.el;
+  const card = nodeCard(n);
+  grid.cards.set(n.name, { shown, el: card });
+  return card;
+}
+
+// box's children become els unless they already are (the kept list says what they are)
+function setChildren(box, kept, els) {
+  if (kept.length === els.length && kept.every((e, i) => e === els[i])) return kept;
+  box.replaceChildren(...els);
+  return els;
+}
+
 function renderNodes(nodes) {
-  // rack -> NVLink domain -> nodes, each level sorted by name
+  // rack -> NVLink domain -> nodes, racks and domains sorted by name, nodes in the API's name order
   const racks = new Map();
   for (const n of nodes) {
     const rack = n.labels.rack || "no rack label";
@@ -132,15 +154,30 @@ function renderNodes(nodes) {
     if (!doms.has(dom)) doms.set(dom, []);
     doms.get(dom).push(n);
   }
-  const out = [];
+  const shownRacks = new Map();
+  const rackEls = [];
   for (const rack of [...racks.keys()].sort()) {
     const doms = racks.get(rack);
-    const groups = [...doms.keys()].sort().map((d) =>
-      el("div", { class: "domain", "data-domain": d }, el("div", { class: "domain-name" }, d), doms.get(d).sort((a, b) => a.name.localeCompare(b.name)).map(nodeCard)),
-    );
-    out.push(el("div", { class: "rack", "data-rack": rack }, el("h3", {}, rack), el("div", { class: "domains" }, groups)));
+    const r = grid.racks.get(rack) || { domains: new Map(), shown: [] };
+    if (!r.el) {
+      r.box = el("div", { class: "domains" });
+      r.el = el("div", { class: "rack", "data-rack": rack }, el("h3", {}, rack), r.box);
+    }
+    const shownDoms = new Map();
+    const domEls = [];
+    for (const dom of [...doms.keys()].sort()) {
+      const d = r.domains.get(dom) || { el: el("div", { class: "domain", "data-domain": dom }), head: el("div", { class: "domain-name" }, dom), shown: [] };
+      d.shown = setChildren(d.el, d.shown, [d.head, ...doms.get(dom).map(cardOf)]);
+      shownDoms.set(dom, d);
+      domEls.push(d.el);
+    }
+    r.domains = shownDoms;
+    r.shown = setChildren(r.box, r.shown, domEls);
+    shownRacks.set(rack, r);
+    rackEls.push(r.el);
   }
-  document.getElementById("nodes").replaceChildren(...(out.length ? out : [el("p", {}, "no nodes yet")]));
+  grid.racks = shownRacks;
+  grid.order = setChildren(document.getElementById("nodes"), grid.order, rackEls.length ? rackEls : [el("p", {}, "no nodes yet")]);
   const counts = {};
   for (const n of nodes) counts[n.state] = (counts[n.state] || 0) + 1;
   document.getElementById("cluster-summary").replaceChildren(

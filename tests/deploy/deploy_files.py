@@ -65,6 +65,13 @@ SPEC_ALERTS: dict[str, str] = {
     "NICErrorsRising": "port",
     "NCCLOverTCP": "port",
 }
+# Alerts of ClusterPulse's own beside SPEC's, held to the same rules (metadata, runbook, unit tests).
+OWN_ALERTS: dict[str, str] = {
+    "GPUDegraded": "gpu",
+    "JobDataBound": "job",
+    "JobCommunicationBound": "job",
+}
+ALERT_SCOPES = {**SPEC_ALERTS, **OWN_ALERTS}
 PER_NODE_HEARTBEAT_ALERTS = ("NodeHeartbeatStale", "NodeDegraded", "NodeLost")
 LOW_MFU_EXPR = "avg_over_time(pulse_job_mfu_ratio[5m]) < 0.3"
 LOW_MFU_FOR = "15m"

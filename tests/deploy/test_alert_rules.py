@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from deploy_files import (
+    ALERT_SCOPES,
     ALERTS_FILE,
     DASHBOARDS,
     LOW_MFU_EXPR,
@@ -81,9 +82,15 @@ def test_every_spec_alert_is_defined() -> None:
     assert not missing, f"SPEC alerts missing from {ALERTS_FILE.name}: {missing}"
 
 
-@pytest.mark.parametrize("name", sorted(SPEC_ALERTS))
+def test_every_alert_is_held_to_the_rules() -> None:
+    """An alert of our own is in OWN_ALERTS (deploy_files.py), so the tests below cover it too."""
+    defined = {rule["alert"] for rule in alert_rules()}
+    assert not defined - set(ALERT_SCOPES), f"alerts with no scope: {sorted(defined - set(ALERT_SCOPES))}"
+
+
+@pytest.mark.parametrize("name", sorted(ALERT_SCOPES))
 def test_alert_metadata(name: str) -> None:
-    scope = SPEC_ALERTS[name]
+    scope = ALERT_SCOPES[name]
     for rule in rules_named(name):
         labels = rule.get("labels", {})
         annotations = rule.get("annotations", {})
@@ -232,7 +239,7 @@ def test_every_recording_rule_is_used() -> None:
 # ---- runbooks
 
 
-@pytest.mark.parametrize("name", sorted(SPEC_ALERTS))
+@pytest.mark.parametrize("name", sorted(ALERT_SCOPES))
 def test_runbook(name: str) -> None:
     path = RUNBOOKS / f"{name}.md"
     assert path.is_file(), f"runbook {path.relative_to(RUNBOOKS.parents[1])} is missing"
@@ -241,7 +248,7 @@ def test_runbook(name: str) -> None:
     for section in ("## What it means", "## First commands", "## When to cordon"):
         assert section in text, f"{path.name}: section {section!r} missing"
     assert "pulse nodes cordon" in text, f"{path.name}: say when to run `pulse nodes cordon NODE`"
-    scope = SPEC_ALERTS[name]
+    scope = ALERT_SCOPES[name]
     if scope in ("node", "gpu", "port"):
         assert "pulse nodes show NODE" in text, f"{path.name}: `pulse nodes show NODE` missing"
         assert "pulse events --node NODE" in text, f"{path.name}: `pulse events --node NODE` missing"
@@ -257,6 +264,12 @@ def test_runbook(name: str) -> None:
         first = text.split("## First commands", 1)[1].split("```sh\n", 1)[1].splitlines()[0]
         assert first.startswith("pulse jobs checkpoint JOB"), f"{path.name}: the first command is {first!r}"
         assert "POST /v1/jobs/{id}/checkpoint" in text, f"{path.name}: the REST form of the checkpoint"
+
+
+def test_the_runbook_index_lists_every_alert() -> None:
+    index = (RUNBOOKS / "README.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| \[(\w+)\]\(\1\.md\) \|", index, flags=re.M))
+    assert listed == {rule["alert"] for rule in alert_rules()}, sorted(listed ^ {r["alert"] for r in alert_rules()})
 
 
 def test_no_runbook_without_alert() -> None:
@@ -280,7 +293,7 @@ def _unit_cases() -> dict[str, dict[str, list[tuple[str, dict[str, Any]]]]]:
     return cases
 
 
-@pytest.mark.parametrize("name", sorted(SPEC_ALERTS))
+@pytest.mark.parametrize("name", sorted(ALERT_SCOPES))
 def test_every_alert_has_a_firing_and_a_silent_unit_test(name: str) -> None:
     cases = _unit_cases()[name]
     assert cases["fires"], f"{name}: no promtool case where it fires"

@@ -154,6 +154,7 @@ class Settings(BaseSettings):
 
     # Orchestrator loops
     evaluate_interval_s: float = Field(0.5, gt=0)
+    loop_watch_interval_s: float = Field(0.1, gt=0)  # how often the event loop's lag is measured
     ingest_block_s: float = Field(0.2, gt=0)
     ingest_batch: int = Field(2000, ge=1)
     # Ingest processes (services/ingest/worker.py) per replica: 0 (the default) has the leader read

@@ -37,6 +37,7 @@ from services.ingest.pool import IngestPool
 from services.jobs.loop import JobReconciler
 from services.jobs.progress import Progress
 from services.leader import LeaderLease, NotLeader
+from services.loop_watch import GcWatch, LoopWatch
 from services.operator import OperatorActions
 from services.persist.loop import Persister
 from services.persist.outbox import Outbox
@@ -139,6 +140,7 @@ class Orchestrator:
             self.sessions, days=settings.retention_days, batch=settings.retention_batch,
             interval_s=settings.retention_interval_s,
         )  # fmt: skip
+        self.loop_watch, self.collections = LoopWatch(settings.loop_watch_interval_s), GcWatch()  # loop_watch.py
         self.ticks = self._ticks()
         self.runner: Runner | None = None  # while started
 
@@ -146,7 +148,7 @@ class Orchestrator:
         """Every loop this replica runs, each a tick of the one runner (services/runner.py)."""
         ticks: list[Tick | None] = [
             LeaseTick(self), FollowTick(self), self.ingest, self.evaluator, self.persister, self.jobs,
-            self.fabric, self.retention, self.ingest_pool, self.slurm, self.slurm_jobs,
+            self.fabric, self.retention, self.ingest_pool, self.slurm, self.slurm_jobs, self.loop_watch,
         ]  # fmt: skip
         return [t for t in ticks if t is not None]
 
@@ -180,6 +182,7 @@ class Orchestrator:
         """Take part in the leader election (services/leader.py); a sole replica leads before
         this returns, as it did before there were replicas. Then start the loops; the lease loop
         moves this replica between leading and following."""
+        self.collections.install()
         await self._until_ok("redis time", self.clock.sync)
         await self._until_ok("leader lease", self.leader.tick)
         if self.leader.leading():
@@ -211,6 +214,7 @@ class Orchestrator:
                 await self.persister.flush(final=True)
         with contextlib.suppress(Exception):
             await self.leader.release()
+        self.collections.remove()
 
     async def _end_loops(self) -> None:
         if self.runner is not None:

@@ -70,6 +70,7 @@ OWN_ALERTS: dict[str, str] = {
     "GPUDegraded": "gpu",
     "JobDataBound": "job",
     "JobCommunicationBound": "job",
+    "OrchestratorLoopStalled": "cluster",
 }
 ALERT_SCOPES = {**SPEC_ALERTS, **OWN_ALERTS}
 PER_NODE_HEARTBEAT_ALERTS = ("NodeHeartbeatStale", "NodeDegraded", "NodeLost")

@@ -298,16 +298,22 @@ def test_prometheus_fires_the_fault_alerts_and_nothing_for_healthy_nodes(stack: 
 
 
 def exported(text: str) -> tuple[set[str], set[str]]:
-    """(names with a ``# TYPE`` line, names with at least one sample) of an exposition."""
+    """(names with a ``# TYPE`` line, names with at least one sample) of an exposition; a
+    histogram's ``_bucket``, ``_sum`` and ``_count`` series count as typed by its ``# TYPE``."""
     typed: set[str] = set()
+    histograms: set[str] = set()
     sampled: set[str] = set()
     for line in text.splitlines():
         if line.startswith("# TYPE "):
-            typed.add(line.split()[2])
+            _, _, name, kind = line.split()[:4]
+            typed.add(name)
+            if kind == "histogram":
+                histograms.add(name)
         elif line and not line.startswith("#"):
             m = _SAMPLE_NAME.match(line)
             assert m, f"unparseable sample line: {line!r}"
             sampled.add(m[1])
+    typed |= {f"{h}{suffix}" for h in histograms for suffix in ("_bucket", "_sum", "_count")}
     return typed, sampled
 
 

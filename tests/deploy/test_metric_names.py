@@ -7,6 +7,9 @@ from metric_names import metric_names_by_file, metric_names_used
 # SPEC.md "Metrics" (and its network ports) plus the series the orchestrator documents alongside them.
 EXPORTED = frozenset(
     {
+        "pulse_event_loop_lag_seconds_bucket",  # a histogram's series (services/loop_watch.py)
+        "pulse_event_loop_lag_seconds_count",
+        "pulse_event_loop_lag_seconds_sum",
         "pulse_node_state",
         "pulse_nodes",
         "pulse_node_heartbeat_age_seconds",

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from services import db
 from services.api.deps import HealthReader, MetricsReader, OrchestratorDep
 from services.leader import leader_lines
+from services.loop_watch import loop_lines
 from services.metrics import CONTENT_TYPE, Renderer, job_state_lines, plan_lines
 from services.slurm.nodes.loop import metric_lines as slurm_lines
 
@@ -80,6 +81,7 @@ async def metrics(
             *request.app.state.limiter.metric_lines(),
             *leader_lines(orch.leader, leading=orch.leading),
             *slurm_lines(orch.slurm if orch.leading else None),
+            *loop_lines(orch.loop_watch, orch.collections),
         ),
     )
     return Response(text, media_type=CONTENT_TYPE)

@@ -196,22 +196,23 @@ def _wrapper(name: str, fn: Callable[..., Any], impl: Callable[..., Any]) -> Cal
     return wrapped
 
 
-def _copy(value: Any) -> Any:
-    """A tensor argument (or a list of them) copied, anything else as it is."""
+def _each(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` of a tensor argument, or of each tensor of a list of them; anything else as it is."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return fn(value)
     if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return [v.detach().clone() for v in value]
+        return [fn(v) for v in value]
     return value
+
+
+def _copy(value: Any) -> Any:
+    """An argument's tensors copied."""
+    return _each(value, lambda t: t.detach().clone())
 
 
 def _blank(value: Any) -> Any:
     """An output argument's like, to be written instead of it."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_like(value)
-    if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return [torch.empty_like(v) for v in value]
-    return value
+    return _each(value, torch.empty_like)
 
 
 # the arguments each collective writes (the others it reads; ``tensor`` of an in-place one both)

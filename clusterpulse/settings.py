@@ -179,7 +179,7 @@ class Settings(BaseSettings):
     # The status page GET / (services/api/routes/status_page.py): how often it re-reads the API.
     status_refresh_s: float = Field(3.0, ge=0.2)
     # ... and how many nodes it reads a request (GET /v1/nodes?fields=summary&limit=).
-    status_page_nodes: int = Field(1000, ge=1, le=10_000)
+    status_page_nodes: int = Field(5000, ge=1, le=10_000)  # 16,384 nodes: 4 requests (docs/benchmarks.md)
 
     # Retention (services/retention.py): events, finished jobs, superseded plans and stored GPU rows
     # older than this many days are deleted by the leader, a batch per transaction; 0 keeps all.

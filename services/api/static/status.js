@@ -13,7 +13,7 @@
 
 const TOKEN_KEY = "pulse-token";
 const REFRESH_MS = Number(document.body.dataset.refreshMs) || 3000;
-const NODES_PAGE = Number(document.body.dataset.nodesPage) || 1000;
+const NODES_PAGE = Number(document.body.dataset.nodesPage) || 5000;
 const EVENTS_SHOWN = 25;
 const NODE_EVENTS = 500;
 const TREND_S = 300;

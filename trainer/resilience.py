@@ -281,7 +281,6 @@ class Resilience:
 
     def _boundary(self, grad_norm: float | None) -> None:
         engine, follower, reroute = self.engine, self.follower, self.reroute
-        world.boundary()
         unreachable: list[int] = []
         ride = self.rider.take() if self.rider is not None else None  # [checkpoint asked, newer plan]
         if follower is not None and reroute is not None:
@@ -354,7 +353,6 @@ class Resilience:
                 if reroute.joined:
                     follower.admit()
                 self._take_state()
-                world.catch_up(self.world_view())  # a survivor one world collective ahead runs it again
                 written = self._settle()
                 break
             except RecoveryError:

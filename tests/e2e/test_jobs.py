@@ -153,6 +153,15 @@ def test_cli_starts_and_follows_a_job_to_success(stack: Stack) -> None:
     from tests.support import PULSE
 
     env = {**stack.env, "PULSE_API_URL": stack.api}
+    # both healthy nodes HEALTHY first: on a loaded machine one was SUSPECT a moment (0.6 s of silence)
+    wait_for(
+        lambda: (
+            {n: v["state"] for n, v in stack.nodes().items() if n != "job-bad"}
+            == dict.fromkeys(("job-a", "job-b"), "HEALTHY")
+        ),
+        timeout=30,
+        what="job-a and job-b HEALTHY",
+    )
     out = subprocess.run(
         [*PULSE, "jobs", "start", "--name", "cli", "--nodes", "2", "--follow", "--", RANK, "--seconds", "1"],
         env=env, capture_output=True, text=True, timeout=120, cwd=REPO, check=False,

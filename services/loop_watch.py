@@ -27,7 +27,7 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Histogram:
-    """A Prometheus histogram's counts (cumulative buckets, sum, count), rendered by :meth:`lines`."""
+    """A Prometheus histogram's counts (cumulative buckets, sum, count), rendered by :meth:`series`."""
 
     def __init__(self, buckets: tuple[float, ...] = BUCKETS) -> None:
         self.buckets = buckets

@@ -93,7 +93,7 @@ function hardware(n) {
   return parts;
 }
 
-function nodeCard(n) {
+function nodeCard(n, hw = hardware(n)) {
   return el(
     "div",
     { class: `node state-${n.state}`, "data-node": n.name, "data-state": n.state, title: n.reason },
@@ -104,7 +104,7 @@ function nodeCard(n) {
       el("span", { class: "node-state" }, n.state),
     ),
     el("div", { class: "node-reason" }, n.reason || ""),
-    el("div", { class: "node-hw" }, hardware(n).map((p) => el("span", {}, p))),
+    el("div", { class: "node-hw" }, hw.map((p) => el("span", {}, p))),
     n.schedulable ? null : el("div", { class: "node-sched" }, n.cordoned ? "cordoned" : "not schedulable (Slurm)"),
   );
 }
@@ -128,10 +128,11 @@ async function summaries() {
 const grid = { cards: new Map(), racks: new Map(), order: [] };
 
 function cardOf(n) {
-  const shown = [n.state, n.reason, n.schedulable, n.cordoned, ...hardware(n)].join("\u0000");
+  const hw = hardware(n);
+  const shown = [n.state, n.reason, n.schedulable, n.cordoned, ...hw].join("\u0000");
   const kept = grid.cards.get(n.name);
   if (kept && kept.shown === shown) return kept.el;
-  const card = nodeCard(n);
+  const card = nodeCard(n, hw);
   grid.cards.set(n.name, { shown, el: card });
   return card;
 }

@@ -555,8 +555,8 @@ class TrainerReport(msgspec.Struct, kw_only=True, frozen=True):
 
 
 REJOIN_REFUSED_EXIT = 3
-"""The exit code of a relaunched rank that cannot be taken back (``trainer.run``: under a framework
-loop that counts its own steps); the orchestrator does not relaunch that node again."""
+"""The exit code of a relaunched rank that cannot be taken back (``trainer.run``: a configuration
+whose state the live ranks cannot hand over); the orchestrator does not relaunch that node again."""
 
 CHECKPOINT_WRITTEN = "checkpoint_written"
 """The first word of a :attr:`TrainerReport.event` saying the rank saved a checkpoint, then its directory."""

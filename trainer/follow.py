@@ -10,7 +10,7 @@ puts it in force at step boundaries through the rank's
   A plan they cannot use is logged and kept out; the thread never blocks the training loop.
 - :meth:`~PlanFollower.recover`: after a participant died or hung (a collective failed), the
   survivors agree through the job's store on a plan without it and switch to it.
-- :meth:`~PlanFollower.join`: a restarted rank comes back into the running job by name.
+- a restarted rank comes back into the running job by name (its side: :mod:`trainer.rejoin`).
 
 The protocols, the beats that speed up a survey, and the limits: docs/design/follow.md.
 """
@@ -29,7 +29,6 @@ from typing import Any
 import msgspec
 import torch
 from torch._C._distributed_c10d import Store  # torch.distributed re-exports it untyped
-from torch.distributed import DistError
 
 from clusterpulse import wire
 from clusterpulse.redis_client import LazyClient
@@ -74,12 +73,13 @@ class PlanFollower:
         self._calls = 0
         self._reported_missing: set[int] = set()
         self._failed_invites: set[int] = set()
+        self.step = 0  # the live ranks' step at the last boundary or recovery (an invitation names it)
         self.source = 0
         """The rank whose state every live rank takes after the last switch that brought ranks
         back (never one of them: a rejoined rank 0 is the root of a trivial plan, with nothing)."""
         self.joined: tuple[int, ...] = ()
         """Ranks the switch at the last :meth:`boundary` brought back (restarted ranks that
-        :meth:`join` ed): every live rank then takes :attr:`source`'s state."""
+        :func:`trainer.rejoin.join` ed): every live rank then takes :attr:`source`'s state."""
         self._boundary_at = time.monotonic()  # the last step boundary (or recovery)
         self._steps: collections.deque[float] = collections.deque(maxlen=16)  # the time between boundaries
         self._stop = threading.Event()
@@ -124,22 +124,27 @@ class PlanFollower:
         current = self.reroute.generation or 0
         return latest.generation if latest is not None and latest.generation not in self._refused else current
 
-    def boundary(self, *, newer: bool | None = None) -> wire.Plan | None:
+    def boundary(self, *, newer: bool | None = None, step: int = 0) -> wire.Plan | None:
         """At a step boundary, on every live rank: put the agreed plan in force.
 
         ``newer``: whether any live rank read a plan newer than the one in force, agreed already
         (it rode with the step's gradients); False skips the agreement, None agrees by a
-        collective. Returns the plan that came into force at this boundary, or None when nothing
-        changed.
+        collective. ``step``: the live ranks' step count, published while the plan in force
+        leaves ranks out (a relaunched rank replaying its loop catches up to it:
+        :mod:`trainer.replay`) and named in an invitation. Returns the plan that came into force
+        at this boundary, or None when nothing changed.
         """
         self._calls += 1
         self.joined = ()
+        self.step = step
+        reroute = self.reroute
+        if reroute.left and reroute.route is not None and reroute.rank == reroute.source:
+            reroute.store.set(live_step_key(self.job), str(step))
         now = time.monotonic()
         self._steps.append(now - self._boundary_at)
         self._boundary_at = now
         if self._calls % self.every or newer is False:
             return None
-        reroute = self.reroute
         current = reroute.generation or 0
         latest = self._latest
         proposed = self._proposal()
@@ -171,15 +176,16 @@ class PlanFollower:
 
     def _switch(self, plan: wire.Plan, salt: str, *, invite: bool) -> None:
         """Switch to ``plan``; with ``invite``, first tell each rank it brings back (a restarted
-        rank waiting in :meth:`join`) the plan and salt, so it makes the same groups."""
+        rank waiting in :func:`trainer.rejoin.join`) the plan and salt, so it makes the same groups."""
         reroute = self.reroute
         back = sorted(reroute.left - set(plan.excluded))
         if invite and back:
             # what every live rank takes after the switch
             source = state_source(plan.participants, back, [int(d) for d in plan.proxies])
-            record = msgspec.json.encode(_Invitation(plan=plan, salt=salt, source=source, back=tuple(back))).decode()
+            invitation = Invitation(plan=plan, salt=salt, source=source, back=tuple(back), step=self.step)
+            record = msgspec.json.encode(invitation).decode()
             for r in back:
-                reroute.store.set(self._join_key(r), record)
+                reroute.store.set(join_key(self.job, r), record)
             log.warning("event=rejoin_invited job=%s generation=%d ranks=%s", self.job, plan.generation, back)
         try:
             reroute.switch(plan, salt=salt)
@@ -190,75 +196,20 @@ class PlanFollower:
             self._failed_invites.update(back)
             raise
 
-    def _invited(self, key: str) -> bool:
-        store = self.reroute.store
-        try:
-            if store.check([wire.job_done_store_key(self.job)]):
-                raise JobFinished(f"job {self.job} finished before rank {self.reroute.rank} could rejoin it")
-            return store.check([key])
-        except DistError as exc:
-            # The store outlives every rank but the job (agent/job_store.py), or it lives in rank 0:
-            # gone means the job is over, one way or the other (the job's state says which).
-            raise JobFinished(f"job {self.job}: its store is gone ({exc}); nothing left to rejoin") from exc
-
     def finish(self) -> None:
-        """The live ranks, after the last step: a restarted rank still waiting in :meth:`join`
-        learns that there is nothing to rejoin (and leaves with success, not a failure)."""
+        """The live ranks, after the last step: a restarted rank still waiting to rejoin
+        (:func:`trainer.rejoin.join`) learns that there is nothing to rejoin (and leaves with
+        success, not a failure)."""
         _mark(self.reroute, wire.job_done_store_key(self.job))
 
     def admit(self) -> None:
-        """The live ranks, where they hand the ranks brought back their state: let them take it."""
-        _mark(self.reroute, _admit_key(self.job, self.reroute.salt))
-
-    def admitted(self, *, timeout_s: float) -> None:
-        """A rank brought back, after :meth:`join`: wait (a short poll) for the live ranks to :meth:`admit` it."""
-        self._await(_admit_key(self.job, self.reroute.salt), time.monotonic(), timeout_s, 0.005, "admit it")
-
-    def _await(self, key: str, started: float, timeout_s: float, poll_s: float, what: str) -> None:
-        while not self._invited(key):
-            if time.monotonic() - started > timeout_s:
-                raise RecoveryError(f"rank {self.reroute.rank}: the live ranks did not {what} in {timeout_s:g}s")
-            time.sleep(poll_s)
+        """The live ranks, where they hand the ranks brought back their state: let them take it
+        (:func:`trainer.rejoin.admitted`)."""
+        _mark(self.reroute, admit_key(self.job, self.reroute.salt))
 
     @property
     def _salt_key(self) -> str:
         return f"pulse/{self.job}/salt"
-
-    def _join_key(self, rank: int) -> str:
-        return _join_key(self.job, rank)
-
-    def join(self, *, timeout_s: float, poll_s: float = 0.05) -> wire.Plan:
-        """A restarted rank: wait until the live ranks put in force a plan that counts on it again
-        (the orchestrator publishes one once it has registered again), then make the plan's groups
-        with them. The caller then takes :attr:`source`'s state (``trainer.example``:
-        ``trainer.engine_state.take_state``), as every live rank does after a switch that brought ranks back
-        (:attr:`joined`). Raises :class:`RecoveryError`
-        when no invitation came within ``timeout_s``, :class:`JobFinished` when the live ranks
-        finished the job meanwhile (:meth:`finish`)."""
-        reroute = self.reroute
-        key = self._join_key(reroute.rank)
-        started = time.monotonic()
-        while True:
-            self._await(key, started, timeout_s, poll_s, "take it back")
-            invitation = msgspec.json.decode(reroute.store.get(key), type=_Invitation)
-            reroute.store.delete_key(key)
-            try:
-                reroute.switch(invitation.plan, salt=invitation.salt)
-                reroute.joined = invitation.back  # as its peers have it: PlanGroups.source
-                self.source = invitation.source
-                break
-            except RuntimeError as exc:  # the live ranks gave up on this attempt: they invite again
-                log.warning(
-                    "event=rejoin_attempt_failed job=%s rank=%d generation=%d error=%r",
-                    self.job, reroute.rank, invitation.plan.generation, str(exc)[:300],
-                )  # fmt: skip
-                reroute.reset()
-        self.switches += 1
-        log.warning(
-            "event=rejoined job=%s rank=%d generation=%d role=%s after_s=%.2f",
-            self.job, reroute.rank, invitation.plan.generation, reroute.role, time.monotonic() - started,
-        )  # fmt: skip
-        return invitation.plan
 
     def newly_missing(self) -> dict[int, str]:
         """Degraded ranks this rank (as their carrier) gave up on since the last call, with why.
@@ -278,11 +229,13 @@ class PlanFollower:
         survey_s: float,
         timeout_s: float,
         poll_s: float = 0.05,
+        step: int = 0,
     ) -> wire.Plan:
         """After a collective failed on this rank: agree with the live ranks on a plan without
-        the dead and put it in force (the protocol: docs/design/follow.md). Returns the plan
-        now in force; raises :class:`RecoveryError` when there was no plan in force or no plan
-        came within ``timeout_s``."""
+        the dead and put it in force (the protocol: docs/design/follow.md). ``step``: the live
+        ranks' step count, named in an invitation. Returns the plan now in force; raises
+        :class:`RecoveryError` when there was no plan in force or no plan came within ``timeout_s``."""
+        self.step = step
         reroute = self.reroute
         route = reroute.route
         if route is None:
@@ -335,7 +288,7 @@ class PlanFollower:
         timeout_s: float,
         poll_s: float,
         error: BaseException,
-    ) -> _Invitation:
+    ) -> Invitation:
         """The survey of :meth:`recover`: wait until some rank has put a plan at ``prefix``/plan
         (or put one there: the orchestrator's newer plan that excludes more, or the same plan on
         fresh groups when nobody is gone), reporting the ranks still missing after ``survey_s``
@@ -351,7 +304,7 @@ class PlanFollower:
         while True:
             elapsed = time.monotonic() - started
             if store.check([key]):
-                return msgspec.json.decode(store.get(key), type=_Invitation)
+                return msgspec.json.decode(store.get(key), type=Invitation)
             missing = [r for r in expected if not store.check([f"{prefix}/alive/{r}"])]
             latest = self._latest
             candidate: wire.Plan | None = None
@@ -360,9 +313,9 @@ class PlanFollower:
             elif not missing:
                 candidate = _plan_of(route)  # nobody is gone: the same plan on fresh groups
             if candidate is not None:
-                mine = _Invitation(plan=candidate, salt=f"r{store.add(self._salt_key, 1)}")
+                mine = Invitation(plan=candidate, salt=f"r{store.add(self._salt_key, 1)}")
                 won = store.compare_set(key, "", msgspec.json.encode(mine).decode())
-                return msgspec.json.decode(won, type=_Invitation)
+                return msgspec.json.decode(won, type=Invitation)
             silent = self._silent(missing, beats) if self.beat_s is not None else []
             if missing and not reported and (elapsed >= survey_s or silent == missing):
                 reported = True
@@ -443,7 +396,7 @@ class PlanFollower:
                     pubsub.close()
 
 
-class _Invitation(msgspec.Struct, frozen=True):
+class Invitation(msgspec.Struct, frozen=True):
     """A plan the live ranks agreed on, the salt that names its groups (``trainer.collective``)
     and, for a rank invited back, the rank whose state it takes and every rank brought back."""
 
@@ -451,6 +404,7 @@ class _Invitation(msgspec.Struct, frozen=True):
     salt: str
     source: int = 0
     back: tuple[int, ...] = ()
+    step: int = 0  # the live ranks' step when they invited it: a replaying rank catches up to it
 
 
 class RecoveryError(RuntimeError):
@@ -461,7 +415,7 @@ class JobFinished(RecoveryError):
     """A restarted rank waiting to rejoin found the job finished: nothing is left to do."""
 
 
-def _admit_key(job: str, salt: str) -> str:
+def admit_key(job: str, salt: str) -> str:
     return f"pulse/{job}/admit/{salt}"
 
 
@@ -471,15 +425,19 @@ def _mark(reroute: ReroutedAllReduce, key: str) -> None:
         reroute.store.set(key, "1")
 
 
-def _join_key(job: str, rank: int) -> str:
+def join_key(job: str, rank: int) -> str:
     return f"pulse/{job}/join/{rank}"
+
+
+def live_step_key(job: str) -> str:
+    return f"pulse/{job}/live_step"
 
 
 def forget_invitation(store: Store, *, job: str, rank: int) -> None:
     """A restarted rank, before it registers again (which is what makes the orchestrator count on
     it): drop any invitation left in the job's store for its earlier self, so that
-    :meth:`PlanFollower.join` waits for one meant for this process."""
-    store.delete_key(_join_key(job, rank))
+    :func:`trainer.rejoin.join` waits for one meant for this process."""
+    store.delete_key(join_key(job, rank))
 
 
 def _plan_of(route: Route) -> wire.Plan:

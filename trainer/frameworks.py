@@ -12,7 +12,9 @@ take it back. The frameworks read their world from that process group, so for su
   ``max_steps`` line up with theirs, and so do the collectives they run.
 
 A bare Accelerate loop or Lightning counts its own steps where the library cannot reach them: a
-relaunched rank is refused there (:mod:`trainer.run`).
+relaunched rank replays the loop up to the live ranks' step (:mod:`trainer.replay`), and the
+checkpoints the loop takes meanwhile (``Accelerator.save_state``, Lightning's ``save_checkpoint``)
+are not written: they would overwrite the live ranks' of the same step with a replay's files.
 
 On every rank (:func:`install_writers`): while a plan leaves rank 0 out, its stand-in
 (:func:`trainer.world.stands_in_for_rank_zero`) also does the Trainer's main-process writing and
@@ -22,6 +24,7 @@ resumed; a Trainer checkpoint during which a rank died is taken again, whole.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from types import ModuleType
 from typing import Any
@@ -33,6 +36,25 @@ from trainer.imports import after_import
 def install(*, rank: int, world_size: int) -> None:
     after_import("accelerate.state", lambda state: _job_world(state, rank=rank, world_size=world_size))
     after_import("transformers.trainer", _align_steps)
+    after_import("accelerate.accelerator", lambda module: _not_while_replaying(module.Accelerator, "save_state"))
+    for trainer in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
+        after_import(trainer, lambda module: _not_while_replaying(module.Trainer, "save_checkpoint"))
+
+
+def _not_while_replaying(cls: type, name: str) -> None:
+    """``cls.name`` does nothing while this rank replays its loop (module docstring)."""
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from trainer import resilience
+
+        r = resilience.current()
+        if r is not None and r.replay is not None and r.replay.on:
+            return None
+        return original(self, *args, **kwargs)
+
+    setattr(cls, name, method)
 
 
 def install_writers() -> None:

@@ -16,9 +16,13 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from clusterpulse import wire
 from trainer.settings import TrainerSettings
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store  # torch.distributed re-exports it untyped
 
 
 class ForeignStore(Exception):
@@ -65,3 +69,20 @@ def verify(settings: TrainerSettings) -> None:
     reason = verdict(store.get(key) if named else None, settings.job_id, where=where)
     if reason is not None:
         raise ForeignStore(reason)
+
+
+def connect(s: TrainerSettings, *, rejoining_rank: int | None) -> Store:
+    """The job's store, through which every rank, first or restarted, agrees and makes groups. A
+    relaunched rank (``rejoining_rank``) drops any invitation left there for its earlier self
+    before it registers (:func:`trainer.follow.forget_invitation`)."""
+    from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
+
+    from trainer.follow import forget_invitation
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = TCPStore(
+        addr, port, is_master=False, timeout=timedelta(seconds=s.recovery_timeout_s), wait_for_workers=False
+    )
+    if rejoining_rank is not None:
+        forget_invitation(store, job=s.job_id, rank=rejoining_rank)
+    return store

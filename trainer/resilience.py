@@ -29,20 +29,19 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Collection
-from datetime import timedelta
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
 from clusterpulse import wire
-from trainer import deepspeed_reroute, rendezvous, step_report, world, zero_repartition
+from trainer import deepspeed_reroute, job_store, rejoin, rendezvous, step_report, world, zero_repartition
 from trainer.checkpoint import EmergencyCheckpoint
 from trainer.collective import ReroutedAllReduce
 from trainer.divergence import Health
 from trainer.engine_state import check_partitions, materialize_optimizer_state, params_sum, skip_step, take_state
-from trainer.follow import JobFinished, PlanFollower, RecoveryError, forget_invitation
+from trainer.follow import PlanFollower, RecoveryError
 from trainer.phases import BACKWARD, FORWARD, OPTIMIZER, PhaseClock, WallClock
+from trainer.replay import Replay
 from trainer.report import TrainerReporter
 from trainer.settings import TrainerSettings, load_trainer_settings
 
@@ -66,19 +65,21 @@ def attach(
     tokens_per_step: int | None = None,
     flops_per_token: float | None = None,
     join_at_first_step: bool = False,
+    replay: bool = False,
 ) -> Resilience:
     """Put the protocol on ``engine`` (right after ``deepspeed.initialize``, on every rank); returns
     its :class:`Resilience`. Idempotent: on an engine that already has one (the runner's hook
     attached it), only the declared ``tokens_per_step`` / ``flops_per_token`` are taken.
     ``join_at_first_step``: a relaunched rank waits for the live ranks at its first forward, not
-    here (a framework that does seconds of setup between the two would keep them waiting)."""
+    here (a framework that does seconds of setup between the two would keep them waiting);
+    ``replay``: it replays the script's loop up to the live ranks' step first (:mod:`trainer.replay`)."""
     existing: Resilience | None = getattr(engine, _ATTR, None)
     if existing is not None:
         existing.declare(tokens_per_step=tokens_per_step, flops_per_token=flops_per_token)
         return existing
     r = Resilience(engine, settings if settings is not None else load_trainer_settings())
     r.declare(tokens_per_step=tokens_per_step, flops_per_token=flops_per_token)
-    r.start(join_at_first_step=join_at_first_step)
+    r.start(join_at_first_step=join_at_first_step, replay=replay)
     return r
 
 
@@ -101,6 +102,7 @@ class Resilience:
         self.reporter: TrainerReporter | None = None
         self.reroute: ReroutedAllReduce | None = None
         self.follower: PlanFollower | None = None
+        self.replay: Replay | None = None  # a relaunched rank replaying its loop (trainer.replay)
         self.rider: deepspeed_reroute.Rider | None = None  # what rides with each step's reduction
         self.recoveries = 0
         self.checkpoint = EmergencyCheckpoint(engine, directory=s.checkpoint_dir, job=s.job_id, rank=self.rank)
@@ -129,13 +131,12 @@ class Resilience:
 
     # --- setup -------------------------------------------------------------------------------------
 
-    def start(self, *, join_at_first_step: bool = False) -> None:
+    def start(self, *, join_at_first_step: bool = False, replay: bool = False) -> None:
         global _current
         s, engine = self.settings, self.engine
         if s.active:
-            self.reporter = step_report.reporter(
-                engine, s, rank=self.rank, local_rank=self.local_rank, world=self.world_size
-            )
+            if not (self.rejoining and replay):  # a replaying rank registers once it caught up
+                self._register()
             if s.reroute:
                 _make_reroute(self)
         elif s.rejoin:
@@ -150,11 +151,14 @@ class Resilience:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR2, self.checkpoint.ask)
         atexit.register(self.close)
-        if self.rejoining and join_at_first_step:
+        if self.rejoining and replay and self.follower is not None:
+            self._entering = {self.rank}  # alone in the world's collectives until it is taken back
+            self.replay = Replay(self, register=self._register)
+        elif self.rejoining and join_at_first_step:
             self._entering = {self.rank}  # alone in the world's collectives until it has joined
             self._join_pending = True
         elif self.rejoining:
-            self._rejoin()
+            rejoin.taken_back(self)
         if self.reroute is not None:
             self.phases.reduced = self.reroute.reduced
         self.phases.start()
@@ -179,6 +183,11 @@ class Resilience:
 
         deepspeed_reroute.guard(self.engine, failed=lambda: self._failure is not None or self._void, fail=fail)
 
+    def _register(self) -> None:  # the reporter's first report registers the rank
+        self.reporter = step_report.reporter(
+            self.engine, self.settings, rank=self.rank, local_rank=self.local_rank, world=self.world_size
+        )
+
     def declare(self, *, tokens_per_step: int | None = None, flops_per_token: float | None = None) -> None:
         """What MFU needs that the library cannot see (``None`` keeps the setting or the count)."""
         if tokens_per_step is not None:
@@ -189,9 +198,12 @@ class Resilience:
     # --- the engine's methods, wrapped ---------------------------------------------------------------
 
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.replay is not None and self.replay.on and self.replay.replays():
+            with torch.no_grad():
+                return self._orig_forward(*inputs, **kwargs)
         if self._join_pending:
             self._join_pending = False
-            self._rejoin()
+            rejoin.taken_back(self)
         if self._admit_pending:
             self._admit_pending = False
             self._admit()
@@ -213,8 +225,8 @@ class Resilience:
         self.checkpoint.requested |= self.health.loss(loss, int(self.engine.global_steps) + 1)  # rides along
         self._forward_loss = None
         self._in_window = True
-        if self._failure is not None or self._void:
-            return None  # the window is lost already: no backward, no collective
+        if self._failure is not None or self._void or (self.replay is not None and self.replay.on):
+            return None  # the window is lost already (or replayed): no backward, no collective
         self._in_engine_backward = True
         self.phases.enter(BACKWARD)
         try:
@@ -248,6 +260,9 @@ class Resilience:
             self._losses.append(self._forward_loss)
             self._forward_loss = None
         boundary = engine.is_gradient_accumulation_boundary()
+        if self.replay is not None and self.replay.on:
+            self.replay.step(boundary=boundary)
+            return None
         if self._failure is not None or self._void:
             engine.zero_grad()  # this window's gradients are partial: no update from them
             engine.micro_steps += 1  # keep DeepSpeed's accumulation window aligned
@@ -284,7 +299,7 @@ class Resilience:
         unreachable: list[int] = []
         ride = self.rider.take() if self.rider is not None else None  # [checkpoint asked, newer plan]
         if follower is not None and reroute is not None:
-            follower.boundary(newer=None if ride is None else ride[1] > 0)
+            follower.boundary(newer=None if ride is None else ride[1] > 0, step=int(engine.global_steps))
             if reroute.role == "excluded":
                 self._leave("excluded")
             self._entering = set(follower.joined)  # in the world's collectives from the next boundary
@@ -345,7 +360,9 @@ class Resilience:
                 survey_s = reroute.peer_timeout_s + s.collective_timeout_s
             try:
                 self.partitions.release()  # so that the broken live group really closes (ZeRO 1-2)
-                follower.recover(error, report=report_missing, survey_s=survey_s, timeout_s=s.recovery_timeout_s)
+                follower.recover(
+                    error, report=report_missing, survey_s=survey_s, timeout_s=s.recovery_timeout_s, step=completed
+                )
                 if reroute.role == "excluded":
                     self._leave("excluded")
                 self._entering = set(reroute.joined)
@@ -384,20 +401,6 @@ class Resilience:
             deepspeed_reroute.reattach(engine, reroute)
             self._guard_reduction()
         take_state(engine, reroute, src=follower.source, tensors=not self.partitions.on, fresh=fresh)
-
-    def _rejoin(self) -> None:
-        follower = self.follower
-        assert follower is not None and self.reroute is not None
-        try:
-            follower.join(timeout_s=self.settings.recovery_timeout_s)
-            follower.admitted(timeout_s=self.settings.recovery_timeout_s)
-        except JobFinished as exc:
-            log.warning("event=rejoin_abandoned job=%s rank=%d reason=%r", self.settings.job_id, self.rank, str(exc))
-            self._leave("job_finished")
-        self._take_state(fresh=self.reroute.joined)
-        self._entering = {self.rank}
-        log.warning("event=rejoined job=%s rank=%d step=%d", self.settings.job_id, self.rank, self.engine.global_steps)
-        self._settle()
 
     def _admit(self) -> None:
         """The live ranks, at the first forward after a boundary that brought ranks back (the step
@@ -482,22 +485,11 @@ class Resilience:
         os._exit(0)
 
 
-def _job_store(s: TrainerSettings, rank: int) -> TCPStore:
-    """The job's store, through which every rank, first or restarted, agrees and makes groups."""
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = TCPStore(
-        addr, port, is_master=False, timeout=timedelta(seconds=s.recovery_timeout_s), wait_for_workers=False
-    )
-    if s.rejoin:
-        forget_invitation(store, job=s.job_id, rank=rank)  # before registering: see trainer.follow
-    return store
-
-
 def _make_reroute(self: Resilience) -> None:
     """The rerouted reduction, its rider and the plan follower on ``self``'s engine (ZeRO 0-2); a
     configuration that cannot be rerouted leaves it reporting only."""
     s, engine = self.settings, self.engine
-    store = _job_store(s, self.rank) if s.survives else None
+    store = job_store.connect(s, rejoining_rank=self.rank if s.rejoin else None) if s.survives else None
     T = s.collective_timeout_s
     reroute = ReroutedAllReduce(
         world_size=self.world_size,

@@ -10,8 +10,8 @@ exit code through ``os._exit``. Before the script runs it installs, with ``PULSE
 the job's DeepSpeed config in place of the script's and attaches the library to the first engine.
 ``PULSE_JOB_STORE=1``: the store at ``MASTER_ADDR:MASTER_PORT`` must name ``PULSE_JOB_ID``
 (:mod:`trainer.job_store`). ``PULSE_REJOIN=1``: a world of one before the script starts (the Hugging
-Face Trainer adapted to it, :mod:`trainer.frameworks`); refused under a bare Accelerate loop or
-Lightning (exit :data:`clusterpulse.wire.REJOIN_REFUSED_EXIT`). Details:
+Face Trainer adapted to it, :mod:`trainer.frameworks`); under a bare Accelerate loop or Lightning
+it replays the loop up to the live ranks' step first (:mod:`trainer.replay`). Details:
 ``docs/design/resilience.md``.
 """
 
@@ -41,8 +41,8 @@ log = logging.getLogger("pulse.trainer.run")
 
 FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
 """Packages that call ``deepspeed.initialize`` for the script: their engines attach; a relaunched
-rank is taken back under the Hugging Face Trainer (:mod:`trainer.frameworks`), refused under the
-others (their loops count their own steps)."""
+rank is taken back under the Hugging Face Trainer (:mod:`trainer.frameworks`) and, after it
+replayed their loops (which count their own steps), under the others (:mod:`trainer.replay`)."""
 
 
 def _framework(frame: Any) -> str | None:
@@ -108,16 +108,9 @@ def _patch(deepspeed: ModuleType, settings: TrainerSettings) -> None:
         return
 
     def initialize(*args: Any, **kwargs: Any) -> Any:
-        from trainer import resilience
+        from trainer import deepspeed_reroute, resilience
 
         framework = _framework(sys._getframe(1))
-        if settings.rejoin and framework not in (None, "transformers"):
-            print(
-                f"python -m trainer.run: a relaunched rank cannot be taken back under {framework}: it sized "
-                "its world and counts its steps from this rank's start (docs/design/rerouting.md)",
-                file=sys.stderr,
-            )
-            raise SystemExit(wire.REJOIN_REFUSED_EXIT)
         args, kwargs = _with_job_config(args, kwargs, settings)
         out = original(*args, **kwargs)
         engine = out[0]
@@ -126,7 +119,15 @@ def _patch(deepspeed: ModuleType, settings: TrainerSettings) -> None:
         elif getattr(engine, "pipeline_parallelism", False):
             log.warning("event=resilience_refused reason=pipeline_parallelism note=the_plan_numbers_the_whole_world")
         else:
-            resilience.attach(engine, settings=settings, join_at_first_step=framework == "transformers")
+            # the Trainer's step counter takes the live ranks'; the other frameworks' loops replay
+            loop = framework is not None and framework != "transformers"
+            try:
+                resilience.attach(
+                    engine, settings=settings, join_at_first_step=framework == "transformers", replay=loop
+                )
+            except deepspeed_reroute.RerouteConfigError as exc:  # only a relaunched rank raises it
+                print(f"python -m trainer.run: a relaunched rank cannot be taken back: {exc}", file=sys.stderr)
+                raise SystemExit(wire.REJOIN_REFUSED_EXIT) from None
         return out
 
     initialize._pulse = True  # type: ignore[attr-defined]

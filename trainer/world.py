@@ -16,6 +16,10 @@ and logging keep working. Per collective:
 - ``reduce_scatter`` (list or one tensor): each live rank gets its own slot, reduced as above.
 - ``broadcast``, ``scatter`` and their object forms from a live rank as usual; from a rank outside
   they raise :class:`ExcludedSource`. ``barrier``: over the live ranks.
+- A relaunched rank not yet taken back runs them alone (:attr:`View.alone`): a broadcast or
+  scatter from another rank leaves its tensor as it is (its own value stands in for the source's:
+  Accelerate's data loader broadcasts rank 0's random state at each epoch, identical on every rank
+  of a script that seeds them alike).
 
 A failed collective is not raised into the script: :meth:`trainer.resilience.Resilience.survive`
 recovers and it runs again over the new view, from its inputs as they were (docs/design/rerouting.md).
@@ -62,6 +66,11 @@ class View:
 
     def index(self, rank: int) -> int:
         return self.members.index(rank)
+
+    @property
+    def alone(self) -> bool:
+        """A relaunched rank not yet taken back, running the world's collectives by itself."""
+        return self.members == (self.rank,) and self.group is None
 
 
 Provider = Callable[[], View | None]
@@ -244,6 +253,8 @@ def _reduce(view: View, *, tensor: torch.Tensor, dst: int | None, op: Any, group
 
 def _broadcast(view: View, *, tensor: torch.Tensor, src: int | None, group_src: int | None, **_: Any) -> None:
     src = src if src is not None else group_src
+    if view.alone:
+        return  # its own source: the tensor as it is
     if src not in view.members:
         raise ExcludedSource(
             f"broadcast from rank {src}: the plan in force left it out of the job (live ranks {list(view.members)})"
@@ -303,6 +314,8 @@ def _scatter(
     **_: Any,
 ) -> None:
     src = src if src is not None else group_src
+    if view.alone and src != view.rank:
+        return  # nothing sent to it: its tensor as it is
     if src not in view.members:
         raise ExcludedSource(
             f"scatter from rank {src}: the plan in force left it out of the job (live ranks {list(view.members)})"

@@ -38,6 +38,7 @@ from clusterpulse import wire
 from tests.support import REPO, free_port, wait_for
 from trainer.collective import ReroutedAllReduce
 from trainer.follow import PlanFollower, RecoveryError, forget_invitation
+from trainer.rejoin import join
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -113,7 +114,7 @@ def run_rank(rank: int, redis_url: str, *, rejoin: bool, dying: int, how: str) -
 
     if rejoin:
         client.set(REGISTERED_KEY, "1")
-        follower.join(timeout_s=60)
+        join(follower, timeout_s=60)
         step = share_state(0, follower.source)
         joined_at = step
         gens.append(reroute.generation)

@@ -45,7 +45,12 @@ class Stack:
             "PULSE_AGENT_STATE_DIR": str(tmp / "agents"),
             "PULSE_JOB_STOP_GRACE_S": "3",
         }
-        self.env = pulse_env(**{**defaults, **env})
+        merged = {**defaults, **env}
+        if "PULSE_SUSPECT_AFTER_S" not in merged:  # five beats, not two: a 2-core machine under a
+            # test run's load lets a 0.3 s heartbeat slip past 0.6 s, and a SUSPECT node is not placed
+            beat, degraded = float(merged["PULSE_HEARTBEAT_INTERVAL_S"]), float(merged["PULSE_DEGRADED_AFTER_S"])
+            merged["PULSE_SUSPECT_AFTER_S"] = f"{max(2 * beat, min(5 * beat, degraded / 2)):g}"
+        self.env = pulse_env(**merged)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.api = f"http://127.0.0.1:{self.port}"
 

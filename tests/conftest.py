@@ -32,14 +32,50 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from services import db
-from tests.support import JOB_PORT_BASE, REDIS_URL, REPO, fresh_database
+from tests.redis_cluster import flush as flush_cluster
+from tests.support import CLUSTERS, JOB_PORT_BASE, REDIS_URL, REPO, fresh_database
+from tools.harness import HarnessError
+from tools.redis_cluster import PrivateRedisCluster
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+TWO_REDIS = "two_redis"
+"""A module marked with it (``pytestmark``) runs each test that takes ``redis_url`` twice: on the
+machine's Redis and on a real Redis Cluster of three masters (``-k cluster`` picks the second)."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "redis_url" in metafunc.fixturenames and metafunc.definition.get_closest_marker(TWO_REDIS):
+        metafunc.parametrize("redis_url", ["redis", "cluster"], indirect=True)
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedisCluster]:
+    """This worker's Redis Cluster (three masters, no replicas), started at its first use."""
+    cluster = PrivateRedisCluster(tmp_path_factory.mktemp("redis-cluster"), replicas=0)
+    try:
+        cluster.start()
+    except HarnessError as exc:
+        pytest.skip(f"no Redis Cluster here: {exc}")
+    CLUSTERS.add(cluster.url)
+    try:
+        yield cluster
+    finally:
+        CLUSTERS.discard(cluster.url)
+        cluster.stop()
+
+
 @pytest.fixture
-def redis_url() -> Iterator[str]:
+def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The machine's Redis (this worker's database, flushed), or with the ``cluster`` parameter
+    (:data:`TWO_REDIS`) this worker's Cluster, flushed."""
+    if getattr(request, "param", "redis") == "cluster":
+        cluster: PrivateRedisCluster = request.getfixturevalue("shared_cluster")
+        flush_cluster(cluster)
+        yield cluster.url
+        return
     client = redis.Redis.from_url(REDIS_URL)
     client.flushdb()
     yield REDIS_URL

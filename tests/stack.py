@@ -19,7 +19,7 @@ import redis
 from agent.daemon import NodeAgent
 from agent.simulated import SimulatedNode
 from clusterpulse import wire
-from tests.support import REDIS_URL, free_port, http, pulse_env, spawn, stop, wait_for
+from tests.support import REDIS_URL, free_port, http, pulse_env, redis_client, redis_env, spawn, stop, wait_for
 from tools.harness import kill_launched
 
 T = TypeVar("T")
@@ -46,6 +46,7 @@ class Stack:
             "PULSE_JOB_STOP_GRACE_S": "3",
         }
         merged = {**defaults, **env}
+        merged = {**redis_env(merged["PULSE_REDIS_URL"]), **merged}  # a Cluster's URL: its client and shards
         if "PULSE_SUSPECT_AFTER_S" not in merged:  # five beats, not two: a 2-core machine under a
             # test run's load lets a 0.3 s heartbeat slip past 0.6 s, and a SUSPECT node is not placed
             beat, degraded = float(merged["PULSE_HEARTBEAT_INTERVAL_S"]), float(merged["PULSE_DEGRADED_AFTER_S"])
@@ -145,12 +146,12 @@ class _StreamReader:
     between tests, or trimmed) is read again from its start."""
 
     def __init__(self) -> None:
-        self._clients: dict[str, redis.Redis] = {}
+        self._clients: dict[str, Any] = {}
         self._read: dict[tuple[str, str], tuple[bytes, bytes, list[Any]]] = {}  # first id, last id, decoded
 
     def entries(self, url: str, stream: str, decode: Callable[[dict[bytes, bytes]], T]) -> list[T]:
         if url not in self._clients:
-            self._clients[url] = redis.Redis.from_url(url)
+            self._clients[url] = redis_client(url)
         client = self._clients[url]
         head = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream, count=1))
         if not head:

@@ -9,7 +9,9 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+from clusterpulse import redis_client as redis_client_mod
 from tools import harness
 
 # Under pytest-xdist each worker (gw0, gw1, ...) gets a Redis database of its own, counted up from
@@ -26,6 +28,32 @@ REPO = Path(__file__).resolve().parent.parent
 PULSE = [sys.executable, "-m", "tools.cli"]
 free_port = harness.free_port
 http = harness.http
+
+CLUSTERS: set[str] = set()
+"""The URLs of the Redis Clusters this process started (``redis_url``'s ``cluster`` parameter,
+tests/conftest.py): what a test reaches through one of them it reaches with a Cluster's client."""
+
+
+def is_cluster(url: str) -> bool:
+    return url in CLUSTERS
+
+
+def redis_client(url: str) -> redis_client_mod.SyncRedis:
+    """A blocking client for ``url``, a Cluster's where ``url`` is one (:data:`CLUSTERS`)."""
+    return redis_client_mod.connect_sync(url, cluster=is_cluster(url), timeout_s=5.0)
+
+
+def async_redis(url: str, **kw: Any) -> redis_client_mod.AsyncRedis:
+    """An asyncio client for ``url``, a Cluster's where ``url`` is one."""
+    return redis_client_mod.connect(url, cluster=is_cluster(url), **kw)
+
+
+def redis_env(url: str) -> dict[str, str]:
+    """The ``PULSE_*`` settings that point a process at ``url`` (a Cluster's heartbeats on 6 shards,
+    so that every master holds some)."""
+    if not is_cluster(url):
+        return {"PULSE_REDIS_URL": url}
+    return {"PULSE_REDIS_URL": url, "PULSE_REDIS_CLUSTER": "true", "PULSE_HEARTBEAT_STREAM_SHARDS": "6"}
 
 
 def wait_for(cond: Callable[[], object], *, timeout: float, what: str, every: float = 0.05) -> object:

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
-from tests.support import free_port, http, pulse_env, spawn, stop, wait_for
+from tests.redis_cluster import flush as flush_cluster
+from tests.support import REDIS_URL, free_port, http, pulse_env, redis_env, spawn, stop, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -71,16 +73,19 @@ class Stack:
         raise AssertionError(f"{name} not on /metrics")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    import redis
-
-    from tests.support import REDIS_URL
-
-    redis.Redis.from_url(REDIS_URL).flushdb()
+@pytest.fixture(scope="module", params=["redis", "cluster"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The whole spine on the machine's Redis, then again on a Redis Cluster (tests/conftest.py)."""
+    if request.param == "cluster":
+        cluster = request.getfixturevalue("shared_cluster")
+        flush_cluster(cluster)
+        url = cluster.url
+    else:
+        url = REDIS_URL
+        redis.Redis.from_url(url).flushdb()
     logs = tmp_path_factory.mktemp("e2e")
     env = pulse_env(
-        PULSE_REDIS_URL=REDIS_URL,
+        **redis_env(url),
         PULSE_DATABASE_URL=f"sqlite:///{logs / 'pulse.db'}",
         PULSE_HEARTBEAT_INTERVAL_S=str(INTERVAL),
         PULSE_DEGRADED_AFTER_S=str(DEGRADED_AFTER),

@@ -24,7 +24,7 @@ from tests.stack import AUTH, Stack
 from tests.support import PULSE, REDIS_URL, REPO, free_port, http, spawn, wait_for
 from tools.sse import Message, StreamRefused, follow, parse, wake_on
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.two_redis]
 
 VICTIM = "st-psu"
 
@@ -58,11 +58,10 @@ def _transition(to: str) -> Callable[[list[Message]], bool]:
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    r = redis.Redis.from_url(REDIS_URL)
-    r.flushdb()
+def stack(tmp_path: Path, redis_url: str) -> Iterator[Stack]:
     s = Stack(
         tmp_path,
+        PULSE_REDIS_URL=redis_url,
         PULSE_STREAM_POLL_S="0.1",
         PULSE_STREAM_KEEPALIVE_S="0.5",
         PULSE_AUTH_READS="true",
@@ -73,8 +72,6 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         yield s
     finally:
         s.close()
-        r.flushdb()
-        r.close()
 
 
 def test_stream_follows_a_psu_fault_and_its_recovery_across_a_reconnect(stack: Stack, tmp_path: Path) -> None:
@@ -240,8 +237,6 @@ def test_a_token_revoked_on_another_replica_ends_its_stream_within_a_second(tmp_
             next(follow(httpx.Client(base_url=s.api, headers=viewer)))
     finally:
         s.close()
-        r.flushdb()
-        r.close()
 
 
 def test_the_follower_stops_on_a_closed_message() -> None:

@@ -17,14 +17,16 @@ from pathlib import Path
 import msgspec
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from agent.launcher import Launcher
 from agent.slurm_rejoin import Relauncher
 from clusterpulse import wire
-from services.leader import FENCED_COMMANDS, commands_args
+from clusterpulse.redis_client import is_cluster as is_cluster_client
+from services.leader import FENCED_COMMANDS, SCRIPT_ARGS, by_fence_slot, commands_args
 from tests.integration.test_launcher import _cmd, _end_stores, _statuses, _until
-from tests.support import wait_for
+from tests.support import async_redis, redis_client, wait_for
+
+pytestmark = pytest.mark.two_redis
 
 TTL_S = 120.0  # PULSE_JOB_COMMAND_TTL_S, the default
 
@@ -40,7 +42,7 @@ def _stop_cmd(job: str) -> wire.JobCommand:
 
 
 def _send(url: str, key: str, cmd: wire.JobCommand, entry_id: str = "*") -> str:
-    r = redis.Redis.from_url(url)
+    r = redis_client(url)
     out = r.xadd(key, {wire.COMMAND_FIELD: wire.encode(cmd)}, id=entry_id)
     r.close()
     return out.decode()  # type: ignore[union-attr]
@@ -62,7 +64,7 @@ def test_an_agent_with_a_fresh_state_directory_starts_nothing_for_a_job_that_is_
     key = wire.node_commands_key("n1")
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         first = Launcher(node="n1", redis_client=client, state_dir=tmp_path / "first")
         stop, task = await _running(first)
         _send(redis_url, key, _issued(_cmd("done", seconds=0.2)))
@@ -93,7 +95,7 @@ def test_an_agent_restarted_while_its_job_runs_reattaches_and_starts_nothing_twi
     key = wire.node_commands_key("n1")
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         first = Launcher(node="n1", redis_client=client, state_dir=tmp_path)
         stop, task = await _running(first)
         _send(redis_url, key, _issued(_cmd("live", seconds=6, exit_code=5)))  # outlives the restart
@@ -131,7 +133,7 @@ def test_a_launch_past_its_deadline_is_refused_with_its_reason(
         return [r.getMessage() for r in caplog.records if f"event=command_refused node=n1 job={job} " in r.getMessage()]
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path)  # its command TTL: the default
         stop, task = await _running(launcher)
         await _until(lambda: refused("stale") and refused("legacy"), limit_s=30)
@@ -152,12 +154,17 @@ def test_a_launch_past_its_deadline_is_refused_with_its_reason(
 
 
 def _fenced(client: redis.Redis, key: str, payload: bytes, *, maxlen: int) -> None:
+    """As the leader appends a command (``LeaderLease.fenced_eval``): on a Cluster, against the
+    fence key of the command stream's slot."""
     keys, args = commands_args(1, [(key, payload)], maxlen=maxlen, keep_s=TTL_S, max_age_s=86_400)
-    client.eval(FENCED_COMMANDS, len(keys), *keys, *args)
+    fixed, per_key = SCRIPT_ARGS[FENCED_COMMANDS]
+    calls = by_fence_slot(keys, args, fixed=fixed, per_key=per_key) if is_cluster_client(client) else [(keys, args)]
+    for k, a in calls:
+        client.eval(FENCED_COMMANDS, len(k), *k, *a)
 
 
 def test_trimming_bounds_a_command_stream_and_keeps_every_current_command(redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
+    client = redis_client(redis_url)
     key = wire.node_commands_key("n1")
     secs, micros = client.time()
     now_ms = secs * 1000 + micros // 1000
@@ -196,7 +203,7 @@ def test_a_slurm_jobs_relauncher_starts_only_current_launches(redis_url: str, tm
     launch("n3", "replaced")
     launch("n2", "current")
     launch("n3", "newest")
-    client = redis.Redis.from_url(redis_url)
+    client = redis_client(redis_url)
     relauncher = Relauncher(
         client, job=job, per=1, rank=["true"], srun=[sys.executable, str(tmp_path / "srun.py"), str(out)]
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 
@@ -17,11 +18,15 @@ from clusterpulse.settings import Settings, load_settings
 from services import db
 from services.ingest.loop import Entries
 from services.orchestrator import Orchestrator
+from tests.support import async_redis, is_cluster, redis_client
+
+pytestmark = pytest.mark.two_redis
 
 
 def _settings(redis_url: str, sqlite_url: str, **kw: object) -> Settings:
     base: dict[str, object] = dict(
         redis_url=redis_url,
+        redis_cluster=is_cluster(redis_url),
         database_url=sqlite_url,
         heartbeat_interval_s=0.1,
         degraded_after_s=1.0,
@@ -47,7 +52,7 @@ async def _with_orchestrator(
 ) -> None:
     db.upgrade(settings.database_url)
     engine = db.make_engine(settings.database_url)
-    client = aioredis.from_url(settings.redis_url)
+    client = async_redis(settings.redis_url)
     orch = Orchestrator(settings, redis_client=client, engine=engine, consumer=consumer)
     await orch.start()
     try:
@@ -72,7 +77,7 @@ def test_heartbeats_flow_to_health_and_database_and_are_acknowledged(redis_url: 
 
     async def body(orch: Orchestrator) -> None:
         assert orch.cluster is not None
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         agents = _agents(3)
         agents[2].sim.faults.add("pcie_x8")  # type: ignore[union-attr]
         await run_agents(agents, _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=5)
@@ -98,7 +103,7 @@ def test_heartbeats_flow_to_health_and_database_and_are_acknowledged(redis_url: 
 
 def test_malformed_entries_are_counted_and_never_stop_the_loop(redis_url: str, sqlite_url: str) -> None:
     settings = _settings(redis_url, sqlite_url)
-    raw = redis.Redis.from_url(redis_url)
+    raw = redis_client(redis_url)
     stream = wire.heartbeat_stream_key(0)
 
     async def body(orch: Orchestrator) -> None:
@@ -143,7 +148,7 @@ def test_restart_rereads_unacknowledged_entries_and_keeps_state(redis_url: str, 
 
     async def crash(orch: Orchestrator) -> None:
         assert orch.cluster is not None
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         await run_agents(_agents(2), _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=3)
         await _until(lambda: len(orch.cluster.nodes) == 2)
         await orch.pause()  # die without the clean shutdown's flush
@@ -169,15 +174,17 @@ def test_a_read_whose_reply_is_lost_loses_no_entry(redis_url: str, sqlite_url: s
     never arrived (a socket timeout, e.g. after the event loop stalled): the restarted ingest
     loop folds them from the pending list, and folds nothing twice."""
     settings = _settings(redis_url, sqlite_url)
-    raw = redis.Redis.from_url(redis_url)
+    raw = redis_client(redis_url)
 
     async def body(orch: Orchestrator) -> None:
         assert orch.cluster is not None
         real = orch.ingest.read
         lost: list[int] = []
 
-        async def lossy(streams: dict[str, str], *, block_ms: int | None) -> list[tuple[str, Entries]]:
-            resp = await real(streams, block_ms=block_ms)
+        async def lossy(
+            streams: dict[str, str], *, block_ms: int | None, failed: set[str] | None = None
+        ) -> list[tuple[str, Entries]]:
+            resp = await real(streams, block_ms=block_ms, failed=failed)
             if not lost and any(entries for _, entries in resp):
                 lost.append(sum(len(e) for _, e in resp))
                 raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
@@ -206,7 +213,7 @@ def test_degraded_node_stays_degraded_across_a_restart(redis_url: str, sqlite_ur
 
     async def first(orch: Orchestrator) -> None:
         assert orch.cluster is not None
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         agents = _agents(1)
         agents[0].sim.faults.add("gpu_lost")  # type: ignore[union-attr]
         await run_agents(agents, _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=2)
@@ -242,7 +249,7 @@ def test_the_database_gets_identities_and_a_summary_not_every_heartbeat(redis_ur
 
     async def body(orch: Orchestrator) -> None:
         assert orch.cluster is not None
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         agents = _agents(2)
         await run_agents(agents, _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=3)
         await _until(lambda: len(orch.cluster.nodes) == 2 and orch.cluster.received == 6)
@@ -276,7 +283,7 @@ def test_the_database_gets_identities_and_a_summary_not_every_heartbeat(redis_ur
         assert n0 is not None and n0.gpus[0].power_watts is not None  # from Redis: measurements too
         assert n1 is not None and n1.gpus[3].lost and n1.gpus[0].power_watts is None  # its identity stood in
 
-    raw = redis.Redis.from_url(redis_url)
+    raw = redis_client(redis_url)
     raw.delete(wire.node_latest_key("n1"))  # n1's latest expired while the orchestrator was down
     raw.close()
     asyncio.run(_with_orchestrator(settings, restarted))
@@ -308,11 +315,11 @@ def _report(rank: int, step: int, node: str, step_time: float = 0.5, event: str 
 
 def test_trainer_reports_feed_job_metrics_lost_rule_and_straggler_events(redis_url: str, sqlite_url: str) -> None:
     settings = _settings(redis_url, sqlite_url, degraded_after_s=0.6, lost_after_s=1.2, recover_after=1)
-    raw = redis.Redis.from_url(redis_url)
+    raw = redis_client(redis_url)
 
     async def body(orch: Orchestrator) -> None:
         assert orch.cluster is not None
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         await run_agents(_agents(2), _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=2)
         await _until(lambda: len(orch.cluster.nodes) == 2)
         # Both agents fall silent; only n0's ranks keep stepping.
@@ -356,7 +363,7 @@ def test_exit_reports_are_kept_apart_from_steps_even_for_a_job_that_never_steppe
     redis_url: str, sqlite_url: str
 ) -> None:
     settings = _settings(redis_url, sqlite_url)
-    raw = redis.Redis.from_url(redis_url)
+    raw = redis_client(redis_url)
 
     def exit_report(job: str, rank: int, step: int, code: int) -> bytes:
         return wire.encode(

@@ -14,14 +14,15 @@ from datetime import timedelta
 from pathlib import Path
 
 import msgspec
-import redis
-import redis.asyncio as aioredis
+import pytest
 from torch._C._distributed_c10d import TCPStore
 
 from agent.launcher import Launcher
 from clusterpulse import wire
 from clusterpulse.proc import alive
-from tests.support import REPO, free_port
+from tests.support import REPO, async_redis, free_port, redis_client
+
+pytestmark = pytest.mark.two_redis
 
 RANK = str(REPO / "tests" / "fixtures" / "jobs" / "rank.py")
 
@@ -41,7 +42,7 @@ def _end_stores(launcher: Launcher) -> None:
 
 
 def _statuses(url: str) -> list[wire.JobStatus]:
-    r = redis.Redis.from_url(url)
+    r = redis_client(url)
     out = [wire.decode_job_status(f[wire.JOB_STATUS_FIELD]) for _, f in r.xrange(wire.JOB_STATUS_STREAM)]
     r.close()
     return out
@@ -57,7 +58,7 @@ async def _until(cond: object, limit_s: float = 60.0) -> None:
 
 def test_restarted_agent_reattaches_and_reads_the_exit_code(redis_url: str, tmp_path: Path) -> None:
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         first = Launcher(node="n1", redis_client=client, state_dir=tmp_path, python=sys.executable)
         await first.launch(_cmd("j1", seconds=4, exit_code=7))
         assert [s.state for s in _statuses(redis_url)] == ["started"]
@@ -86,7 +87,7 @@ def test_ranks_dead_while_the_agent_was_away_are_reported(redis_url: str, tmp_pa
     (tmp_path / "jobs.json").write_text(json.dumps({"ghost": {"node_rank": 0, "pids": [2**22 + 12345], "pgid": 1}}))
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         await Launcher(node="n1", redis_client=client, state_dir=tmp_path).reattach()
         await client.aclose()
 
@@ -97,7 +98,7 @@ def test_ranks_dead_while_the_agent_was_away_are_reported(redis_url: str, tmp_pa
 
 def test_stop_terminates_the_process_group(redis_url: str, tmp_path: Path) -> None:
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path, python=sys.executable)
         await launcher.launch(_cmd("j2", seconds=120))
         store = launcher.stores["j2"]
@@ -118,7 +119,7 @@ def test_a_node_starts_each_rank_with_the_distributed_environment(redis_url: str
     in a collective) and the failure's code, not the stopped rank's 143, is what the node reports."""
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         launcher = Launcher(node="n2", redis_client=client, state_dir=tmp_path, python=sys.executable)
         argv = [RANK, "--seconds", "600", "--exit-code", "3", "--fail-rank", "3", "--fail-after", "1"]
         cmd = msgspec.structs.replace(_cmd("j5", seconds=600), nodes=2, node_rank=1, gpus_per_node=2, argv=argv)
@@ -147,7 +148,7 @@ def test_the_first_node_hosts_the_jobs_store_outside_its_ranks(redis_url: str, t
     once the job's ranks write the done key."""
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path, store_linger_s=0.2)
         cmd = _cmd("j3", seconds=0.5)
         await launcher.launch(cmd)
@@ -173,7 +174,7 @@ def test_an_agent_leaves_at_once_while_the_jobs_store_it_started_lives_on(redis_
     left: dict[str, Launcher] = {}
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path)
         await launcher.launch(_cmd("j4", seconds=0.2))
         left["launcher"] = launcher
@@ -202,7 +203,7 @@ def test_a_store_that_cannot_listen_fails_the_launch_and_no_rank_joins_the_ports
     store, and all died when that job ended). The launch fails with the store's last words."""
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         cmd = _cmd("j6", seconds=30)
         held = TCPStore("0.0.0.0", cmd.master_port, is_master=True, wait_for_workers=False)
         held.set("theirs", "1")
@@ -230,7 +231,7 @@ def test_stop_signals_a_recorded_store_pid_only_while_it_is_still_that_jobs_stor
     bystander = subprocess.Popen(["sleep", "60"])
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path)
         launcher.stores = {"gone-1": other.pid, "gone-2": bystander.pid}  # as if those pids were reused
         await launcher.stop("gone-1", grace_s=0)
@@ -273,7 +274,7 @@ def test_checkpoint_signals_each_rank_once_and_spares_their_children(redis_url: 
     groups: list[int] = []
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         first = Launcher(node="n1", redis_client=client, state_dir=state)
         launchers.append(first)
         argv = [SIG_RANK, "--out", str(out), "--seconds", "120", "--no-trap-rank", "2"]

@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from clusterpulse import wire
 from tests import gloo
-from tests.support import REDIS_URL, free_port, wait_for
+from tests.support import REDIS_URL, free_port, is_cluster, redis_client, wait_for
 from trainer.collective import ReroutedAllReduce
 from trainer.follow import PlanFollower
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.two_redis]
 
 JOB = "follow"
 WORLD = 4
@@ -62,7 +62,9 @@ def one_rank_world() -> Iterator[None]:
 @pytest.fixture
 def follower(one_rank_world: None, redis_url: str) -> Iterator[PlanFollower]:
     reroute = ReroutedAllReduce(world_size=1, rank=0, proxy_timeout_s=2.0)
-    f = PlanFollower(job=JOB, reroute=reroute, redis_url=redis_url, poll_s=30.0)  # only the channel wakes it
+    f = PlanFollower(
+        job=JOB, reroute=reroute, redis_url=redis_url, redis_cluster=is_cluster(redis_url), poll_s=30.0
+    )  # only the channel wakes it
     yield f
     f.close()
 
@@ -71,8 +73,8 @@ def only(job: str = JOB, generation: int = 1) -> wire.Plan:
     return wire.Plan(job=job, generation=generation, participants=[0], proxies={}, excluded=[], reason="test")
 
 
-def test_a_published_plan_comes_into_force_at_the_next_boundary(follower: PlanFollower) -> None:
-    client = redis.Redis.from_url(REDIS_URL)
+def test_a_published_plan_comes_into_force_at_the_next_boundary(follower: PlanFollower, redis_url: str) -> None:
+    client = redis_client(redis_url)
     assert follower.boundary() is None and follower.reroute.generation is None
     time.sleep(0.2)  # let the reader subscribe; the notification below must wake it, not the 30 s poll
     publish(client, only(generation=3))
@@ -84,8 +86,8 @@ def test_a_published_plan_comes_into_force_at_the_next_boundary(follower: PlanFo
     client.close()
 
 
-def test_malformed_foreign_and_older_plans_are_counted_not_raised(follower: PlanFollower) -> None:
-    client = redis.Redis.from_url(REDIS_URL)
+def test_malformed_foreign_and_older_plans_are_counted_not_raised(follower: PlanFollower, redis_url: str) -> None:
+    client = redis_client(redis_url)
     publish(client, only(generation=5))
     wait_for(lambda: follower.latest is not None, timeout=15, what="generation 5")
     publish(client, b'{"job": "follow", "generation": "six"}')
@@ -106,9 +108,9 @@ def test_malformed_foreign_and_older_plans_are_counted_not_raised(follower: Plan
 
 
 def test_an_unusable_plan_is_refused_once_and_the_old_one_stays(
-    follower: PlanFollower, caplog: pytest.LogCaptureFixture
+    follower: PlanFollower, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis_client(redis_url)
     publish(client, only(generation=1))
     wait_for(lambda: follower.latest is not None, timeout=15, what="generation 1")
     assert follower.boundary() is not None
@@ -160,8 +162,10 @@ def mean_all(step: int) -> list[torch.Tensor]:
 
 def scenario_follow(rank: int, redis_url: str) -> dict[str, Any]:
     reroute = ReroutedAllReduce(world_size=WORLD, rank=rank, proxy_timeout_s=5.0, bucket_bytes=4096)
-    follower = PlanFollower(job=JOB, reroute=reroute, redis_url=redis_url, poll_s=0.05)
-    client = redis.Redis.from_url(redis_url)
+    follower = PlanFollower(
+        job=JOB, reroute=reroute, redis_url=redis_url, redis_cluster=is_cluster(redis_url), poll_s=0.05
+    )
+    client = redis_client(redis_url)
     generations: list[int | None] = []
     roles: list[str] = []
     errs: list[float] = []
@@ -194,7 +198,7 @@ def scenario_follow(rank: int, redis_url: str) -> dict[str, Any]:
 
 
 def test_every_rank_switches_at_the_same_step_with_exact_gradients(redis_url: str, tmp_path: Path) -> None:
-    client = redis.Redis.from_url(redis_url)
+    client = redis_client(redis_url)
 
     def step_reached(n: int) -> bool:
         raw = client.get(STEP_KEY)

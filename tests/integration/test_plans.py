@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import redis
-import redis.asyncio as aioredis
+import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -19,10 +18,13 @@ from services import db
 from services.api.routes.jobs import get_plan
 from services.orchestrator import Orchestrator
 from tests.integration.test_ingest import _settings, _until, _with_orchestrator
+from tests.support import async_redis, redis_client
+
+pytestmark = pytest.mark.two_redis
 
 
 def _register(url: str, job: str, world: int) -> None:
-    r = redis.Redis.from_url(url)
+    r = redis_client(url)
     for rank in range(world):
         reg = wire.RankRegistration(
             v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=f"p{rank}", world_size=world, gpu=rank % 2 or None
@@ -32,7 +34,7 @@ def _register(url: str, job: str, world: int) -> None:
 
 
 def _plan_in_redis(url: str, job: str) -> wire.Plan | None:
-    r = redis.Redis.from_url(url)
+    r = redis_client(url)
     raw = r.get(wire.job_plan_key(job))
     r.close()
     return None if raw is None else wire.decode_plan(raw)
@@ -43,7 +45,7 @@ def test_degraded_node_gets_a_new_generation_published_and_stored(redis_url: str
 
     async def body(orch: Orchestrator) -> None:
         assert orch.cluster is not None
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         sims = [SimulatedNode(f"p{i}", gpus=2) for i in range(4)]
         agents = [
             NodeAgent(node=s.node, gpu=s, gpu_source="simulated", interval_s=0.05, sim=s,
@@ -79,7 +81,7 @@ def test_degraded_node_gets_a_new_generation_published_and_stored(redis_url: str
         await client.aclose()
 
     asyncio.run(_with_orchestrator(settings, body))
-    redis.Redis.from_url(redis_url).delete(wire.job_plan_key("job1"))
+    redis_client(redis_url).delete(wire.job_plan_key("job1"))
 
     async def after(orch: Orchestrator) -> None:
         p = orch.plans.plans["job1"]
@@ -96,7 +98,7 @@ def test_degraded_node_gets_a_new_generation_published_and_stored(redis_url: str
 
 
 def _report(url: str, job: str, rank: int, step: int, unreachable: list[int]) -> None:
-    r = redis.Redis.from_url(url)
+    r = redis_client(url)
     rep = wire.TrainerReport(
         v=wire.PROTOCOL_VERSION, job=job, rank=rank, node=f"p{rank}", step=step, loss=1.0, unreachable_ranks=unreachable
     )
@@ -164,7 +166,7 @@ def test_an_exclusion_replans_at_once_not_at_the_next_evaluation(redis_url: str,
         await asyncio.sleep(0.3)  # the outbox
 
     asyncio.run(_with_orchestrator(settings, body))
-    redis.Redis.from_url(redis_url).delete(wire.job_plan_key("job4"))
+    redis_client(redis_url).delete(wire.job_plan_key("job4"))
 
 
 def _running_job(sqlite_url: str) -> Engine:
@@ -196,7 +198,7 @@ def test_an_excluded_healthy_node_is_relaunched_to_rejoin_up_to_the_cap_across_a
     with db.session_factory(engine).begin() as s:
         for _ in range(2):  # relaunched twice already, by an earlier orchestrator
             db.record_event(s, kind="rank_rejoin", reason="earlier", at=1.0, node="n1", job="j")
-    client = redis.Redis.from_url(redis_url)
+    client = redis_client(redis_url)
 
     def n1_status(status: dict[str, object]) -> None:
         with db.session_factory(engine).begin() as s:
@@ -256,7 +258,7 @@ def test_a_node_taken_back_is_not_done_on_its_predecessors_exit(redis_url: str, 
     engine = _running_job(sqlite_url)
     with db.session_factory(engine).begin() as s:
         db.set_job_node_status(s, job_id="j", node="n1", status={"state": "exited", "exit_code": 0}, at=1.0)
-    client = redis.Redis.from_url(redis_url)
+    client = redis_client(redis_url)
 
     def state() -> str:
         with Session(engine) as s:

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 from torch._C._distributed_c10d import TCPStore
 
@@ -24,7 +23,9 @@ from agent import store_keeper
 from agent.launcher import Launcher
 from clusterpulse import wire
 from clusterpulse.proc import alive, is_job_store
-from tests.support import REPO, free_port, wait_for
+from tests.support import REPO, async_redis, free_port, redis_client, wait_for
+
+pytestmark = pytest.mark.two_redis
 
 RANK = str(REPO / "tests" / "fixtures" / "jobs" / "rank.py")
 
@@ -110,7 +111,7 @@ def _launch(job: str, seconds: float, port: int) -> wire.JobCommand:
 
 
 def _exited(url: str, job: str) -> bool:
-    r = redis.Redis.from_url(url)
+    r = redis_client(url)
     entries = r.xrange(wire.JOB_STATUS_STREAM)
     r.close()
     states = [wire.decode_job_status(f[wire.JOB_STATUS_FIELD]) for _, f in entries]  # type: ignore[union-attr]
@@ -136,7 +137,7 @@ def test_a_restarted_agent_ends_the_stores_it_no_longer_owns_and_keeps_the_rest(
     left: list[Launcher] = []
 
     async def body() -> None:
-        client = aioredis.from_url(redis_url)
+        client = async_redis(redis_url)
         first = Launcher(node="n1", redis_client=client, state_dir=tmp_path, store_orphan_grace_s=120)
         left.append(first)
         for job, port in ports.items():
@@ -147,7 +148,7 @@ def test_a_restarted_agent_ends_the_stores_it_no_longer_owns_and_keeps_the_rest(
         record = json.loads((tmp_path / "stores.json").read_text())
         del record["unrecorded"]
         (tmp_path / "stores.json").write_text(json.dumps(record))
-        sync = redis.Redis.from_url(redis_url)
+        sync = redis_client(redis_url)
         relaunch = _launch("rejoins", 0.2, ports["rejoins"])
         sync.xadd(wire.node_commands_key("n1"), {wire.COMMAND_FIELD: wire.encode(relaunch)})
         sync.close()

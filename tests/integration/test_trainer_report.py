@@ -6,14 +6,15 @@ import math
 import time
 
 import pytest
-import redis
 
 from clusterpulse import wire
 from clusterpulse.retry import Backoff
 from tests.stack import registrations, reports
-from tests.support import wait_for
+from tests.support import is_cluster, redis_client, wait_for
 from trainer.mfu import mfu
 from trainer.report import LossSpikeDetector, TrainerReporter, cosine_warmup
+
+pytestmark = pytest.mark.two_redis
 
 
 def test_registration_and_reports_reach_redis(redis_url: str) -> None:
@@ -24,6 +25,7 @@ def test_registration_and_reports_reach_redis(redis_url: str) -> None:
         world_size=2,
         local_rank=0,
         redis_url=redis_url,
+        redis_cluster=is_cluster(redis_url),
         flops_per_token=1e6,
         peak_flops_per_device=1e11,
         tokens_per_step=256,
@@ -55,6 +57,7 @@ def test_env_fallbacks(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("PULSE_NODE", "envnode")
     monkeypatch.setenv("PULSE_REDIS_URL", redis_url)
+    monkeypatch.setenv("PULSE_REDIS_CLUSTER", str(is_cluster(redis_url)).lower())
     monkeypatch.setenv("PULSE_PEAK_FLOPS", "2e11")
     with TrainerReporter(flops_per_token=1e6, tokens_per_step=100) as reporter:
         assert (reporter.job, reporter.rank, reporter.local_rank, reporter.world_size) == ("envjob", 3, 1, 4)
@@ -69,9 +72,11 @@ def test_env_fallbacks(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_identity_is_refused(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PULSE_JOB_ID", raising=False)
     with pytest.raises(ValueError, match="PULSE_JOB_ID"):
-        TrainerReporter(redis_url=redis_url)
+        TrainerReporter(redis_url=redis_url, redis_cluster=is_cluster(redis_url))
     with pytest.raises(ValueError, match="rank=2, world_size=2"):
-        TrainerReporter(job="j", rank=2, world_size=2, node="n", redis_url=redis_url)
+        TrainerReporter(
+            job="j", rank=2, world_size=2, node="n", redis_url=redis_url, redis_cluster=is_cluster(redis_url)
+        )
 
 
 def test_redis_down_never_blocks_or_raises() -> None:
@@ -102,7 +107,9 @@ def test_redis_down_never_blocks_or_raises() -> None:
 
 
 def test_spike_event_is_reported(redis_url: str) -> None:
-    with TrainerReporter(job="j", rank=0, node="n", world_size=1, redis_url=redis_url, every=100) as reporter:
+    with TrainerReporter(
+        job="j", rank=0, node="n", world_size=1, redis_url=redis_url, redis_cluster=is_cluster(redis_url), every=100
+    ) as reporter:
         assert all(reporter.report(step=s, loss=1.0) is None for s in range(1, 11))  # not due
         rep = reporter.report(step=11, loss=50.0)  # an event is published whatever the cadence
         assert rep is not None and rep.event is not None and rep.event.startswith("loss_spike ")
@@ -117,7 +124,14 @@ def test_spike_event_is_reported(redis_url: str) -> None:
 def test_flush_sends_before_the_interval(redis_url: str) -> None:
     """With an interval far beyond the test's deadline, only flush() can have sent these."""
     reporter = TrainerReporter(
-        job="j", rank=0, node="n", world_size=1, redis_url=redis_url, flush_interval_s=600, batch_size=2
+        job="j",
+        rank=0,
+        node="n",
+        world_size=1,
+        redis_url=redis_url,
+        redis_cluster=is_cluster(redis_url),
+        flush_interval_s=600,
+        batch_size=2,
     )
     for step in range(1, 8):
         reporter.report(step=step, loss=1.0, step_time_s=0.1)
@@ -132,7 +146,13 @@ def test_flush_sends_before_the_interval(redis_url: str) -> None:
 
 def test_safety_event_does_not_wait_for_the_interval(redis_url: str) -> None:
     with TrainerReporter(
-        job="j", rank=0, node="n", world_size=1, redis_url=redis_url, flush_interval_s=600
+        job="j",
+        rank=0,
+        node="n",
+        world_size=1,
+        redis_url=redis_url,
+        redis_cluster=is_cluster(redis_url),
+        flush_interval_s=600,
     ) as reporter:
         wait_for(lambda: registrations(redis_url), timeout=5, what="registration")
         reporter.report(step=1, loss=1.0)
@@ -142,9 +162,17 @@ def test_safety_event_does_not_wait_for_the_interval(redis_url: str) -> None:
 
 
 def test_permanent_errors_are_counted_and_the_next_reports_go_through(redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
+    client = redis_client(redis_url)
     client.set(wire.TRAINER_STREAM, b"not a stream")  # every XADD there answers WRONGTYPE
-    reporter = TrainerReporter(job="j", rank=0, node="n", world_size=1, redis_url=redis_url, flush_interval_s=600)
+    reporter = TrainerReporter(
+        job="j",
+        rank=0,
+        node="n",
+        world_size=1,
+        redis_url=redis_url,
+        redis_cluster=is_cluster(redis_url),
+        flush_interval_s=600,
+    )
     for step in range(1, 4):
         reporter.report(step=step, loss=1.0)
     assert reporter.flush(timeout=5)  # nothing pending: a rejected report is not retried

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,13 @@ from trainer.mfu import mfu
 from trainer.report import LossSpikeDetector, TrainerReporter, cosine_warmup
 
 pytestmark = pytest.mark.two_redis
+
+
+def _one_rank(redis_url: str, **kw: Any) -> TrainerReporter:
+    """Rank 0 of job ``j``, a world of one, on node ``n``."""
+    return TrainerReporter(
+        job="j", rank=0, node="n", world_size=1, redis_url=redis_url, redis_cluster=is_cluster(redis_url), **kw
+    )
 
 
 def test_registration_and_reports_reach_redis(redis_url: str) -> None:
@@ -107,9 +115,7 @@ def test_redis_down_never_blocks_or_raises() -> None:
 
 
 def test_spike_event_is_reported(redis_url: str) -> None:
-    with TrainerReporter(
-        job="j", rank=0, node="n", world_size=1, redis_url=redis_url, redis_cluster=is_cluster(redis_url), every=100
-    ) as reporter:
+    with _one_rank(redis_url, every=100) as reporter:
         assert all(reporter.report(step=s, loss=1.0) is None for s in range(1, 11))  # not due
         rep = reporter.report(step=11, loss=50.0)  # an event is published whatever the cadence
         assert rep is not None and rep.event is not None and rep.event.startswith("loss_spike ")
@@ -123,16 +129,7 @@ def test_spike_event_is_reported(redis_url: str) -> None:
 
 def test_flush_sends_before_the_interval(redis_url: str) -> None:
     """With an interval far beyond the test's deadline, only flush() can have sent these."""
-    reporter = TrainerReporter(
-        job="j",
-        rank=0,
-        node="n",
-        world_size=1,
-        redis_url=redis_url,
-        redis_cluster=is_cluster(redis_url),
-        flush_interval_s=600,
-        batch_size=2,
-    )
+    reporter = _one_rank(redis_url, flush_interval_s=600, batch_size=2)
     for step in range(1, 8):
         reporter.report(step=step, loss=1.0, step_time_s=0.1)
     assert reporter.flush(timeout=5)
@@ -145,15 +142,7 @@ def test_flush_sends_before_the_interval(redis_url: str) -> None:
 
 
 def test_safety_event_does_not_wait_for_the_interval(redis_url: str) -> None:
-    with TrainerReporter(
-        job="j",
-        rank=0,
-        node="n",
-        world_size=1,
-        redis_url=redis_url,
-        redis_cluster=is_cluster(redis_url),
-        flush_interval_s=600,
-    ) as reporter:
+    with _one_rank(redis_url, flush_interval_s=600) as reporter:
         wait_for(lambda: registrations(redis_url), timeout=5, what="registration")
         reporter.report(step=1, loss=1.0)
         reporter.report(step=2, loss=float("inf"))
@@ -164,15 +153,7 @@ def test_safety_event_does_not_wait_for_the_interval(redis_url: str) -> None:
 def test_permanent_errors_are_counted_and_the_next_reports_go_through(redis_url: str) -> None:
     client = redis_client(redis_url)
     client.set(wire.TRAINER_STREAM, b"not a stream")  # every XADD there answers WRONGTYPE
-    reporter = TrainerReporter(
-        job="j",
-        rank=0,
-        node="n",
-        world_size=1,
-        redis_url=redis_url,
-        redis_cluster=is_cluster(redis_url),
-        flush_interval_s=600,
-    )
+    reporter = _one_rank(redis_url, flush_interval_s=600)
     for step in range(1, 4):
         reporter.report(step=step, loss=1.0)
     assert reporter.flush(timeout=5)  # nothing pending: a rejected report is not retried

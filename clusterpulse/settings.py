@@ -154,6 +154,7 @@ class Settings(BaseSettings):
 
     # Orchestrator loops
     evaluate_interval_s: float = Field(0.5, gt=0)
+    evaluate_slice_nodes: int = Field(2048, ge=0)  # nodes evaluated between turns of the event loop (0: all)
     loop_watch_interval_s: float = Field(0.1, gt=0)  # how often the event loop's lag is measured
     ingest_block_s: float = Field(0.2, gt=0)
     ingest_batch: int = Field(2000, ge=1)

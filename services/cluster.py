@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from clusterpulse import wire
@@ -186,25 +187,39 @@ class Cluster:
     # --- health ---------------------------------------------------------------------------------
     def evaluate(self, *, now: float) -> tuple[list[Transition], list[ClusterEvent]]:
         """Evaluate every node at ``now`` and apply the transitions in memory."""
+        events = self.evaluate_partition(now=now)
+        out, more = self.evaluate_nodes(list(self.nodes.values()), now=now)
+        return out, events + more
+
+    def evaluate_partition(self, *, now: float) -> list[ClusterEvent]:
+        """The first half of :meth:`evaluate`: whether so many nodes are silent that silence is a
+        partition (then nobody is degraded for it); the event when that changed."""
         records = [v.health for v in self.nodes.values()]
         suspected, silent, total = health.partition_suspected(
             records, now=now, grace_start=self.grace_start, policy=self.policy
         )
-        events: list[ClusterEvent] = []
-        if suspected != self.partitioned:
-            self.partitioned = suspected
-            self.partition_reason = (
-                f"{silent} of {total} nodes silent for over {self.policy.suspect_after:g}s "
-                f"(partition_fraction={self.policy.partition_fraction:g}): degrading nobody for silence"
-                if suspected
-                else f"partition over: {silent} of {total} nodes silent"
-            )
-            events.append(ClusterEvent(EventKind.PARTITION, self.partition_reason, now))
-            log.warning("event=partition suspected=%s reason=%r", suspected, self.partition_reason)
-            if not suspected:
-                self.grace_start = health.grace_after_partition(self.grace_start, now=now)
+        if suspected == self.partitioned:
+            return []
+        self.partitioned = suspected
+        self.partition_reason = (
+            f"{silent} of {total} nodes silent for over {self.policy.suspect_after:g}s "
+            f"(partition_fraction={self.policy.partition_fraction:g}): degrading nobody for silence"
+            if suspected
+            else f"partition over: {silent} of {total} nodes silent"
+        )
+        log.warning("event=partition suspected=%s reason=%r", suspected, self.partition_reason)
+        if not suspected:
+            self.grace_start = health.grace_after_partition(self.grace_start, now=now)
+        return [ClusterEvent(EventKind.PARTITION, self.partition_reason, now)]
+
+    def evaluate_nodes(self, views: Iterable[NodeView], *, now: float) -> tuple[list[Transition], list[ClusterEvent]]:
+        """The second half of :meth:`evaluate`, for ``views`` (a slice of the nodes: the loop lets
+        other work run between slices); a view no longer in the cluster is passed over."""
         out: list[Transition] = []
-        for view in self.nodes.values():
+        events: list[ClusterEvent] = []
+        for view in views:
+            if self.nodes.get(view.health.name) is not view:
+                continue
             t = health.evaluate(
                 view.health,
                 now=now,

@@ -16,7 +16,9 @@ summary's mean and largest node, compact JSON.
 At scale (``--scale-nodes``, 16,384; 0: skip): one heartbeat of every node written into Redis as
 agents write them, a fresh orchestrator folds them; then every node's next heartbeat, and once it
 is folded and acknowledged every page of ``fields=summary&limit=--page`` (1,000) is timed from
-one client: ``page_cold_ms`` (every node's summary is built again), then ``page_warm_ms``.
+one client: ``page_cold_ms`` (every node's summary is built again), then ``page_warm_ms`` (``--walks``
+walks of every page). ``--slice-nodes`` (repeatable): the orchestrator's ``PULSE_EVALUATE_SLICE_NODES``;
+with several, a run for each and the first again at the end.
 Redis is database 15 of ``PULSE_REDIS_URL``'s server (flushed) unless ``PULSE_BENCH_REDIS_URL``.
 """
 
@@ -230,8 +232,9 @@ def _walk(port: int, page: int) -> tuple[list[float], int]:
                 return took, shown
 
 
-def at_scale(args: argparse.Namespace, url: str, tmp: Path) -> dict[str, Any]:
-    """Summary pages of ``--scale-nodes`` nodes, cold and warm (module docstring)."""
+def at_scale(args: argparse.Namespace, url: str, tmp: Path, *, slice_nodes: int) -> dict[str, Any]:
+    """Summary pages of ``--scale-nodes`` nodes, cold and warm (module docstring), the orchestrator
+    evaluating ``slice_nodes`` nodes between turns of its event loop."""
     n = args.scale_nodes
     client = redis.Redis.from_url(url)
     client.flushdb()
@@ -244,17 +247,19 @@ def at_scale(args: argparse.Namespace, url: str, tmp: Path) -> dict[str, Any]:
         orch, port = _orchestrator(
             url, tmp, "scale", PULSE_HEARTBEAT_STREAM_MAXLEN=str(maxlen), PULSE_SUSPECT_AFTER_S="1800",
             PULSE_DEGRADED_AFTER_S="3600", PULSE_LOST_AFTER_S="3600", PULSE_INGEST_BATCH="2000",
+            PULSE_EVALUATE_SLICE_NODES=str(slice_nodes),
         )  # fmt: skip
         wait_for(lambda: _folded(client, stream), timeout=300, what=f"{n} first heartbeats folded", every=0.5)
         write_rounds(client, [second], maxlen=maxlen)
         wait_for(lambda: _folded(client, stream), timeout=300, what=f"{n} heartbeats folded", every=0.2)
         cold, count = _walk(port, args.page)
-        warm, _ = _walk(port, args.page)
+        warm = [ms for _ in range(args.walks) for ms in _walk(port, args.page)[0]]
     finally:
         _stop(orch)
         client.flushdb()
     return {
         "scale_nodes": n,
+        "evaluate_slice_nodes": slice_nodes,
         "scale_nodes_shown": count,
         "page": args.page,
         "pages": len(cold),
@@ -270,8 +275,10 @@ def run_bench_reads(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="pulse-reads-") as tmp:
         if args.nodes:
             result.update(side_by_side(args, url, Path(tmp)))
-        if args.scale_nodes:
-            result.update(at_scale(args, url, Path(tmp)))
+        if args.scale_nodes:  # each slice in turn, the first again last (ABA): the machine drifts
+            runs = [*args.slice_nodes, args.slice_nodes[0]] if len(args.slice_nodes) > 1 else args.slice_nodes
+            scaled = [at_scale(args, url, Path(tmp), slice_nodes=k) for k in runs]
+            result.update(scaled[0] if len(scaled) == 1 else {"at_scale": scaled})
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

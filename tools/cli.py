@@ -95,6 +95,7 @@ def cmd_bench_gpu_plans(args: argparse.Namespace) -> int:
 def cmd_bench_reads(args: argparse.Namespace) -> int:
     from tools.bench_reads import run_bench_reads
 
+    args.slice_nodes = args.slice_nodes or [2048]
     return run_bench_reads(args)
 
 
@@ -442,6 +443,10 @@ def _reads_command(bsub: Subparsers) -> None:
     br.add_argument("--rounds", type=int, default=5, help="rounds of the bare app and the orchestrator (5)")
     br.add_argument("--scale-nodes", type=int, default=16384, help="nodes of the summary pages' run (0: skip)")
     br.add_argument("--page", type=int, default=1000, help="nodes a summary page (1000)")
+    br.add_argument("--walks", type=int, default=1, help="warm walks of every page (1)")
+    br.add_argument(
+        "--slice-nodes", type=int, action="append", help="PULSE_EVALUATE_SLICE_NODES of a run (repeatable; 2048)"
+    )
     br.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     br.set_defaults(fn=cmd_bench_reads)
 

@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 
 from services import db
 from tests.redis_cluster import flush as flush_cluster
-from tests.support import CLUSTERS, JOB_PORT_BASE, REDIS_URL, REPO, fresh_database
+from tests.support import CLUSTERS, JOB_PORT_BASE, REDIS_URL, REPO, collect_quietly, fresh_database
 from tools.harness import HarnessError
 from tools.redis_cluster import PrivateRedisCluster
 
@@ -72,9 +72,11 @@ def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """The machine's Redis (this worker's database, flushed), or with the ``cluster`` parameter
     (:data:`TWO_REDIS`) this worker's Cluster, flushed."""
     if getattr(request, "param", "redis") == "cluster":
+        collect_quietly()
         cluster: PrivateRedisCluster = request.getfixturevalue("shared_cluster")
         flush_cluster(cluster)
         yield cluster.url
+        collect_quietly()
         return
     client = redis.Redis.from_url(REDIS_URL)
     client.flushdb()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,17 @@ def redis_client(url: str) -> redis_client_mod.SyncRedis:
 def async_redis(url: str, **kw: Any) -> redis_client_mod.AsyncRedis:
     """An asyncio client for ``url``, a Cluster's where ``url`` is one."""
     return redis_client_mod.connect(url, cluster=is_cluster(url), **kw)
+
+
+def collect_quietly() -> None:
+    """Collect the garbage now, its resource warnings ignored. The Cluster's asyncio client leaves
+    connections unclosed when an in-process orchestrator stops with a read in flight (redis-py's
+    cancelled-command family of issues: #2624, #2665); collected at some later test's moment, their
+    warnings (errors here) failed whichever test that was. Around the Cluster's tests only, so a
+    leak anywhere else still fails where it happens."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
 
 
 def redis_env(url: str) -> dict[str, str]:

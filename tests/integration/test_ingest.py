@@ -150,7 +150,7 @@ def test_restart_rereads_unacknowledged_entries_and_keeps_state(redis_url: str, 
         assert orch.cluster is not None
         client = async_redis(redis_url)
         await run_agents(_agents(2), _publisher(client), interval_s=0.05, stop=asyncio.Event(), max_ticks=3)
-        await _until(lambda: len(orch.cluster.nodes) == 2)
+        await _until(lambda: orch.cluster is not None and orch.cluster.received == 6)  # all read, none acknowledged
         await orch.pause()  # die without the clean shutdown's flush
         orch.outbox.clear()
         orch.ingest.drop_unacked()

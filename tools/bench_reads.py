@@ -252,8 +252,10 @@ def at_scale(args: argparse.Namespace, url: str, tmp: Path, *, slice_nodes: int)
         wait_for(lambda: _folded(client, stream), timeout=300, what=f"{n} first heartbeats folded", every=0.5)
         write_rounds(client, [second], maxlen=maxlen)
         wait_for(lambda: _folded(client, stream), timeout=300, what=f"{n} heartbeats folded", every=0.2)
+        before = _pauses(port)
         cold, count = _walk(port, args.page)
         warm = [ms for _ in range(args.walks) for ms in _walk(port, args.page)[0]]
+        pauses = {k: v - before.get(k, 0) for k, v in _pauses(port).items()}
     finally:
         _stop(orch)
         client.flushdb()
@@ -266,7 +268,31 @@ def at_scale(args: argparse.Namespace, url: str, tmp: Path, *, slice_nodes: int)
         "page_cold_ms": {"median": round(statistics.median(cold), 1), "max": round(max(cold), 1)},
         "page_warm_ms": {"median": round(statistics.median(warm), 1), "max": round(max(warm), 1)},
         "page_cold_ms_each": [round(x, 1) for x in cold],
+        "pauses_over_25ms_while_walking": pauses,
     }
+
+
+def _pauses(port: int) -> dict[str, int]:
+    """From the orchestrator's /metrics: how many garbage collections of each generation, and how
+    many late turns of its event loop, took more than 25 ms so far (the histograms' buckets)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    out: dict[str, int] = {}
+    for name, label in (("pulse_gc_pause_seconds", "gc"), ("pulse_event_loop_lag_seconds", "loop_lag")):
+        counts: dict[str, tuple[float, float]] = {}
+        for line in text.splitlines():
+            m = re.match(rf'{name}_(bucket|count)\{{?(?:generation="(\d)")?,?(?:le="([^"]+)")?\}}? (\S+)', line)
+            if m is None:
+                continue
+            kind, gen, le, value = m.groups()
+            key = f"{label}{'_gen' + gen if gen else ''}"
+            total, under = counts.get(key, (0.0, 0.0))
+            if kind == "count":
+                total = float(value)
+            elif le == "0.025":
+                under = float(value)
+            counts[key] = (total, under)
+        out.update({k: int(total - under) for k, (total, under) in counts.items()})
+    return out
 
 
 def run_bench_reads(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ from tests.stack import Stack
 from tests.support import REDIS_URL, fresh_database, http, spawn, stop, wait_for
 
 
-def _count(stack: Stack, state: str | None = None) -> int:
+def node_count(stack: Stack, state: str | None = None) -> int:
     """The nodes the orchestrator knows (in ``state``), read as summaries (the full list is 10 KB a node)."""
     count, after = 0, None
     while True:
@@ -72,10 +72,10 @@ def _measure(
         sim = ["simulate", "--nodes", str(nodes), "--gpus-per-node", "8", "--interval", "5"]
         stack.procs["sim"] = spawn(sim, env=stack.env, log=tmp / "sim.log")
         t = time.perf_counter()
-        wait_for(lambda: _count(stack) >= nodes, timeout=300, what=f"{nodes} nodes", every=1)
+        wait_for(lambda: node_count(stack) >= nodes, timeout=300, what=f"{nodes} nodes", every=1)
         known_s = time.perf_counter() - t
         # the page is measured on a settled cluster: every node HEALTHY (first contact over)
-        wait_for(lambda: _count(stack, "HEALTHY") >= nodes, timeout=300, what=f"{nodes} HEALTHY nodes", every=1)
+        wait_for(lambda: node_count(stack, "HEALTHY") >= nodes, timeout=300, what=f"{nodes} HEALTHY nodes", every=1)
         settled_s = time.perf_counter() - t
         t = time.perf_counter()
         body = http().get(f"{stack.api}/v1/nodes", timeout=30).content

@@ -25,7 +25,7 @@ A failed collective is not raised into the script: :meth:`trainer.resilience.Res
 recovers and it runs again over the new view, from its inputs as they were (docs/design/rerouting.md).
 A rank that died inside a collective can leave it completed on some survivors (a gather's senders)
 and failed on others: the recovery then calls :func:`catch_up`, and a survivor one collective
-ahead runs its last one once more, from its inputs (:func:`_inputs`), beside the others' second try.
+ahead runs its last one once more, from a copy of its inputs, beside the others' second try.
 """
 
 from __future__ import annotations
@@ -243,14 +243,9 @@ _IN_PLACE = ("all_reduce", "reduce", "broadcast")
 
 
 def _inputs(name: str, call: dict[str, Any]) -> dict[str, Any]:
-    """``call`` as :func:`catch_up` would run it again: the tensor an in-place collective overwrites
-    copied (a failed try's is restored from it too); what a gather or a scatter reads is only
-    referred to, never copied: an evaluation's gathered logits can be most of a device's memory.
-    A script that overwrites such an input before its next collective would have the copy run
-    again send the new values."""
-    if name not in _IN_PLACE:
-        return dict(call)
-    return {k: _copy(v) if k == "tensor" else v for k, v in call.items()}
+    """``call`` with what the collective reads copied (what it writes stays the caller's)."""
+    outputs = _OUTPUTS.get(name, ())
+    return {k: v if k in outputs else _copy(v) for k, v in call.items()}
 
 
 def restart_count() -> None:
@@ -287,13 +282,7 @@ def catch_up(view: View | None) -> None:
             )
         name, replay = _done.last
         outputs = _OUTPUTS.get(name, ())
-        _IMPLS[name](
-            view,
-            **{
-                k: _blank(v) if k in outputs else _copy(v) if k == "tensor" and name in _IN_PLACE else v
-                for k, v in replay.items()
-            },
-        )
+        _IMPLS[name](view, **{k: _blank(v) if k in outputs else _copy(v) for k, v in replay.items()})
     _done.count -= high  # the others' second try brings theirs to 0
 
 

@@ -1,4 +1,4 @@
-"""A relaunched rank taken back by the live ranks: its side, and their admission of it.
+"""A relaunched rank's side of being taken back by the live ranks.
 
 The live ranks' side is :class:`trainer.follow.PlanFollower`: at the switch that counts on the
 rank again, their root writes it an :class:`~trainer.follow.Invitation` (the plan, the salt that
@@ -7,8 +7,7 @@ marks the admission (:meth:`PlanFollower.admit`). Here, on the relaunched rank: 
 for the invitation and makes the plan's groups with them (:func:`invitation` and :func:`accept`,
 one poll each, for a rank that replays its loop meanwhile: :mod:`trainer.replay`); :func:`admitted`
 waits for the admission; :func:`taken_back` is the whole of it on a rank's
-:class:`~trainer.resilience.Resilience`, ending with their state. :func:`admit` is the live
-ranks' side of that last part.
+:class:`~trainer.resilience.Resilience`, ending with their state.
 """
 
 from __future__ import annotations
@@ -45,18 +44,6 @@ def taken_back(r: Resilience, *, joined: bool = False) -> None:
     r._entering = {r.rank}
     log.warning("event=rejoined job=%s rank=%d step=%d", r.settings.job_id, r.rank, r.engine.global_steps)
     r._settle()
-
-
-def admit(r: Resilience) -> None:
-    """The live ranks, at the first forward after a boundary that brought ranks back (the step
-    before is theirs alone: its log line, its checkpoint): every live rank takes the state."""
-    assert r.follower is not None and r.reroute is not None
-    try:
-        r.follower.admit()
-        r._take_state(fresh=r.reroute.joined)
-        r._settle()
-    except RuntimeError as exc:  # a rank died meanwhile: as at a step (only with survival on)
-        r._recover(exc)
 
 
 def abandon(r: Resilience, exc: JobFinished) -> None:

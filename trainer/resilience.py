@@ -206,7 +206,7 @@ class Resilience:
             rejoin.taken_back(self)
         if self._admit_pending:
             self._admit_pending = False
-            rejoin.admit(self)
+            self._admit()
         self._in_window = True
         if self._declared_tokens is None:
             ids = inputs[0] if inputs else kwargs.get("input_ids")
@@ -302,10 +302,8 @@ class Resilience:
             follower.boundary(newer=None if ride is None else ride[1] > 0, step=int(engine.global_steps))
             if reroute.role == "excluded":
                 self._leave("excluded")
-            if self._entering:
-                world.restart_count()  # the ranks brought back enter the world's collectives
             self._entering = set(follower.joined)  # in the world's collectives from the next boundary
-            self._admit_pending = bool(follower.joined)  # admitted at the next forward (rejoin.admit)
+            self._admit_pending = bool(follower.joined)  # admitted at the next forward (_admit)
             if not self._admit_pending and self.partitions.stale(reroute):
                 self._take_state()  # a plan left a rank out: its optimizer partition is re-homed
             unreachable = sorted(follower.newly_missing())
@@ -372,7 +370,6 @@ class Resilience:
                 if reroute.joined:
                     follower.admit()
                 self._take_state()
-                world.catch_up(self.world_view())  # a survivor one world collective ahead runs it again
                 written = self._settle()
                 break
             except RecoveryError:
@@ -404,6 +401,16 @@ class Resilience:
             deepspeed_reroute.reattach(engine, reroute)
             self._guard_reduction()
         take_state(engine, reroute, src=follower.source, tensors=not self.partitions.on, fresh=fresh)
+
+    def _admit(self) -> None:
+        """The live ranks, at the first forward after a boundary that brought ranks back (the step
+        before is theirs alone: its log line, its checkpoint): every live rank takes the state."""
+        try:
+            self.follower.admit()  # type: ignore[union-attr]
+            self._take_state(fresh=self.reroute.joined)  # type: ignore[union-attr]
+            self._settle()
+        except RuntimeError as exc:  # a rank died meanwhile: as at a step (only with survival on)
+            self._recover(exc)
 
     def _settle(self) -> str | None:
         """After the live ranks changed and took the state, on every live rank in this order: the

@@ -23,16 +23,12 @@ and logging keep working. Per collective:
 
 A failed collective is not raised into the script: :meth:`trainer.resilience.Resilience.survive`
 recovers and it runs again over the new view, from its inputs as they were (docs/design/rerouting.md).
-A rank that died inside a collective can leave it completed on some survivors (a gather's senders)
-and failed on others: the recovery then calls :func:`catch_up`, and a survivor one collective
-ahead runs its last one once more, from a copy of its inputs, beside the others' second try.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -89,25 +85,10 @@ def _raise(error: RuntimeError) -> None:
     raise error
 
 
-log = logging.getLogger("pulse.trainer.world")
-
 _provider: Provider = _alone_view
 _survive: Survive = _raise
 _alone: View | None = None
 _originals: dict[str, Callable[..., Any]] = {}
-
-
-@dataclass
-class _Count:
-    """The world collectives this rank completed (since :func:`restart_count`, less what
-    :func:`catch_up` matched), and the last of them run over a view, by name, with a copy of what
-    it read."""
-
-    count: int = 0
-    last: tuple[str, dict[str, Any]] | None = None
-
-
-_done = _Count()
 
 
 def install(*, view: Provider | None = None, survive: Survive | None = None, alone: View | None = None) -> None:
@@ -182,108 +163,33 @@ def _wrapper(name: str, fn: Callable[..., Any], impl: Callable[..., Any]) -> Cal
         call = dict(bound.arguments)
         async_op = bool(call.pop("async_op", False))
         del call["group"]
-        replay: dict[str, Any] | None = None
+        inputs = _inputs(name, call)
+        saved: list[torch.Tensor] | None = None
         while True:
             try:
                 view = _provider()  # may make the view's group: a rendezvous that can fail too
-                if view is None:  # the world group itself, as called (an asynchronous call counts once made)
-                    out = fn(*args, **kwargs)
-                    break
-                # its inputs as they were: what a try that failed overwrote is restored from them,
-                # and what catch_up runs once more reads them
-                replay = replay if replay is not None else _inputs(name, call)
+                if view is None:
+                    return fn(*args, **kwargs)
+                saved = saved if saved is not None else [t.clone() for t in inputs]
                 out = impl(view, **call)
-                out = _Done(out) if async_op else out
                 break
             except ExcludedSource:
                 raise
             except RuntimeError as exc:
-                if replay is not None and name in _IN_PLACE:
-                    call["tensor"].copy_(replay["tensor"])
+                for t, s in zip(inputs, saved or [], strict=False):
+                    t.copy_(s)
                 _survive(exc)  # raises when the rank cannot go on
-        _done.count += 1
-        _done.last = None if replay is None else (name, replay)
-        return out
+        return _Done(out) if async_op else out
 
     wrapped._pulse = True  # type: ignore[attr-defined]
     return wrapped
 
 
-def _each(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``fn`` of a tensor argument, or of each tensor of a list of them; anything else as it is."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return [fn(v) for v in value]
-    return value
-
-
-def _copy(value: Any) -> Any:
-    """An argument's tensors copied."""
-    return _each(value, lambda t: t.detach().clone())
-
-
-def _blank(value: Any) -> Any:
-    """An output argument's like, to be written instead of it."""
-    return _each(value, torch.empty_like)
-
-
-# the arguments each collective writes (the others it reads; ``tensor`` of an in-place one both)
-_OUTPUTS = {
-    "all_gather": ("tensor_list",),
-    "all_gather_single": ("output_tensor",),
-    "all_gather_into_tensor": ("output_tensor",),
-    "gather": ("gather_list",),
-    "scatter": ("tensor",),
-    "reduce_scatter": ("output",),
-    "reduce_scatter_single": ("output",),
-    "reduce_scatter_tensor": ("output",),
-}
-_IN_PLACE = ("all_reduce", "reduce", "broadcast")
-
-
-def _inputs(name: str, call: dict[str, Any]) -> dict[str, Any]:
-    """``call`` with what the collective reads copied (what it writes stays the caller's)."""
-    outputs = _OUTPUTS.get(name, ())
-    return {k: v if k in outputs else _copy(v) for k, v in call.items()}
-
-
-def restart_count() -> None:
-    """The ranks brought back enter the world's collectives (at the same step boundary on every
-    live rank and on them): every rank counts its world collectives from here."""
-    _done.count, _done.last = 0, None
-
-
-def catch_up(view: View | None) -> None:
-    """After a recovery, on every live rank of ``view`` at once: the ranks compare how many world
-    collectives each completed. A rank one ahead of others completed the collective they failed
-    in (a rank died inside it, after this rank's part was done): it runs that collective once more
-    over ``view``, from the copy of its arguments, while the others run it again from the wrapper;
-    its own result was returned already, so this one's is dropped. The counts run from the job's
-    start, not from a step boundary: a step's own reduction can complete on some survivors, which
-    pass their boundary, and fail on others, which skip the step, so a count kept per step would
-    compare two steps. Counts further apart than one are not a collective cut short (a rank two
-    behind cannot be: the next collective needs it): nothing is run, and every rank counts anew."""
-    if view is None or view.group is None:
-        return
-    mine = torch.tensor([_done.count], dtype=torch.int64)
-    counts = [torch.zeros_like(mine) for _ in view.members]
-    original("all_gather")(counts, mine, group=view.group)
-    low, high = min(int(c.item()) for c in counts), max(int(c.item()) for c in counts)
-    if high - low > 1:
-        log.warning("event=world_counts_apart rank=%d counts=%s", view.rank, [int(c.item()) for c in counts])
-        restart_count()
-        return
-    if _done.count == high > low:
-        if _done.last is None:
-            raise RuntimeError(
-                "this rank completed a world-group collective its peers failed in, before a plan was in force:"
-                " nothing of it was kept to run again"
-            )
-        name, replay = _done.last
-        outputs = _OUTPUTS.get(name, ())
-        _IMPLS[name](view, **{k: _blank(v) if k in outputs else _copy(v) for k, v in replay.items()})
-    _done.count -= high  # the others' second try brings theirs to 0
+def _inputs(name: str, call: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a failed try may have overwritten, restored before the next try."""
+    if name in ("all_reduce", "reduce", "broadcast"):
+        return [call["tensor"]]
+    return []
 
 
 class _Done:

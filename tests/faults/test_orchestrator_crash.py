@@ -44,6 +44,7 @@ def stack(tmp_path: Path, redis_url: str) -> Iterator[Stack]:
     try:
         yield s
     finally:
+        print(s.logs())  # captured: pytest shows it only with a failure
         s.close()
 
 

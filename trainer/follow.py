@@ -138,8 +138,8 @@ class PlanFollower:
         self.joined = ()
         self.step = step
         reroute = self.reroute
-        if reroute.left and reroute.route is not None and reroute.rank == reroute.source:
-            reroute.store.set(live_step_key(self.job), str(step))
+        if reroute.left:
+            _mark(reroute, live_step_key(self.job), str(step))
         now = time.monotonic()
         self._steps.append(now - self._boundary_at)
         self._boundary_at = now
@@ -419,10 +419,10 @@ def admit_key(job: str, salt: str) -> str:
     return f"pulse/{job}/admit/{salt}"
 
 
-def _mark(reroute: ReroutedAllReduce, key: str) -> None:
+def _mark(reroute: ReroutedAllReduce, key: str, value: str = "1") -> None:
     """``key`` set in the job store by one live rank: the state's source (``PlanGroups.source``)."""
     if reroute.route is not None and reroute.rank == reroute.source:
-        reroute.store.set(key, "1")
+        reroute.store.set(key, value)
 
 
 def join_key(job: str, rank: int) -> str:

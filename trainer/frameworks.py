@@ -50,7 +50,7 @@ def _not_while_replaying(cls: type, name: str) -> None:
         from trainer import resilience
 
         r = resilience.current()
-        if r is not None and r.replay is not None and r.replay.on:
+        if r is not None and r.replay is not None:
             return None
         return original(self, *args, **kwargs)
 

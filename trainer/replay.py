@@ -55,11 +55,11 @@ def move(step: int, *, live: int | None, invited_at: int | None) -> Move:
 
 
 class Replay:
-    """The replay of one relaunched rank (module docstring); :attr:`on` until it is taken back."""
+    """The replay of one relaunched rank (module docstring): its :class:`Resilience`'s ``replay``
+    until it is taken back, None from then on."""
 
     def __init__(self, r: Resilience, *, register: Callable[[], None], poll_s: float = 0.05) -> None:
         self.r = r
-        self.on = True
         self.register = register
         self.poll_s = poll_s
         self.invited_at: int | None = None
@@ -68,14 +68,14 @@ class Replay:
         self._in_window = False
         engine = r.engine
         save = engine.save_checkpoint
-        engine.save_checkpoint = functools.wraps(save)(lambda *a, **k: None if self.on else save(*a, **k))
+        engine.save_checkpoint = functools.wraps(save)(lambda *a, **k: None if r.replay is self else save(*a, **k))
 
     def replays(self) -> bool:
-        """At each forward while :attr:`on`: whether this one is replayed (under ``torch.no_grad``,
+        """At each forward while replaying: whether this one is replayed (under ``torch.no_grad``,
         by the caller). At a window's first forward, what :func:`move` says: at ``take_state`` the
-        rank is taken back now (:attr:`on` goes off) and this forward is a real one."""
+        rank is taken back now (the replay is over) and this forward is a real one."""
         if not self._in_window and self._next() == "take_state":
-            self.on = False
+            self.r.replay = None
             log.warning("event=replayed job=%s rank=%d steps=%d", self.r.settings.job_id, self.r.rank, self.replayed)
             rejoin.taken_back(self.r, joined=True)
             return False

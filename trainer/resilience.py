@@ -102,7 +102,7 @@ class Resilience:
         self.reporter: TrainerReporter | None = None
         self.reroute: ReroutedAllReduce | None = None
         self.follower: PlanFollower | None = None
-        self.replay: Replay | None = None  # a relaunched rank replaying its loop (trainer.replay)
+        self.replay: Replay | None = None  # a relaunched rank replaying its loop, until taken back (trainer.replay)
         self.rider: deepspeed_reroute.Rider | None = None  # what rides with each step's reduction
         self.recoveries = 0
         self.checkpoint = EmergencyCheckpoint(engine, directory=s.checkpoint_dir, job=s.job_id, rank=self.rank)
@@ -134,13 +134,13 @@ class Resilience:
     def start(self, *, join_at_first_step: bool = False, replay: bool = False) -> None:
         global _current
         s, engine = self.settings, self.engine
-        if s.active:
-            if not (self.rejoining and replay):  # a replaying rank registers once it caught up
-                self._register()
-            if s.reroute:
-                _make_reroute(self)
-        elif s.rejoin:
+        if s.rejoin and not s.active:
             raise SystemExit("PULSE_REJOIN=1: PULSE_REDIS_URL and PULSE_JOB_ID are needed to follow the live ranks")
+        if s.active and s.reroute:
+            _make_reroute(self)  # a relaunched rank's old invitation gone before it registers
+        replay = replay and self.rejoining and self.follower is not None
+        if s.active and not replay:  # a replaying rank registers once it caught up
+            self._register()
         engine.forward = self._forward
         engine.backward = self._backward
         engine.step = self._step
@@ -151,7 +151,7 @@ class Resilience:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR2, self.checkpoint.ask)
         atexit.register(self.close)
-        if self.rejoining and replay and self.follower is not None:
+        if replay:
             self._entering = {self.rank}  # alone in the world's collectives until it is taken back
             self.replay = Replay(self, register=self._register)
         elif self.rejoining and join_at_first_step:
@@ -198,7 +198,7 @@ class Resilience:
     # --- the engine's methods, wrapped ---------------------------------------------------------------
 
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.replay is not None and self.replay.on and self.replay.replays():
+        if self.replay is not None and self.replay.replays():
             with torch.no_grad():
                 return self._orig_forward(*inputs, **kwargs)
         if self._join_pending:
@@ -225,7 +225,7 @@ class Resilience:
         self.checkpoint.requested |= self.health.loss(loss, int(self.engine.global_steps) + 1)  # rides along
         self._forward_loss = None
         self._in_window = True
-        if self._failure is not None or self._void or (self.replay is not None and self.replay.on):
+        if self._failure is not None or self._void or self.replay is not None:
             return None  # the window is lost already (or replayed): no backward, no collective
         self._in_engine_backward = True
         self.phases.enter(BACKWARD)
@@ -260,7 +260,7 @@ class Resilience:
             self._losses.append(self._forward_loss)
             self._forward_loss = None
         boundary = engine.is_gradient_accumulation_boundary()
-        if self.replay is not None and self.replay.on:
+        if self.replay is not None:
             self.replay.step(boundary=boundary)
             return None
         if self._failure is not None or self._void:

@@ -32,9 +32,8 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from services import db
-from tests.redis_cluster import flush as flush_cluster
+from tests.redis_cluster import shared_url, started
 from tests.support import CLUSTERS, JOB_PORT_BASE, REDIS_URL, REPO, collect_quietly, fresh_database
-from tools.harness import HarnessError
 from tools.redis_cluster import PrivateRedisCluster
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
@@ -54,11 +53,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session")
 def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedisCluster]:
     """This worker's Redis Cluster (three masters, no replicas), started at its first use."""
-    cluster = PrivateRedisCluster(tmp_path_factory.mktemp("redis-cluster"), replicas=0)
-    try:
-        cluster.start()
-    except HarnessError as exc:
-        pytest.skip(f"no Redis Cluster here: {exc}")
+    cluster = started(tmp_path_factory.mktemp("redis-cluster"), replicas=0)
     CLUSTERS.add(cluster.url)
     try:
         yield cluster
@@ -72,10 +67,7 @@ def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """The machine's Redis (this worker's database, flushed), or with the ``cluster`` parameter
     (:data:`TWO_REDIS`) this worker's Cluster, flushed."""
     if getattr(request, "param", "redis") == "cluster":
-        collect_quietly()
-        cluster: PrivateRedisCluster = request.getfixturevalue("shared_cluster")
-        flush_cluster(cluster)
-        yield cluster.url
+        yield shared_url(request)
         collect_quietly()
         return
     client = redis.Redis.from_url(REDIS_URL)

@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.support import collect_quietly
 from tools.harness import HarnessError
 from tools.redis_cluster import PrivateRedisCluster
 
 
-def _started(workdir: Path) -> PrivateRedisCluster:
-    cluster = PrivateRedisCluster(workdir)
+def started(workdir: Path, *, replicas: int = 1) -> PrivateRedisCluster:
+    """A Cluster of 3 masters with ``replicas`` each, started; the test skipped where none can be."""
+    cluster = PrivateRedisCluster(workdir, replicas=replicas)
     try:
         cluster.start()
     except HarnessError as exc:
@@ -41,7 +43,7 @@ def flush(cluster: PrivateRedisCluster) -> None:
 
 @pytest.fixture(scope="module")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedisCluster]:
-    cluster = _started(tmp_path_factory.mktemp("redis-cluster"))
+    cluster = started(tmp_path_factory.mktemp("redis-cluster"))
     try:
         yield cluster
     finally:
@@ -58,11 +60,21 @@ def cluster_url(redis_cluster: PrivateRedisCluster) -> str:
 @pytest.fixture
 def own_cluster(tmp_path: Path) -> Iterator[PrivateRedisCluster]:
     """A Cluster of this test's own, which it may break."""
-    cluster = _started(tmp_path / "redis-cluster")
+    cluster = started(tmp_path / "redis-cluster")
     try:
         yield cluster
     finally:
         cluster.stop()
+
+
+def shared_url(request: pytest.FixtureRequest) -> str:
+    """The URL of this worker's Cluster (``shared_cluster``, tests/conftest.py), emptied for the
+    test (or module) asking, the garbage of the Cluster tests before it collected
+    (:func:`tests.support.collect_quietly`)."""
+    collect_quietly()
+    cluster: PrivateRedisCluster = request.getfixturevalue("shared_cluster")
+    flush(cluster)
+    return cluster.url
 
 
 def cluster_client(url: str) -> redis.RedisCluster:

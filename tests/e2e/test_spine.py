@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import redis
 
-from tests.redis_cluster import flush as flush_cluster
-from tests.support import REDIS_URL, collect_quietly, free_port, http, pulse_env, redis_env, spawn, stop, wait_for
+from tests.redis_cluster import shared_url
+from tests.support import REDIS_URL, free_port, http, pulse_env, redis_env, spawn, stop, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -77,10 +77,7 @@ class Stack:
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The whole spine on the machine's Redis, then again on a Redis Cluster (tests/conftest.py)."""
     if request.param == "cluster":
-        collect_quietly()
-        cluster = request.getfixturevalue("shared_cluster")
-        flush_cluster(cluster)
-        url = cluster.url
+        url = shared_url(request)
     else:
         url = REDIS_URL
         redis.Redis.from_url(url).flushdb()

@@ -38,6 +38,13 @@ class RedisClock:
         return self._last
 
 
+def age(at: float, now: float) -> float:
+    """Seconds from ``at`` (a Redis stamp) to ``now``, never below 0 (3 decimals). ``now`` is
+    extrapolated between syncs and may trail by a few ms an entry stamped just after the last one,
+    and nothing is seen before it happens."""
+    return round(max(0.0, now - at), 3)
+
+
 def entry_time(entry_id: bytes | str) -> float:
     """Redis server time (seconds) at which a stream entry was added: its id's millisecond part."""
     raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id

@@ -31,6 +31,7 @@ from typing import Any
 
 from clusterpulse import wire
 from clusterpulse.wire import THROTTLE_REASONS
+from services import clock
 from services.cluster import Cluster, NodeView
 from services.health.decide import STATES
 from services.jobs.bottleneck import KINDS, PHASES
@@ -294,7 +295,7 @@ class Renderer:
             "pulse_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat (orchestrator clock)."
         )
         age += [
-            f'pulse_node_heartbeat_age_seconds{{node="{name}"}} {_fmt(round(now - v.health.last_seen, 3))}'
+            f'pulse_node_heartbeat_age_seconds{{node="{name}"}} {_fmt(clock.age(v.health.last_seen, now))}'
             for name, v in views
             if v.health.last_seen is not None
         ]

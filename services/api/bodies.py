@@ -24,6 +24,7 @@ from typing import Any, Literal
 import msgspec
 
 from clusterpulse import wire
+from services import clock
 from services.cluster import Cluster, NodeView
 from services.slurm.nodes.loop import SlurmSync
 
@@ -188,7 +189,7 @@ def split(fields: Fields, shown: dict[str, Any]) -> tuple[bytes, bytes]:
 def age(view: NodeView, now: float) -> bytes:
     """The heartbeat age as ``NodePublic`` shows it (seconds, 3 decimals), JSON-encoded."""
     seen = view.health.last_seen
-    return b"null" if seen is None else b"%.3f" % (now - seen)
+    return b"null" if seen is None else b"%.3f" % clock.age(seen, now)
 
 
 @dataclass(slots=True)

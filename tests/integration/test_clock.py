@@ -33,3 +33,28 @@ def test_the_clock_never_goes_backwards_when_a_sync_lands_behind_it(redis_url: s
             await client.aclose()
 
     asyncio.run(body())
+
+
+def test_an_entry_stamped_after_now_has_age_zero_never_below(redis_url: str) -> None:
+    """``now`` is extrapolated between syncs: trailing Redis time by a few ms (here 50), it lands
+    before a heartbeat stamped just after. The heartbeat's age is 0 then (a clean-clone CI run
+    showed ``heartbeat_age_seconds`` of -0.002 on GET /v1/nodes), and its true age once ``now``
+    is past it."""
+    from services.clock import age, entry_time
+
+    async def body() -> None:
+        client = aioredis.from_url(redis_url)
+        try:
+            clock = RedisClock(client, monotonic=lambda: time.monotonic() + 0.05)
+            await clock.sync()
+            clock._monotonic = time.monotonic  # from here on it trails the server by 50 ms
+            entry = await client.xadd("pulse:test:clock", {"k": "v"})
+            await client.delete("pulse:test:clock")
+            stamped, now = entry_time(entry), clock.now()
+            assert now < stamped  # what the API met: now before the heartbeat it shows
+            assert age(stamped, now) == 0.0
+            assert age(stamped, stamped + 1.23456) == 1.235
+        finally:
+            await client.aclose()
+
+    asyncio.run(body())

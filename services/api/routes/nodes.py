@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, HTTPException, Path, Query, Response, status
 
 from clusterpulse.states import NodeState
+from services import clock
 from services.api import bodies
 from services.api.bodies import Fields
 from services.api.deps import BodiesDep, Operator, OrchestratorDep, Viewer
@@ -35,7 +36,7 @@ MAX_PAGE = 10_000
 
 def node_public(view: NodeView, *, now: float, slurm: SlurmSync | None = None) -> NodePublic:
     seen = view.health.last_seen
-    return NodePublic(**bodies.full(view, slurm), heartbeat_age_seconds=None if seen is None else round(now - seen, 3))
+    return NodePublic(**bodies.full(view, slurm), heartbeat_age_seconds=None if seen is None else clock.age(seen, now))
 
 
 FIELDS_HELP = "full (default): each node with its telemetry; summary: each node at a glance (NodeSummaryPublic)"

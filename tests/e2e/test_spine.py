@@ -87,6 +87,9 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         PULSE_DATABASE_URL=f"sqlite:///{logs / 'pulse.db'}",
         PULSE_HEARTBEAT_INTERVAL_S=str(INTERVAL),
         PULSE_DEGRADED_AFTER_S=str(DEGRADED_AFTER),
+        # five beats, not two (tests/stack.py says why): a clean-clone run on a loaded machine saw a
+        # 0.3 s heartbeat 0.7 s old, and a bystander's SUSPECT failed the test of the others' calm
+        PULSE_SUSPECT_AFTER_S=str(5 * INTERVAL),
         PULSE_LOST_AFTER_S="120",
         PULSE_RECOVER_AFTER="2",
         PULSE_EVALUATE_INTERVAL_S="0.1",
@@ -124,19 +127,20 @@ def test_sigkilled_agent_degrades_within_bound_others_stay_healthy(stack: Stack)
     stack.agents[victim].kill()
     killed_at = time.time()
     stack.agents[victim].wait()
-    wait_for(
-        lambda: stack.nodes()[victim]["state"] == "DEGRADED", timeout=DEGRADED_AFTER + 10, what=f"{victim} DEGRADED"
-    )
-    degraded = [e for e in stack.events(node=victim) if e["to_state"] == "DEGRADED" and e["id"] > t0]
-    assert degraded, "no DEGRADED event"
-    latency = degraded[0]["at"] - killed_at
-    assert latency <= DEGRADED_AFTER + 2 * INTERVAL, f"DEGRADED {latency:.2f}s after SIGKILL"
-    assert "no heartbeat for" in degraded[0]["reason"]
-    others = {n: v["state"] for n, v in stack.nodes().items() if n != victim}
-    assert set(others.values()) == {"HEALTHY"}, others
-    assert not [e for e in stack.events() if e["id"] > t0 and e["node"] != victim and e["kind"] == "health"]
-
-    stack.start_agent(victim)  # comes back: recovers after recover_after good heartbeats
+    try:
+        wait_for(
+            lambda: stack.nodes()[victim]["state"] == "DEGRADED", timeout=DEGRADED_AFTER + 10, what=f"{victim} DEGRADED"
+        )
+        degraded = [e for e in stack.events(node=victim) if e["to_state"] == "DEGRADED" and e["id"] > t0]
+        assert degraded, "no DEGRADED event"
+        latency = degraded[0]["at"] - killed_at
+        assert latency <= DEGRADED_AFTER + 2 * INTERVAL, f"DEGRADED {latency:.2f}s after SIGKILL"
+        assert "no heartbeat for" in degraded[0]["reason"]
+        others = {n: v["state"] for n, v in stack.nodes().items() if n != victim}
+        assert set(others.values()) == {"HEALTHY"}, others
+        assert not [e for e in stack.events() if e["id"] > t0 and e["node"] != victim and e["kind"] == "health"]
+    finally:  # the module's next tests find all eight, whatever this one found
+        stack.start_agent(victim)  # comes back: recovers after recover_after good heartbeats
     wait_for(lambda: stack.nodes()[victim]["state"] == "HEALTHY", timeout=20, what=f"{victim} recovered")
 
 

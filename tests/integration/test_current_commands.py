@@ -68,16 +68,16 @@ def test_an_agent_with_a_fresh_state_directory_starts_nothing_for_a_job_that_is_
         first = Launcher(node="n1", redis_client=client, state_dir=tmp_path / "first")
         stop, task = await _running(first)
         _send(redis_url, key, _issued(_cmd("done", seconds=0.2)))
-        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"], limit_s=30)
+        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"])
         last = _send(redis_url, key, _stop_cmd("done"))  # SUCCEEDED: the orchestrator stops what outlives the ranks
-        await _until(lambda: _cursor(tmp_path / "first") == last and not first.stores, limit_s=30)
+        await _until(lambda: _cursor(tmp_path / "first") == last and not first.stores)
         stop.set()
         await task
         before = _statuses(redis_url)
         # the node comes back re-imaged (or its state on a tmpfs): no jobs.json, no cursor
         second = Launcher(node="n1", redis_client=client, state_dir=tmp_path / "fresh")
         stop, task = await _running(second)
-        await _until(lambda: _cursor(tmp_path / "fresh") == last, limit_s=30)
+        await _until(lambda: _cursor(tmp_path / "fresh") == last)
         stop.set()
         await task
         assert _statuses(redis_url) == before  # nothing said about the job: no started, no exited
@@ -99,7 +99,7 @@ def test_an_agent_restarted_while_its_job_runs_reattaches_and_starts_nothing_twi
         first = Launcher(node="n1", redis_client=client, state_dir=tmp_path)
         stop, task = await _running(first)
         _send(redis_url, key, _issued(_cmd("live", seconds=6, exit_code=5)))  # outlives the restart
-        await _until(lambda: "live" in first.jobs, limit_s=30)
+        await _until(lambda: "live" in first.jobs)
         pids, orphans = first.jobs["live"].pids, first.jobs["live"].procs
         stop.set()
         await task  # the agent goes; its ranks run on
@@ -107,7 +107,7 @@ def test_an_agent_restarted_while_its_job_runs_reattaches_and_starts_nothing_twi
         stop, task = await _running(second)
         await _until(lambda: "live" in second.jobs, limit_s=10)
         assert second.jobs["live"].pids == pids  # the same ranks, found again
-        await _until(lambda: len(_statuses(redis_url)) == 2, limit_s=30)
+        await _until(lambda: len(_statuses(redis_url)) == 2)
         stop.set()
         await task
         assert [(s.state, s.exit_code) for s in _statuses(redis_url)] == [("started", None), ("exited", 5)]
@@ -136,11 +136,11 @@ def test_a_launch_past_its_deadline_is_refused_with_its_reason(
         client = async_redis(redis_url)
         launcher = Launcher(node="n1", redis_client=client, state_dir=tmp_path)  # its command TTL: the default
         stop, task = await _running(launcher)
-        await _until(lambda: refused("stale") and refused("legacy"), limit_s=30)
+        await _until(lambda: refused("stale") and refused("legacy"))
         _send(redis_url, key, _issued(_cmd("late", seconds=0.2), ago_s=TTL_S + 1))  # one read as it comes
         _send(redis_url, key, _issued(_cmd("current", seconds=0.2)))
         await _until(lambda: [(s.job, s.state) for s in _statuses(redis_url)][:1] == [("current", "started")])
-        await _until(lambda: len(_statuses(redis_url)) == 2, limit_s=30)
+        await _until(lambda: len(_statuses(redis_url)) == 2)
         stop.set()
         await task
         _end_stores(launcher)

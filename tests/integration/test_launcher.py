@@ -48,7 +48,9 @@ def _statuses(url: str) -> list[wire.JobStatus]:
     return out
 
 
-async def _until(cond: object, limit_s: float = 60.0) -> None:
+async def _until(cond: object, limit_s: float = 120.0) -> None:
+    """Polls ``cond`` until it holds; a start of a rank or a job store took 28 s in one clean-clone
+    run on a loaded machine, so the limit is generous: it is only reached when something is wrong."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit_s
     while not cond():  # type: ignore[operator]
@@ -104,7 +106,7 @@ def test_stop_terminates_the_process_group(redis_url: str, tmp_path: Path) -> No
         store = launcher.stores["j2"]
         await asyncio.sleep(1.0)
         await launcher.stop("j2", grace_s=10)
-        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"], limit_s=30)
+        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"])
         await _until(lambda: not alive(store), limit_s=10)  # the job's store goes with it
         assert launcher.stores == {}
         await client.aclose()
@@ -155,11 +157,11 @@ def test_the_first_node_hosts_the_jobs_store_outside_its_ranks(redis_url: str, t
         pid = launcher.stores["j3"]
         store = TCPStore("127.0.0.1", cmd.master_port, is_master=False, timeout=timedelta(seconds=20))
         store.set("pulse/j3/salt", "7")
-        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"], limit_s=30)
+        await _until(lambda: [s.state for s in _statuses(redis_url)] == ["started", "exited"])
         assert "agent_store=True" in _statuses(redis_url)[-1].log_tail  # torch's rendezvous: a client
         assert alive(pid)  # the ranks are gone, the store is not
         await launcher.launch(msgspec.structs.replace(cmd, env={"PULSE_REJOIN": "1"}))  # to rejoin
-        await _until(lambda: len(_statuses(redis_url)) == 4, limit_s=30)  # relaunched, exited again
+        await _until(lambda: len(_statuses(redis_url)) == 4)  # relaunched, exited again
         assert launcher.stores["j3"] == pid and store.get("pulse/j3/salt") == b"7"
         store.set(wire.job_done_store_key("j3"), "1")
         await _until(lambda: not alive(pid), limit_s=15)
@@ -280,7 +282,7 @@ def test_checkpoint_signals_each_rank_once_and_spares_their_children(redis_url: 
         argv = [SIG_RANK, "--out", str(out), "--seconds", "120", "--no-trap-rank", "2"]
         await first.launch(msgspec.structs.replace(_cmd("ck", seconds=120), gpus_per_node=3, argv=argv))
         groups.append(first.jobs["ck"].pgid)
-        await _until(lambda: len(list(out.glob("ck-*.ready"))) == 3, limit_s=30)
+        await _until(lambda: len(list(out.glob("ck-*.ready"))) == 3)
         ranks = {r: int((out / f"ck-{r}.ready").read_text()) for r in range(3)}
         children = [int((out / f"ck-{r}.child").read_text()) for r in range(3)]
         wrappers = first.jobs["ck"].pids

@@ -177,6 +177,10 @@ class Settings(BaseSettings):
     # How often an open stream checks its token in the database (a revoke on another replica
     # ends it within this; one on the stream's own replica at once).
     stream_token_check_s: float = Field(1.0, gt=0)
+    # SIGTERM (services/api/server.py): every event stream ends at once (its client reconnects with
+    # Last-Event-ID, to another replica if this one is gone); a request still running this long
+    # after is cancelled, then the loops stop and the last outbox is written.
+    shutdown_grace_s: float = Field(5.0, gt=0)
     # The status page GET / (services/api/routes/status_page.py): how often it re-reads the API.
     status_refresh_s: float = Field(3.0, ge=0.2)
     # ... and how many nodes it reads a request (GET /v1/nodes?fields=summary&limit=).

@@ -87,13 +87,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from services.api.app import create_app
+    from services.api.server import serve
 
     settings = settings_with()
-    app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    serve(create_app(settings), settings, host=args.host, port=args.port)
     return 0
 
 

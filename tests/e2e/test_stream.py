@@ -10,6 +10,7 @@ repeated. ``pulse events --follow`` sees the same.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -250,3 +251,29 @@ def test_the_follower_stops_on_a_closed_message() -> None:
     assert next(got).data == {"id": 8}
     with pytest.raises(StreamRefused, match="closed -> 401: revoked"):
         next(got)
+
+
+def test_sigterm_ends_every_stream_and_the_orchestrator_stops(tmp_path: Path) -> None:
+    """uvicorn waits for every open response before the app's lifespan ends, and a stream never
+    ends by itself: a SIGTERMed orchestrator with one viewer (the status page) never stopped, nor
+    wrote its last outbox, nor gave up its lease. Now the stream ends first (its client reconnects
+    where it was) and the orchestrator stops, well inside a grace of 120 s that would otherwise
+    cancel it (services/api/server.py)."""
+    redis.Redis.from_url(REDIS_URL).flushdb()  # no lease of an earlier test's orchestrator
+    s = Stack(tmp_path, PULSE_REDIS_URL=REDIS_URL, PULSE_SHUTDOWN_GRACE_S="120")
+    try:
+        s.orchestrator()
+        orch = s.procs["orch"]
+        client = httpx.Client(base_url=s.api, timeout=httpx.Timeout(5.0, read=30.0))
+        with client, client.stream("GET", "/v1/stream") as r:
+            lines = r.iter_lines()
+            assert next(lines) == ": connected"
+            orch.terminate()
+            rest = list(lines)  # ends when the server closes it; a read timeout fails the test
+        assert not [line for line in rest if line.startswith("data:")], rest
+        assert orch.wait(30) == -signal.SIGTERM  # uvicorn raises the signal again once it has stopped
+        log = (tmp_path / "orch.log").read_text()
+        assert "event=stream_closed" in log and "why='server stopping'" in log, log[-2000:]
+        assert "event=leader_released" in log, log[-2000:]
+    finally:
+        s.close()

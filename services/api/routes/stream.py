@@ -32,6 +32,7 @@ from services.api.deps import Bearer, FeedDep, SettingsDep, TokensDep, Viewer
 from services.api.feed import EventFeed
 from services.api.routes.events import event_public
 from services.api.schemas import EventPublic
+from services.api.server import stopping
 from services.api.tokens import AuthRefusal, Role, TokenStore, authorize
 from services.orchestrator import Orchestrator
 
@@ -133,6 +134,7 @@ async def stream(
 ) -> EventStreamResponse:
     start = last_event_id if last_event_id is not None else since_id
     check_s = settings.stream_token_check_s
+    stop = stopping(request.app)
 
     async def messages() -> AsyncIterator[str]:
         newest = await feed.start()
@@ -144,6 +146,9 @@ async def stream(
         why = "client gone"
         try:
             while not await request.is_disconnected():
+                if stop.is_set():  # SIGTERM: the client reconnects where it was, here or elsewhere
+                    why = "server stopping"
+                    break
                 change, fed = tokens.changed(), feed.changed()  # taken before the reads: a change wakes the wait
                 if time.monotonic() - checked >= check_s:
                     refusal = await _refusal(
@@ -166,7 +171,7 @@ async def stream(
                     yield ": keepalive\n\n"
                     quiet_since = time.monotonic()
                 wait_s = min(checked + check_s, quiet_since + settings.stream_keepalive_s) - time.monotonic()
-                if await _either(fed, change, max(0.0, wait_s)) is change:
+                if await _first((change, stop, fed), max(0.0, wait_s)) is change:
                     checked = -check_s  # a token changed here: check at once
         finally:
             log.info("event=stream_closed client=%s last_id=%d why=%r", client, last, why)
@@ -174,13 +179,14 @@ async def stream(
     return EventStreamResponse(messages(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _either(a: asyncio.Event, b: asyncio.Event, wait_s: float) -> asyncio.Event | None:
-    """Wait until ``a`` or ``b`` is set (returns which, ``b`` first) or ``wait_s`` passed (None)."""
-    if not (a.is_set() or b.is_set()):
-        waiters = [asyncio.ensure_future(e.wait()) for e in (a, b)]
+async def _first(events: tuple[asyncio.Event, ...], wait_s: float) -> asyncio.Event | None:
+    """Wait until one of ``events`` is set or ``wait_s`` passed: the first of them set (in their
+    order), else None."""
+    if not any(e.is_set() for e in events):
+        waiters = [asyncio.ensure_future(e.wait()) for e in events]
         try:
             await asyncio.wait(waiters, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waiters:
                 w.cancel()
-    return b if b.is_set() else a if a.is_set() else None
+    return next((e for e in events if e.is_set()), None)

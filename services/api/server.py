@@ -20,7 +20,8 @@ from clusterpulse.settings import Settings
 
 
 def stopping(app: FastAPI) -> asyncio.Event:
-    """Set once the server stops: what a response that never ends by itself waits on too."""
+    """Set once the server stops: what a response that never ends by itself waits on too. Made
+    by the app's lifespan, in the loop that serves it (an event waited on is bound to one loop)."""
     event: asyncio.Event | None = getattr(app.state, "stopping", None)
     if event is None:
         event = app.state.stopping = asyncio.Event()

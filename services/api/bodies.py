@@ -111,6 +111,7 @@ def gpus(view: NodeView) -> list[dict[str, Any]]:
 
 # a throttle reason the summary names: running at the power limit is normal under load
 _SLOWING = frozenset(wire.THROTTLE_REASONS) - {"sw_power_cap"}
+_AT_CAP = ("sw_power_cap",)  # what every GPU of a busy node says: compared, not walked
 
 
 def gpu_summary(gpus: list[wire.GpuSample]) -> dict[str, Any]:
@@ -127,8 +128,8 @@ def gpu_summary(gpus: list[wire.GpuSample]) -> dict[str, Any]:
             ecc += g.ecc_volatile_uncorrected
         if g.xids_recent:
             xids.update(g.xids_recent)
-        if g.throttle:
-            slowed.update(r for r in g.throttle if r in _SLOWING)
+        if (reasons := g.throttle) and reasons != _AT_CAP:
+            slowed.update(reasons)
         if g.lost:
             lost += 1
             continue
@@ -149,7 +150,7 @@ def gpu_summary(gpus: list[wire.GpuSample]) -> dict[str, Any]:
         "pcie_width_min": width,
     }
     trouble = {"lost": lost, "pcie_narrow": narrow, "ecc_uncorrected": ecc, "xids_recent": sorted(xids)}
-    trouble["throttle"] = sorted(slowed)
+    trouble["throttle"] = sorted(slowed & _SLOWING)
     out.update((k, v) for k, v in trouble.items() if v)
     return out
 

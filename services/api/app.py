@@ -94,7 +94,8 @@ def create_app(settings: Settings, *, consumer: str | None = None) -> FastAPI:
         orch = Orchestrator(settings, redis_client=client, engine=engine, consumer=consumer)
         await orch.start()
         app.state.orchestrator = orch
-        app.state.stopping = asyncio.Event()  # set by services/api/server.py on SIGTERM; this loop's
+        app.state.stopping = asyncio.Event()  # set by services/api/server.py on SIGTERM; made here, in
+        # the loop that serves the app (an event waited on is bound to one loop)
         app.state.tokens = TokenStore(
             sessions=orch.sessions, bootstrap=settings.api_token, clock=orch.clock.now, cache_s=settings.token_cache_s
         )

@@ -12,6 +12,7 @@ not) takes from its bucket (429) before its validity (401) and role (403) are ju
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Annotated
 
@@ -72,11 +73,17 @@ async def get_tokens(request: Request) -> TokenStore:
     return tokens
 
 
+async def get_stopping(request: Request) -> asyncio.Event:
+    stopping: asyncio.Event = request.app.state.stopping
+    return stopping
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 OrchestratorDep = Annotated[Orchestrator, Depends(get_orchestrator)]
 TokensDep = Annotated[TokenStore, Depends(get_tokens)]
 BodiesDep = Annotated[NodeBodies, Depends(get_bodies)]
 FeedDep = Annotated[EventFeed, Depends(get_feed)]
+StoppingDep = Annotated[asyncio.Event, Depends(get_stopping)]  # set on SIGTERM (services/api/server.py)
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 

@@ -9,7 +9,6 @@ with ``Last-Event-ID``), and cancels what still runs after ``PULSE_SHUTDOWN_GRAC
 
 from __future__ import annotations
 
-import asyncio
 import math
 import socket
 
@@ -19,17 +18,10 @@ from fastapi import FastAPI
 from clusterpulse.settings import Settings
 
 
-def stopping(app: FastAPI) -> asyncio.Event:
-    """Set once the server stops: what a response that never ends by itself waits on too. Made
-    by the app's lifespan, in the loop that serves it (an event waited on is bound to one loop)."""
-    event: asyncio.Event | None = getattr(app.state, "stopping", None)
-    if event is None:
-        event = app.state.stopping = asyncio.Event()
-    return event
-
-
 class Server(uvicorn.Server):
-    """uvicorn's server, which sets :func:`stopping` before it waits for open responses."""
+    """uvicorn's server, which sets the app's ``stopping`` event (made by its lifespan; routes take
+    it as ``StoppingDep``) before it waits for open responses. uvicorn calls :meth:`shutdown` only
+    after the lifespan started."""
 
     def __init__(self, app: FastAPI, settings: Settings, *, host: str, port: int) -> None:
         config = uvicorn.Config(
@@ -40,7 +32,7 @@ class Server(uvicorn.Server):
         self._app = app
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        stopping(self._app).set()
+        self._app.state.stopping.set()
         await super().shutdown(sockets)
 
 

@@ -28,11 +28,10 @@ from pydantic import BaseModel, Field
 from clusterpulse.settings import Settings
 from clusterpulse.states import EventKind
 from services import db
-from services.api.deps import Bearer, FeedDep, SettingsDep, TokensDep, Viewer
+from services.api.deps import Bearer, FeedDep, SettingsDep, StoppingDep, TokensDep, Viewer
 from services.api.feed import EventFeed
 from services.api.routes.events import event_public
 from services.api.schemas import EventPublic
-from services.api.server import stopping
 from services.api.tokens import AuthRefusal, Role, TokenStore, authorize
 from services.orchestrator import Orchestrator
 
@@ -127,6 +126,7 @@ async def stream(
     feed: FeedDep,
     settings: SettingsDep,
     tokens: TokensDep,
+    stop: StoppingDep,
     creds: Bearer,
     _: Viewer,
     since_id: Annotated[int | None, Query(ge=0, description="send events with a larger id")] = None,
@@ -134,7 +134,6 @@ async def stream(
 ) -> EventStreamResponse:
     start = last_event_id if last_event_id is not None else since_id
     check_s = settings.stream_token_check_s
-    stop = stopping(request.app)
 
     async def messages() -> AsyncIterator[str]:
         newest = await feed.start()

@@ -39,7 +39,11 @@ def threaded() -> Iterator[subprocess.Popen[bytes]]:
     """A live process with a few threads, all sleeping."""
     code = "import threading, time\nfor _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\ntime.sleep(60)"
     p = subprocess.Popen([sys.executable, "-c", code])
-    time.sleep(0.3)
+    tasks = Path(f"/proc/{p.pid}/task")
+    deadline = time.monotonic() + 30  # its four threads started (0.3 s was not always enough under load)
+    while len(list(tasks.iterdir())) < 4:
+        assert time.monotonic() < deadline, "the threads never started"
+        time.sleep(0.02)
     yield p
     p.kill()
     p.wait()

@@ -45,9 +45,10 @@ def test_an_entry_stamped_after_now_has_age_zero_never_below(redis_url: str) -> 
     async def body() -> None:
         client = aioredis.from_url(redis_url)
         try:
-            clock = RedisClock(client, monotonic=lambda: time.monotonic() + 0.05)
+            ahead_s = 0.05
+            clock = RedisClock(client, monotonic=lambda: time.monotonic() + ahead_s)
             await clock.sync()
-            clock._monotonic = time.monotonic  # from here on it trails the server by 50 ms
+            ahead_s = 0.0  # from here on it trails the server by 50 ms
             entry = await client.xadd("pulse:test:clock", {"k": "v"})
             await client.delete("pulse:test:clock")
             stamped, now = entry_time(entry), clock.now()

@@ -192,10 +192,10 @@ class Heartbeat(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     ipmi: Literal["ok", "stale", "unavailable", "simulated"] = "unavailable"
     labels: dict[Label, Label] = {}
     addr: Addr = ""
-    gpus: Annotated[list[GpuSample], msgspec.Meta(max_length=64)] = []
-    psus: Annotated[list[PsuSample], msgspec.Meta(max_length=32)] = []
-    fans: Annotated[list[FanSample], msgspec.Meta(max_length=64)] = []
-    nics: Annotated[list[NicPort], msgspec.Meta(max_length=64)] = []
+    gpus: Annotated[tuple[GpuSample, ...], msgspec.Meta(max_length=64)] = ()
+    psus: Annotated[tuple[PsuSample, ...], msgspec.Meta(max_length=32)] = ()
+    fans: Annotated[tuple[FanSample, ...], msgspec.Meta(max_length=64)] = ()
+    nics: Annotated[tuple[NicPort, ...], msgspec.Meta(max_length=64)] = ()
     host_boot: Annotated[str, msgspec.Meta(max_length=64)] = ""  # /proc/sys/kernel/random/boot_id
     launches: bool = True  # runs what its command stream asks (not `pulse simulate`, `agent --no-jobs`)
 

@@ -256,6 +256,7 @@ def at_scale(args: argparse.Namespace, url: str, tmp: Path, *, slice_nodes: int)
         cold, count = _walk(port, args.page)
         warm = [ms for _ in range(args.walks) for ms in _walk(port, args.page)[0]]
         pauses = {k: v - before.get(k, 0) for k, v in _pauses(port).items()}
+        full = _full_collections(port)
     finally:
         _stop(orch)
         client.flushdb()
@@ -269,6 +270,7 @@ def at_scale(args: argparse.Namespace, url: str, tmp: Path, *, slice_nodes: int)
         "page_warm_ms": {"median": round(statistics.median(warm), 1), "max": round(max(warm), 1)},
         "page_cold_ms_each": [round(x, 1) for x in cold],
         "pauses_over_25ms_while_walking": pauses,
+        "full_collections": full,
     }
 
 
@@ -293,6 +295,15 @@ def _pauses(port: int) -> dict[str, int]:
             counts[key] = (total, under)
         out.update({k: int(total - under) for k, (total, under) in counts.items()})
     return out
+
+
+def _full_collections(port: int) -> dict[str, float]:
+    """From the orchestrator's /metrics: its full (generation 2) garbage collections since it
+    started, how many and how long each held the event loop on average."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    got = dict(re.findall(r'^pulse_gc_pause_seconds_(sum|count)\{generation="2"\} (\S+)$', text, re.M))
+    count, total = float(got.get("count", 0)), float(got.get("sum", 0))
+    return {"count": int(count), "mean_ms": round(1000 * total / count, 1) if count else 0.0}
 
 
 def run_bench_reads(args: argparse.Namespace) -> int:

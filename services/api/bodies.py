@@ -18,6 +18,7 @@ last node when more nodes pass after it, else null.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -114,7 +115,7 @@ _SLOWING = frozenset(wire.THROTTLE_REASONS) - {"sw_power_cap"}
 _AT_CAP = ("sw_power_cap",)  # what every GPU of a busy node says: compared, not walked
 
 
-def gpu_summary(gpus: list[wire.GpuSample]) -> dict[str, Any]:
+def gpu_summary(gpus: Sequence[wire.GpuSample]) -> dict[str, Any]:
     """The worst of a node's GPUs (``GpuSummaryPublic``): the figures of those not lost (None:
     none reported it), then what is wrong, each left out while nothing is. One pass: a page of
     1,000 nodes builds 1,000 of these after a round of heartbeats."""
@@ -166,7 +167,7 @@ def summary(view: NodeView, slurm: SlurmSync | None) -> dict[str, Any]:
         "reason": h.reason,
         "schedulable": _schedulable(view, scheduler(view, slurm)),
         "labels": view.labels,
-        "gpu": gpu_summary(hb.gpus if hb else []),
+        "gpu": gpu_summary(hb.gpus if hb else ()),
         "psu_amperes": {
             p.name: p.output_current_amperes if p.output_current_amperes is not None else p.input_current_amperes
             for p in psus

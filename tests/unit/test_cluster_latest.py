@@ -59,4 +59,4 @@ def test_a_restored_node_keeps_its_latest_key_undecoded_until_read() -> None:
     assert c.nodes["n0"].latest == hb and c.nodes["n0"].payload is None
     for name in ("n1", "n2"):  # no key; another node's key: the identity stands
         latest = c.nodes[name].latest
-        assert latest is not None and latest.node == "n0" and latest.gpus == [], name
+        assert latest is not None and latest.node == "n0" and latest.gpus == (), name

@@ -407,11 +407,11 @@ def test_every_fixture_makes_a_heartbeat_the_orchestrator_accepts(name: str) -> 
         interval_s=30.0,
         gpu_source="none",
         ipmi="ok",
-        psus=r.psus,
-        fans=r.fans,
+        psus=tuple(r.psus),
+        fans=tuple(r.fans),
     )
     back = wire.decode_heartbeat(wire.encode(hb))
-    assert (back.psus, back.fans) == (r.psus, r.fans)
+    assert (back.psus, back.fans) == (tuple(r.psus), tuple(r.fans))
 
 
 def test_reading_is_frozen() -> None:

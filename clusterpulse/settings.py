@@ -156,6 +156,9 @@ class Settings(BaseSettings):
     evaluate_interval_s: float = Field(0.5, gt=0)
     evaluate_slice_nodes: int = Field(2048, ge=0)  # nodes evaluated between turns of the event loop (0: all)
     loop_watch_interval_s: float = Field(0.1, gt=0)  # how often the event loop's lag is measured
+    gc_thaw_s: float = Field(
+        600, ge=0
+    )  # frozen objects handed back to the collector (services/freeze.py); 0: none frozen
     ingest_block_s: float = Field(0.2, gt=0)
     ingest_batch: int = Field(2000, ge=1)
     # Ingest processes (services/ingest/worker.py) per replica: 0 (the default) has the leader read

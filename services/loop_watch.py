@@ -21,6 +21,7 @@ import time
 from bisect import bisect_left
 from typing import Any
 
+from services.freeze import freeze_step
 from services.runner import Tick
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -92,6 +93,36 @@ class GcWatch:
     def remove(self) -> None:
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
+
+
+class Freezer(Tick):
+    """Freezes what survived each full collection and thaws it every ``thaw_s``
+    (services/freeze.py). Runs on every replica, as :class:`LoopWatch` does."""
+
+    name = "gc_freeze"
+    leader_only = False
+
+    def __init__(self, collections: GcWatch, *, interval_s: float, thaw_s: float) -> None:
+        self.collections = collections
+        self.interval_s = interval_s
+        self.thaw_s = thaw_s
+        self.frozen_at: int | None = None  # full collections counted at the last freeze
+        self.thawed_at = time.monotonic()
+
+    def tick(self, now: float) -> None:
+        full, t = self.collections.pauses[2].count, time.monotonic()
+        step = freeze_step(full=full, frozen_at=self.frozen_at, now=t, thawed_at=self.thawed_at, thaw_s=self.thaw_s)
+        if step == "freeze":
+            gc.freeze()
+            self.frozen_at = full
+        elif step == "thaw":
+            gc.unfreeze()  # the next full collection walks everything again, then it is frozen again
+            self.thawed_at, self.frozen_at = t, full
+
+    def stop(self) -> None:
+        """Hand every frozen object back (a stopped orchestrator in a process that goes on)."""
+        gc.unfreeze()
+        self.frozen_at = None
 
 
 def loop_lines(watch: LoopWatch, collections: GcWatch) -> list[str]:

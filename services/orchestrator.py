@@ -37,7 +37,7 @@ from services.ingest.pool import IngestPool
 from services.jobs.loop import JobReconciler
 from services.jobs.progress import Progress
 from services.leader import LeaderLease, NotLeader
-from services.loop_watch import GcWatch, LoopWatch
+from services.loop_watch import Freezer, GcWatch, LoopWatch
 from services.operator import OperatorActions
 from services.persist.loop import Persister
 from services.persist.outbox import Outbox
@@ -141,6 +141,7 @@ class Orchestrator:
             interval_s=settings.retention_interval_s,
         )  # fmt: skip
         self.loop_watch, self.collections = LoopWatch(settings.loop_watch_interval_s), GcWatch()  # loop_watch.py
+        self.freezer = Freezer(self.collections, interval_s=settings.loop_watch_interval_s, thaw_s=settings.gc_thaw_s)
         self.ticks = self._ticks()
         self.runner: Runner | None = None  # while started
 
@@ -149,6 +150,7 @@ class Orchestrator:
         ticks: list[Tick | None] = [
             LeaseTick(self), FollowTick(self), self.ingest, self.evaluator, self.persister, self.jobs,
             self.fabric, self.retention, self.ingest_pool, self.slurm, self.slurm_jobs, self.loop_watch,
+            self.freezer,
         ]  # fmt: skip
         return [t for t in ticks if t is not None]
 
@@ -215,6 +217,7 @@ class Orchestrator:
         with contextlib.suppress(Exception):
             await self.leader.release()
         self.collections.remove()
+        self.freezer.stop()
 
     async def _end_loops(self) -> None:
         if self.runner is not None:

@@ -15,7 +15,7 @@ from services.runner import Tick
 
 EVERY_LOOP = {
     "lease", "follow", "ingest", "evaluate", "persist", "jobs", "fabric", "retention", "ingest_pool", "slurm",
-    "slurm_jobs", "loop_watch",
+    "slurm_jobs", "loop_watch", "gc_freeze",
 }  # fmt: skip
 
 

@@ -155,6 +155,8 @@ class Settings(BaseSettings):
     # Orchestrator loops
     evaluate_interval_s: float = Field(0.5, gt=0)
     evaluate_slice_nodes: int = Field(2048, ge=0)  # nodes evaluated between turns of the event loop (0: all)
+    metrics_slice_nodes: int = Field(256, ge=0)  # nodes a /metrics render writes between turns of the loop (0: all)
+    metrics_slice_pause_s: float = Field(0.005, ge=0)  # the loop's other work between two slices of a render
     loop_watch_interval_s: float = Field(0.1, gt=0)  # how often the event loop's lag is measured
     gc_thaw_s: float = Field(
         600, ge=0

@@ -21,10 +21,10 @@ Every name here is fixed by SPEC.md; units are in the names.
 
 from __future__ import annotations
 
+import asyncio
 import gc
-import math
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
@@ -34,11 +34,10 @@ from clusterpulse.wire import THROTTLE_REASONS
 from services import clock
 from services.cluster import Cluster, NodeView
 from services.health.decide import STATES
-from services.jobs.bottleneck import KINDS, PHASES
-from services.jobs.progress import JobProgress, Progress
+from services.jobs.progress import Progress
+from services.metrics_jobs import render_jobs
 from services.metrics_nics import NicRenderer
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from services.metrics_text import escape, fmt
 
 
 @dataclass(frozen=True)
@@ -120,20 +119,17 @@ PSU_GAUGES = (
 _PSU_VALUES = attrgetter(*(attr for _, _, attr, _ in PSU_GAUGES))
 
 
-def _fmt(v: float | int) -> str:
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if v.is_integer() and abs(v) < 1e15:
-        return str(int(v))
-    return repr(v)
-
-
-def escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def _collector_off(steps: Generator[None, None, list[str]]) -> None:
+    """One step of a render with the cycle collector off: a render makes a few hundred thousand
+    short-lived tuples and no cycle, and the collections it set off walked the orchestrator's own
+    objects too (16,384 nodes: 1.35 -> 1.12 s in ``pulse bench ingest``)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        next(steps)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def shard_of(node: str, shards: int) -> int:
@@ -169,6 +165,7 @@ class Renderer:
     node) and the last text of each node's steady families, never state of its own."""
 
     def __init__(self) -> None:
+        self._lock = asyncio.Lock()  # one render_lines at a time
         self._templates: dict[tuple[str, tuple[str, ...], str], str] = {}
         self._shapes: dict[tuple[tuple[int, ...], tuple[bool, ...]], _GpuShape] = {}
         self._named: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
@@ -188,18 +185,45 @@ class Renderer:
         shards: int = 1,
     ) -> str:
         """The exposition text; with ``shards`` > 1, only the nodes of ``shard`` (and the
-        cluster-wide series in shard 0). The cycle collector is off meanwhile: a render makes a
-        few hundred thousand short-lived tuples and no cycle, and the collections it set off walked
-        the orchestrator's own objects too (16,384 nodes: 1.35 -> 1.12 s in ``pulse bench ingest``)."""
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return self._render(cluster, now=now, progress=progress, extra=extra, shard=shard, shards=shards)
-        finally:
-            if enabled:
-                gc.enable()
+        cluster-wide series in shard 0). In one go: :meth:`render_lines` lets other work run."""
+        steps = self._steps(cluster, now=now, progress=progress, extra=extra, shard=shard, shards=shards, size=0)
+        while True:
+            try:
+                _collector_off(steps)
+            except StopIteration as done:
+                return "\n".join([*done.value, ""])
 
-    def _render(
+    async def render_lines(
+        self,
+        cluster: Cluster,
+        *,
+        now: float,
+        progress: Progress | None = None,
+        extra: Iterable[str] = (),
+        shard: int = 0,
+        shards: int = 1,
+        slice_nodes: int,
+        pause_s: float = 0.0,
+    ) -> list[str]:
+        """:meth:`render`'s lines (:func:`encoded` makes them the text), ``slice_nodes`` nodes at a time (0: all) with the event loop's other
+        work for ``pause_s`` between: at 16,384 nodes a scrape held the loop for 0.8-2.4 s, and
+        every request and loop turn that came meanwhile waited for all of it. A pause rather than
+        one turn of the loop: a request takes several turns (read, route, write), and with one
+        turn between slices it waited for a slice at each. One render at a time (the text of
+        steady families is kept from one to the next); a node is rendered from what it was when
+        its slice ran."""
+        async with self._lock:
+            steps = self._steps(
+                cluster, now=now, progress=progress, extra=extra, shard=shard, shards=shards, size=slice_nodes
+            )
+            while True:
+                try:
+                    _collector_off(steps)
+                except StopIteration as done:
+                    return list(done.value)
+                await asyncio.sleep(pause_s)
+
+    def _steps(
         self,
         cluster: Cluster,
         *,
@@ -208,7 +232,9 @@ class Renderer:
         extra: Iterable[str],
         shard: int,
         shards: int,
-    ) -> str:
+        size: int,
+    ) -> Generator[None, None, list[str]]:
+        """The render, yielding after each ``size`` nodes (0: after all); its return is the lines."""
         views = [
             (escape(n), v) for n, v in sorted(cluster.nodes.items()) if shards == 1 or shard_of(n, shards) == shard
         ]
@@ -216,12 +242,16 @@ class Renderer:
         if len(self._split) > 64:  # callers choose the split: keep what it holds bounded
             self._split.clear()
         self._steady, self._kept = self._split.get((shard, shards), {}), {}
-        self._nodes(fams, cluster, views, now, whole=shard == 0)
-        reporting = [(name, v.latest) for name, v in views if v.latest is not None]
-        self._gpus(fams, reporting)
-        self._gpu_states(fams, views)
-        self._power(fams, reporting)
-        self._nics.render(fams.family, reporting, last=self._steady, kept=self._kept)
+        size = size or len(views) or 1
+        for start in range(0, max(1, len(views)), size):  # the families' heads also when no node
+            part = views[start : start + size]
+            self._nodes(fams, cluster, part, now, whole=shard == 0 and start == 0)
+            reporting = [(name, v.latest) for name, v in part if v.latest is not None]
+            self._gpus(fams, reporting)
+            self._gpu_states(fams, part)
+            self._power(fams, reporting)
+            self._nics.render(fams.family, reporting, last=self._steady, kept=self._kept)
+            yield
         self._split[(shard, shards)] = self._kept  # a removed node's text goes with it
         out = fams.lines()
         if shard == 0:
@@ -229,8 +259,7 @@ class Renderer:
             if progress is not None:
                 out.extend(render_jobs(progress))
             out.extend(extra)
-        out.append("")
-        return "\n".join(out)
+        return out
 
     # --- one node's lines of one family ---------------------------------------------------------
     def _template(self, metric: str, suffixes: tuple[str, ...], fmt: str) -> str:
@@ -295,7 +324,7 @@ class Renderer:
             "pulse_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat (orchestrator clock)."
         )
         age += [
-            f'pulse_node_heartbeat_age_seconds{{node="{name}"}} {_fmt(clock.age(v.health.last_seen, now))}'
+            f'pulse_node_heartbeat_age_seconds{{node="{name}"}} {fmt(clock.age(v.health.last_seen, now))}'
             for name, v in views
             if v.health.last_seen is not None
         ]
@@ -305,7 +334,7 @@ class Renderer:
             "pulse_node_clock_skew_seconds", "Agent wall clock minus Redis server time (reported, never trusted)."
         )
         skew += [
-            f'pulse_node_clock_skew_seconds{{node="{name}"}} {_fmt(round(v.clock_skew_s, 3))}'
+            f'pulse_node_clock_skew_seconds{{node="{name}"}} {fmt(round(v.clock_skew_s, 3))}'
             for name, v in views
             if v.clock_skew_s is not None
         ]
@@ -438,114 +467,3 @@ def _family(out: list[str]) -> Callable[..., None]:
         out.append(f"# TYPE {name} {kind}")
 
     return family
-
-
-JOB_GAUGES = (
-    ("pulse_job_mfu_ratio", "Model FLOPs utilisation of the job (mean of its ranks).", "mfu_ratio"),
-    ("pulse_job_step_time_seconds", "Step time of the job's slowest rank.", "step_time_s"),
-    ("pulse_job_tokens_per_second", "Tokens per second, all ranks together.", "tokens_per_s"),
-    ("pulse_job_loss", "Training loss (mean of the ranks' latest).", "loss"),
-    ("pulse_job_grad_norm", "Gradient norm (max of the ranks' latest).", "grad_norm"),
-    (
-        "pulse_job_update_ratio",
-        "Norm of the optimizer's update over the weights' (max of the ranks' last).",
-        "update_ratio",
-    ),
-)
-
-
-def render_jobs(progress: Progress) -> list[str]:
-    """The per-job training series, from the trainer reports (``services/jobs/progress.py``)."""
-    out = ["# HELP pulse_job_step Optimizer step every rank of the job has reached.", "# TYPE pulse_job_step gauge"]
-    jobs = sorted(progress.jobs.items())
-    out += [f'pulse_job_step{{job="{escape(j)}"}} {p.step}' for j, p in jobs]
-    for metric, help_, attr in JOB_GAUGES:
-        out += [f"# HELP {metric} {help_}", f"# TYPE {metric} gauge"]
-        for j, p in jobs:
-            val = p.figure(attr)
-            if val is not None and math.isfinite(val):
-                out.append(f'{metric}{{job="{escape(j)}"}} {_fmt(val)}')
-    out += [
-        "# HELP pulse_job_straggler_ranks Ranks stepping far slower than their peers.",
-        "# TYPE pulse_job_straggler_ranks gauge",
-    ]
-    out += [
-        f'pulse_job_straggler_ranks{{job="{escape(j)}"}} {len(p.stragglers(progress.straggler_factor))}'
-        for j, p in jobs
-    ]
-    out += bottleneck_lines(jobs)
-    out += [
-        "# HELP pulse_trainer_reports_received_total Trainer report stream entries read.",
-        "# TYPE pulse_trainer_reports_received_total counter",
-    ]
-    out.append(f"pulse_trainer_reports_received_total {progress.received}")
-    out += [
-        "# HELP pulse_trainer_reports_rejected_total Trainer reports rejected, by reason.",
-        "# TYPE pulse_trainer_reports_rejected_total counter",
-    ]
-    out += [
-        f'pulse_trainer_reports_rejected_total{{reason="{escape(r)}"}} {n}'
-        for r, n in sorted(progress.rejected.items())
-    ]
-    return out
-
-
-def bottleneck_lines(jobs: list[tuple[str, JobProgress]]) -> list[str]:
-    """The step's breakdown over each job's last window (services/jobs/breakdown.py): the mean
-    seconds per step in each phase over its ranks, the verdict (1 for its kind, 0 for the others),
-    and the rank and node that stand out (``rank``/``node`` empty when none does)."""
-    closed = [(escape(j), p.breakdown, p.breakdown.verdict) for j, p in jobs if p.breakdown and p.breakdown.verdict]
-    out = [
-        "# HELP pulse_job_step_phase_seconds Mean seconds a step spends in each phase, over the job's ranks.",
-        "# TYPE pulse_job_step_phase_seconds gauge",
-    ]
-    for j, bd, _ in closed:
-        phases = bd.phases()
-        out += [f'pulse_job_step_phase_seconds{{job="{j}",phase="{ph}"}} {_fmt(phases[ph])}' for ph in PHASES if phases]
-    out += [
-        "# HELP pulse_job_bottleneck 1 for what the job's step is bound by (data, communication, compute).",
-        "# TYPE pulse_job_bottleneck gauge",
-    ]
-    for j, _, v in closed:
-        out += [f'pulse_job_bottleneck{{job="{j}",kind="{k}"}} {1 if v.kind == k else 0}' for k in KINDS]
-    out += [
-        "# HELP pulse_job_bottleneck_info The job's verdict with the rank and node that stand out (empty: none).",
-        "# TYPE pulse_job_bottleneck_info gauge",
-    ]
-    for j, _, v in closed:
-        rank = "" if v.rank is None else str(v.rank)
-        out.append(
-            f'pulse_job_bottleneck_info{{job="{j}",kind="{v.kind}",rank="{rank}",node="{escape(v.node or "")}"}} 1'
-        )
-    return out
-
-
-def job_state_lines(states: dict[str, tuple[str, float]]) -> list[str]:
-    """``pulse_job_state{job,state}``: 1 for the job's state, 0 for the others."""
-    from services.jobs.decide import JOB_STATES
-
-    out = ["# HELP pulse_job_state 1 for the job's current state, 0 for the others.", "# TYPE pulse_job_state gauge"]
-    for job, (state, _) in sorted(states.items()):
-        out += [f'pulse_job_state{{job="{escape(job)}",state="{s}"}} {1 if s == state else 0}' for s in JOB_STATES]
-    return out
-
-
-def plan_lines(plans: dict[str, Any], refused: dict[str, str]) -> list[str]:
-    """The plan in force per job: generation, proxied and excluded ranks, and refusals."""
-    out: list[str] = []
-    for metric, help_, get in (
-        ("pulse_job_plan_generation", "Generation of the job's aggregation plan in force.", lambda p: p.generation),
-        ("pulse_job_proxied_ranks", "Ranks whose gradient a neighbour carries.", lambda p: len(p.proxies)),
-        ("pulse_job_excluded_ranks", "Ranks excluded from the job (LOST nodes).", lambda p: len(p.excluded)),
-    ):
-        out += [f"# HELP {metric} {help_}", f"# TYPE {metric} gauge"]
-        out += [f'{metric}{{job="{escape(j)}"}} {get(p)}' for j, p in sorted(plans.items())]
-    out += [
-        "# HELP pulse_job_plan_refused 1 while no valid new plan exists (the old one stays).",
-        "# TYPE pulse_job_plan_refused gauge",
-    ]
-    out += [
-        f'pulse_job_plan_refused{{job="{escape(j)}"}} {1 if j in refused else 0}'
-        for j in sorted(plans.keys() | refused.keys())
-    ]
-    return out

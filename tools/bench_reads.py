@@ -18,7 +18,9 @@ agents write them, a fresh orchestrator folds them; then every node's next heart
 is folded and acknowledged every page of ``fields=summary&limit=--page`` (1,000) is timed from
 one client: ``page_cold_ms`` (every node's summary is built again), then ``page_warm_ms`` (``--walks``
 walks of every page). ``--slice-nodes`` (repeatable): the orchestrator's ``PULSE_EVALUATE_SLICE_NODES``;
-with several, a run for each and the first again at the end.
+with several, a run for each and the first again at the end. ``--scrape``: while the pages are walked,
+one client scrapes ``/metrics`` back to back (a Prometheus that never rests), and
+``--metrics-slice-nodes`` (repeatable, the same way) sets ``PULSE_METRICS_SLICE_NODES``.
 Redis is database 15 of ``PULSE_REDIS_URL``'s server (flushed) unless ``PULSE_BENCH_REDIS_URL``.
 """
 
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -232,9 +235,19 @@ def _walk(port: int, page: int) -> tuple[list[float], int]:
                 return took, shown
 
 
-def at_scale(args: argparse.Namespace, url: str, tmp: Path, *, slice_nodes: int) -> dict[str, Any]:
+def _scrape_until(port: int, stop: threading.Event, took: list[float]) -> None:
+    """``/metrics`` back to back until ``stop``; each scrape's seconds into ``took``."""
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+        while not stop.is_set():
+            t = time.perf_counter()
+            c.get("/metrics").raise_for_status()
+            took.append(time.perf_counter() - t)
+
+
+def at_scale(args: argparse.Namespace, url: str, tmp: Path, *, slice_nodes: int, metrics_slice: int) -> dict[str, Any]:
     """Summary pages of ``--scale-nodes`` nodes, cold and warm (module docstring), the orchestrator
-    evaluating ``slice_nodes`` nodes between turns of its event loop."""
+    evaluating ``slice_nodes`` nodes between turns of its event loop, and with ``--scrape``
+    scraped meanwhile, rendering ``metrics_slice`` nodes between turns."""
     n = args.scale_nodes
     client = redis.Redis.from_url(url)
     client.flushdb()
@@ -247,14 +260,23 @@ def at_scale(args: argparse.Namespace, url: str, tmp: Path, *, slice_nodes: int)
         orch, port = _orchestrator(
             url, tmp, "scale", PULSE_HEARTBEAT_STREAM_MAXLEN=str(maxlen), PULSE_SUSPECT_AFTER_S="1800",
             PULSE_DEGRADED_AFTER_S="3600", PULSE_LOST_AFTER_S="3600", PULSE_INGEST_BATCH="2000",
-            PULSE_EVALUATE_SLICE_NODES=str(slice_nodes),
+            PULSE_EVALUATE_SLICE_NODES=str(slice_nodes), PULSE_METRICS_SLICE_NODES=str(metrics_slice),
         )  # fmt: skip
         wait_for(lambda: _folded(client, stream), timeout=300, what=f"{n} first heartbeats folded", every=0.5)
         write_rounds(client, [second], maxlen=maxlen)
         wait_for(lambda: _folded(client, stream), timeout=300, what=f"{n} heartbeats folded", every=0.2)
         before = _pauses(port)
-        cold, count = _walk(port, args.page)
-        warm = [ms for _ in range(args.walks) for ms in _walk(port, args.page)[0]]
+        stop, scrapes = threading.Event(), list[float]()
+        scraper = threading.Thread(target=_scrape_until, args=(port, stop, scrapes), daemon=True)
+        if args.scrape:
+            scraper.start()
+        try:
+            cold, count = _walk(port, args.page)
+            warm = [ms for _ in range(args.walks) for ms in _walk(port, args.page)[0]]
+        finally:
+            stop.set()
+            if args.scrape:
+                scraper.join()
         pauses = {k: v - before.get(k, 0) for k, v in _pauses(port).items()}
         full = _full_collections(port)
     finally:
@@ -263,6 +285,8 @@ def at_scale(args: argparse.Namespace, url: str, tmp: Path, *, slice_nodes: int)
     return {
         "scale_nodes": n,
         "evaluate_slice_nodes": slice_nodes,
+        **({"metrics_slice_nodes": metrics_slice, "scrapes": len(scrapes)} if args.scrape else {}),
+        **({"scrape_s_median": round(statistics.median(scrapes), 2)} if scrapes else {}),
         "scale_nodes_shown": count,
         "page": args.page,
         "pages": len(cold),
@@ -313,8 +337,10 @@ def run_bench_reads(args: argparse.Namespace) -> int:
         if args.nodes:
             result.update(side_by_side(args, url, Path(tmp)))
         if args.scale_nodes:  # each slice in turn, the first again last (ABA): the machine drifts
-            runs = [*args.slice_nodes, args.slice_nodes[0]] if len(args.slice_nodes) > 1 else args.slice_nodes
-            scaled = [at_scale(args, url, Path(tmp), slice_nodes=k) for k in runs]
+            evaluate, render = args.slice_nodes, args.metrics_slice_nodes
+            runs = [(evaluate[0], m) for m in render] if len(render) > 1 else [(k, render[0]) for k in evaluate]
+            runs = [*runs, runs[0]] if len(runs) > 1 else runs
+            scaled = [at_scale(args, url, Path(tmp), slice_nodes=k, metrics_slice=m) for k, m in runs]
             result.update(scaled[0] if len(scaled) == 1 else {"at_scale": scaled})
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0

@@ -96,6 +96,7 @@ def cmd_bench_reads(args: argparse.Namespace) -> int:
     from tools.bench_reads import run_bench_reads
 
     args.slice_nodes = args.slice_nodes or [2048]
+    args.metrics_slice_nodes = args.metrics_slice_nodes or [256]
     return run_bench_reads(args)
 
 
@@ -446,6 +447,10 @@ def _reads_command(bsub: Subparsers) -> None:
     br.add_argument("--walks", type=int, default=1, help="warm walks of every page (1)")
     br.add_argument(
         "--slice-nodes", type=int, action="append", help="PULSE_EVALUATE_SLICE_NODES of a run (repeatable; 2048)"
+    )
+    br.add_argument("--scrape", action="store_true", help="scrape /metrics back to back while the pages are walked")
+    br.add_argument(
+        "--metrics-slice-nodes", type=int, action="append", help="PULSE_METRICS_SLICE_NODES of a run (repeatable; 256)"
     )
     br.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     br.set_defaults(fn=cmd_bench_reads)

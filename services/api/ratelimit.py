@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from services.metrics import escape
+from services.metrics_text import escape
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 

@@ -9,7 +9,7 @@ from clusterpulse import wire
 from services.jobs import breakdown
 from services.jobs.breakdown import BreakdownPolicy
 from services.jobs.progress import Progress
-from services.metrics import render_jobs
+from services.metrics_jobs import render_jobs
 
 POLICY = BreakdownPolicy(window_s=10.0)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -12,6 +15,7 @@ from clusterpulse.states import NodeState
 from services.cluster import Cluster
 from services.health.decide import Policy, assess
 from services.metrics import Renderer
+from services.metrics_text import encoded
 
 SPEC_METRICS = {
     "pulse_node_state",
@@ -202,3 +206,55 @@ def test_a_slow_link_is_in_no_telemetry_only_in_the_ranks_it_launches() -> None:
         s = assess(hb, throttle_for=0.0, policy=Policy())
         assert (s.faults, s.warnings) == ((), ()), s
     assert clean.rank_env() == {} and slow.rank_env() == {wire.SLOW_LINK_ENV: "0.002"}
+
+
+def test_a_render_in_slices_is_the_render_in_one_go_and_lets_the_loop_run_between() -> None:
+    c = _cluster(7, faults={"n2": "xid", "n5": "psu_imbalance"})
+    turns: list[int] = []
+
+    async def sliced(size: int, shard: int = 0, shards: int = 1) -> str:
+        async def other() -> None:  # other work on the loop: counts its turns during the render
+            while True:
+                turns.append(size)
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        before = len(turns)
+        lines = await Renderer().render_lines(c, now=11.0, shard=shard, shards=shards, slice_nodes=size)
+        text = b"".join(encoded(lines, per_chunk=5)).decode()  # in pieces, as /metrics streams it
+        task.cancel()
+        turns[:] = [len(turns) - before]
+        return text
+
+    whole = Renderer().render(c, now=11.0, extra=())
+    for size in (1, 3, 7, 100):
+        assert asyncio.run(sliced(size)) == whole, size
+        assert turns[0] >= -(-7 // size), (size, turns)  # a turn of the other work after each slice
+    assert asyncio.run(sliced(0)) == whole and turns[0] == 1  # 0: all in one slice
+    for shard in range(3):
+        assert asyncio.run(sliced(2, shard, 3)) == Renderer().render(c, now=11.0, shard=shard, shards=3)
+    empty = Cluster(policy=Policy(), grace_start=0.0)
+    lines = asyncio.run(Renderer().render_lines(empty, now=1.0, slice_nodes=2))
+    assert b"".join(encoded(lines)).decode() == Renderer().render(empty, now=1.0)
+
+
+def test_renders_in_slices_at_once_run_one_after_the_other() -> None:
+    c = _cluster(3)
+    r = Renderer()
+    seen: list[str] = []
+    nodes = r._nodes
+
+    def spy(fams: Any, cluster: Cluster, views: list[tuple[str, Any]], now: float, *, whole: bool) -> None:
+        seen.extend(name for name, _ in views)
+        nodes(fams, cluster, views, now, whole=whole)
+
+    r._nodes = spy  # type: ignore[method-assign]
+
+    async def both() -> list[str]:
+        both = await asyncio.gather(*(r.render_lines(c, now=11.0, slice_nodes=1) for _ in range(2)))
+        return [b"".join(encoded(lines)).decode() for lines in both]
+
+    first, second = asyncio.run(both())
+    assert seen == ["n0", "n1", "n2"] * 2  # not n0, n0, n1, n1: the kept text is one render's
+    assert first == second == Renderer().render(c, now=11.0)

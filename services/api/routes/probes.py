@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from services import db
 from services.api.deps import HealthReader, MetricsReader, OrchestratorDep
 from services.leader import leader_lines
 from services.loop_watch import loop_lines
-from services.metrics import CONTENT_TYPE, Renderer, job_state_lines, plan_lines
+from services.metrics import Renderer
+from services.metrics_jobs import job_state_lines, plan_lines
+from services.metrics_text import CONTENT_TYPE, encoded
 from services.slurm.nodes.loop import metric_lines as slurm_lines
 
 router = APIRouter()
@@ -69,8 +72,10 @@ async def metrics(
             status.HTTP_404_NOT_FOUND, detail=f"shard={shard}: no such part of shards={shards} (0 to {shards - 1})"
         )
     renderer: Renderer = request.app.state.renderer
-    text = renderer.render(
+    lines = await renderer.render_lines(
         orch.cluster,
+        slice_nodes=orch.settings.metrics_slice_nodes,
+        pause_s=orch.settings.metrics_slice_pause_s,
         shard=shard,
         shards=shards,
         now=orch.clock.now(),
@@ -84,4 +89,10 @@ async def metrics(
             *loop_lines(orch.loop_watch, orch.collections),
         ),
     )
-    return Response(text, media_type=CONTENT_TYPE)
+    return StreamingResponse(_stream(lines), media_type=CONTENT_TYPE)
+
+
+async def _stream(lines: list[str]) -> AsyncIterator[bytes]:
+    """The text in pieces (services/metrics.py ``encoded``), each written on its own turn."""
+    for chunk in encoded(lines):
+        yield chunk

@@ -13,6 +13,7 @@ full ``degraded_after`` anyway and reads the latest heartbeats back from Redis.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -82,7 +83,7 @@ class Persister(Tick):
             assert cluster is not None
         acks = self.ingest.take_acks()
         due = final or time.monotonic() >= self._summary_due
-        seen, identities, written = self._summary(cluster.nodes, due=due, cap=None if final else IDENTITY_BATCH)
+        seen, identities, written = await self._gather(cluster.nodes, due=due, cap=None if final else IDENTITY_BATCH)
         try:
             if seen or identities:
                 async with self.writer.lock:
@@ -108,8 +109,30 @@ class Persister(Tick):
             for i in range(0, len(ids), 10_000):
                 await self.redis.xack(stream, wire.ORCHESTRATOR_GROUP, *ids[i : i + 10_000])
 
-    def _summary(
+    async def _gather(
         self, nodes: dict[str, NodeView], *, due: bool, cap: int | None
+    ) -> tuple[list[db.NodeSeen], dict[str, db.NodeIdentity], dict[str, summary.Key | None]]:
+        """:meth:`_summary` of every node, ``PULSE_EVALUATE_SLICE_NODES`` at a time with the event
+        loop's other work between: at 16,384 nodes a due summary compared every node's identity
+        in one turn, 0.3-0.7 s every ``PULSE_SUMMARY_INTERVAL_S``, and a request that came
+        meanwhile waited for all of it. A node folded again meanwhile stays dirty for the next."""
+        items = list(nodes.items())
+        size = self.settings.evaluate_slice_nodes or len(items) or 1
+        seen: list[db.NodeSeen] = []
+        identities: dict[str, db.NodeIdentity] = {}
+        written: dict[str, summary.Key | None] = {}
+        for start in range(0, len(items), size):
+            if start:
+                await asyncio.sleep(0)
+            left = None if cap is None else cap - len(identities)
+            more_seen, more_identities, more_written = self._summary(items[start : start + size], due=due, cap=left)
+            seen += more_seen
+            identities.update(more_identities)
+            written.update(more_written)
+        return seen, identities, written
+
+    def _summary(
+        self, nodes: list[tuple[str, NodeView]], *, due: bool, cap: int | None
     ) -> tuple[list[db.NodeSeen], dict[str, db.NodeIdentity], dict[str, summary.Key | None]]:
         """What to write now: when the summary is ``due``, when every node seen since was last
         seen and the identities that changed; at every flush, the identities never stored (a
@@ -119,7 +142,7 @@ class Persister(Tick):
         seen: list[db.NodeSeen] = []
         identities: dict[str, db.NodeIdentity] = {}
         written: dict[str, summary.Key | None] = {}
-        for name, view in nodes.items():
+        for name, view in nodes:
             hb = view.latest
             if hb is None:
                 continue

@@ -205,13 +205,13 @@ class Renderer:
         slice_nodes: int,
         pause_s: float = 0.0,
     ) -> list[str]:
-        """:meth:`render`'s lines (:func:`encoded` makes them the text), ``slice_nodes`` nodes at a time (0: all) with the event loop's other
-        work for ``pause_s`` between: at 16,384 nodes a scrape held the loop for 0.8-2.4 s, and
-        every request and loop turn that came meanwhile waited for all of it. A pause rather than
-        one turn of the loop: a request takes several turns (read, route, write), and with one
-        turn between slices it waited for a slice at each. One render at a time (the text of
-        steady families is kept from one to the next); a node is rendered from what it was when
-        its slice ran."""
+        """:meth:`render`'s lines (``metrics_text.encoded`` makes them the text), ``slice_nodes``
+        nodes at a time (0: all) with the event loop's other work for ``pause_s`` between: at
+        16,384 nodes a scrape held the loop for 0.8-6 s, and every request and loop turn that came
+        meanwhile waited for all of it. A pause rather than one turn of the loop: a request takes
+        several turns (read, route, write), and with one turn between slices it waited for a
+        slice at each. One render at a time (the text of steady families is kept from one to the
+        next); a node is rendered from what it was when its slice ran."""
         async with self._lock:
             steps = self._steps(
                 cluster, now=now, progress=progress, extra=extra, shard=shard, shards=shards, size=slice_nodes

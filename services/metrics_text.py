@@ -27,10 +27,19 @@ def escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def encoded(lines: list[str], *, per_chunk: int = 4096) -> Iterator[bytes]:
-    """The exposition text of ``lines`` in pieces of ``per_chunk`` lines (about 0.5 MB), each
-    ending with a newline: /metrics streams them, so that no one write holds the event loop (the
-    whole text is about 150 MB at 16,384 nodes; written at once, copying it into the socket's
+def encoded(lines: list[str], *, chunk_chars: int = 1 << 20) -> Iterator[bytes]:
+    """The exposition text of ``lines`` in pieces of about ``chunk_chars`` characters (1 MiB;
+    an element of ``lines`` is a node's lines of one family), each ending with a newline:
+    /metrics streams them, so that no one write holds the event loop (the whole text is 330 MB
+    at 16,384 nodes with 8 network ports each; written at once, copying it into the socket's
     buffer and out again held the loop for over a second)."""
-    for start in range(0, len(lines), per_chunk):
-        yield ("\n".join(lines[start : start + per_chunk]) + "\n").encode()
+    piece: list[str] = []
+    size = 0
+    for line in lines:
+        piece.append(line)
+        size += len(line)
+        if size >= chunk_chars:
+            yield ("\n".join(piece) + "\n").encode()
+            piece, size = [], 0
+    if piece:
+        yield ("\n".join(piece) + "\n").encode()

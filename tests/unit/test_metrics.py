@@ -222,7 +222,9 @@ def test_a_render_in_slices_is_the_render_in_one_go_and_lets_the_loop_run_betwee
         await asyncio.sleep(0)
         before = len(turns)
         lines = await Renderer().render_lines(c, now=11.0, shard=shard, shards=shards, slice_nodes=size)
-        text = b"".join(encoded(lines, per_chunk=5)).decode()  # in pieces, as /metrics streams it
+        pieces = list(encoded(lines, chunk_chars=200))  # in pieces, as /metrics streams it
+        assert len(pieces) > 10 and all(p.endswith(b"\n") for p in pieces)
+        text = b"".join(pieces).decode()
         task.cancel()
         turns[:] = [len(turns) - before]
         return text

@@ -9,7 +9,6 @@ republished (:meth:`Evaluator.sync_clock`). A transition or a change in the rank
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 
@@ -22,7 +21,7 @@ from services.health.decide import Transition
 from services.ingest.loop import Ingest
 from services.persist.outbox import Outbox
 from services.plans.loop import PlanPublisher
-from services.runner import Tick
+from services.runner import Tick, in_slices
 from services.shared import REDIS_DOWN, CrashPoints, Shared
 
 log = logging.getLogger("pulse.orchestrator")
@@ -84,13 +83,9 @@ class Evaluator(Tick):
         cluster = self.shared.cluster
         assert cluster is not None
         events = cluster.evaluate_partition(now=now)
-        views = list(cluster.nodes.values())
-        size = self.slice_nodes or len(views) or 1
         transitions: list[Transition] = []
-        for start in range(0, len(views), size):
-            if start:
-                await asyncio.sleep(0)
-            moved, more = cluster.evaluate_nodes(views[start : start + size], now=now)
+        async for part in in_slices(list(cluster.nodes.values()), self.slice_nodes):
+            moved, more = cluster.evaluate_nodes(part, now=now)
             transitions += moved
             events += more
         return transitions, events

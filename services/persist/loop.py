@@ -13,9 +13,9 @@ full ``degraded_after`` anyway and reads the latest heartbeats back from Redis.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from clusterpulse import wire
 from clusterpulse.redis_client import AsyncRedis
@@ -28,7 +28,7 @@ from services.ingest.loop import Ingest
 from services.leader import NotLeader
 from services.persist import decide as summary
 from services.persist.outbox import Outbox
-from services.runner import Tick
+from services.runner import Tick, in_slices
 from services.shared import Shared, Writer
 from services.threads import in_thread
 
@@ -116,23 +116,19 @@ class Persister(Tick):
         loop's other work between: at 16,384 nodes a due summary compared every node's identity
         in one turn, 0.3-0.7 s every ``PULSE_SUMMARY_INTERVAL_S``, and a request that came
         meanwhile waited for all of it. A node folded again meanwhile stays dirty for the next."""
-        items = list(nodes.items())
-        size = self.settings.evaluate_slice_nodes or len(items) or 1
         seen: list[db.NodeSeen] = []
         identities: dict[str, db.NodeIdentity] = {}
         written: dict[str, summary.Key | None] = {}
-        for start in range(0, len(items), size):
-            if start:
-                await asyncio.sleep(0)
+        async for part in in_slices(list(nodes.items()), self.settings.evaluate_slice_nodes):
             left = None if cap is None else cap - len(identities)
-            more_seen, more_identities, more_written = self._summary(items[start : start + size], due=due, cap=left)
+            more_seen, more_identities, more_written = self._summary(part, due=due, cap=left)
             seen += more_seen
             identities.update(more_identities)
             written.update(more_written)
         return seen, identities, written
 
     def _summary(
-        self, nodes: list[tuple[str, NodeView]], *, due: bool, cap: int | None
+        self, nodes: Iterable[tuple[str, NodeView]], *, due: bool, cap: int | None
     ) -> tuple[list[db.NodeSeen], dict[str, db.NodeIdentity], dict[str, summary.Key | None]]:
         """What to write now: when the summary is ``due``, when every node seen since was last
         seen and the identities that changed; at every flush, the identities never stored (a

@@ -158,9 +158,7 @@ class Settings(BaseSettings):
     metrics_slice_nodes: int = Field(256, ge=0)  # nodes a /metrics render writes between turns of the loop (0: all)
     metrics_slice_pause_s: float = Field(0.005, ge=0)  # the loop's other work between two slices of a render
     loop_watch_interval_s: float = Field(0.1, gt=0)  # how often the event loop's lag is measured
-    gc_thaw_s: float = Field(
-        600, ge=0
-    )  # frozen objects handed back to the collector (services/freeze.py); 0: none frozen
+    gc_thaw_s: float = Field(600, ge=0)  # frozen objects handed back (services/freeze.py); 0: none frozen
     ingest_block_s: float = Field(0.2, gt=0)
     ingest_batch: int = Field(2000, ge=1)
     # Ingest processes (services/ingest/worker.py) per replica: 0 (the default) has the leader read

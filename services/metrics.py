@@ -119,17 +119,21 @@ PSU_GAUGES = (
 _PSU_VALUES = attrgetter(*(attr for _, _, attr, _ in PSU_GAUGES))
 
 
-def _collector_off(steps: Generator[None, None, list[str]]) -> None:
-    """One step of a render with the cycle collector off: a render makes a few hundred thousand
-    short-lived tuples and no cycle, and the collections it set off walked the orchestrator's own
-    objects too (16,384 nodes: 1.35 -> 1.12 s in ``pulse bench ingest``)."""
+def _step(steps: Generator[None, None, list[str]]) -> list[str] | None:
+    """One step of a render with the cycle collector off; the lines once it is done, else None.
+    A render makes a few hundred thousand short-lived tuples and no cycle, and the collections it
+    set off walked the orchestrator's own objects too (16,384 nodes: 1.35 -> 1.12 s in ``pulse
+    bench ingest``)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         next(steps)
+    except StopIteration as done:
+        return list(done.value)
     finally:
         if enabled:
             gc.enable()
+    return None
 
 
 def shard_of(node: str, shards: int) -> int:
@@ -187,11 +191,10 @@ class Renderer:
         """The exposition text; with ``shards`` > 1, only the nodes of ``shard`` (and the
         cluster-wide series in shard 0). In one go: :meth:`render_lines` lets other work run."""
         steps = self._steps(cluster, now=now, progress=progress, extra=extra, shard=shard, shards=shards, size=0)
-        while True:
-            try:
-                _collector_off(steps)
-            except StopIteration as done:
-                return "\n".join([*done.value, ""])
+        lines = _step(steps)  # size 0: one step holds every node
+        while lines is None:
+            lines = _step(steps)
+        return "\n".join([*lines, ""])
 
     async def render_lines(
         self,
@@ -216,12 +219,11 @@ class Renderer:
             steps = self._steps(
                 cluster, now=now, progress=progress, extra=extra, shard=shard, shards=shards, size=slice_nodes
             )
-            while True:
-                try:
-                    _collector_off(steps)
-                except StopIteration as done:
-                    return list(done.value)
+            lines = _step(steps)
+            while lines is None:
                 await asyncio.sleep(pause_s)
+                lines = _step(steps)
+            return lines
 
     def _steps(
         self,
